@@ -1,0 +1,42 @@
+"""The public entry point, shaped like SageAttention's `sageattn`."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import backends  # noqa: F401  (registers every backend lazily)
+from .call_spec import describe_call
+from .quant import default_sm_scale
+from .registry import choose_backend
+
+LAYOUTS = ("HND", "NHD")
+
+
+def to_hnd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    return t if layout == "HND" else t.transpose(1, 2)
+
+
+def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_layout: str = "HND",
+                   is_causal: bool = False, sm_scale: Optional[float] = None, kernel: str = "auto",
+                   smooth_k: bool = True, prologue: str = "auto", return_lse: bool = False,
+                   attn_mask: Optional[torch.Tensor] = None, qk_group: str = "token"):
+    """Quantized attention. `tensor_layout` "HND" is (B, H, N, D); "NHD" is (B, N, H, D).
+
+    k/v may have fewer heads than q (GQA). `attn_mask` broadcasts to (B, Hq, Nq, Nk): bool selects,
+    float is added to the scores (natural-log units). `kernel="auto"` picks the best backend that
+    accepts the call; an explicit name runs exactly that backend or raises KernelRefused with the
+    reason. Returns the output in q's layout and dtype, and with `return_lse` also the natural-log
+    LSE (B, Hq, Nq) in FP32.
+    """
+    if tensor_layout not in LAYOUTS:
+        raise ValueError(f"tensor_layout must be 'HND' or 'NHD', got {tensor_layout!r}")
+    qh, kh, vh = (to_hnd(t, tensor_layout) for t in (q, k, v))
+    call = describe_call(qh, kh, vh, attn_mask=attn_mask, is_causal=is_causal, return_lse=return_lse,
+                         smooth_k=smooth_k, prologue=prologue, qk_group=qk_group)
+    if sm_scale is None:
+        sm_scale = default_sm_scale(call.head_dim)
+    backend, _ = choose_backend(call, kernel)
+    out, lse = backend(qh, kh, vh, call, float(sm_scale), attn_mask)
+    out = to_hnd(out, tensor_layout)
+    return (out, lse) if return_lse else out

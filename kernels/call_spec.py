@@ -1,0 +1,133 @@
+"""One attention call, described once, so every backend judges the same facts.
+
+Tensors are always seen in HND layout here: q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv).
+The public API turns NHD views into HND views (no copy) before describing the call.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+QK_GROUPS = ("token", "block32", "block64", "block128")
+PROLOGUES = ("auto", "hip", "triton")
+
+
+@functools.lru_cache(maxsize=None)
+def device_arch(device_type: str, index: Optional[int]) -> str:
+    """'cpu', 'sm_90' on NVIDIA, 'gfx1201' on ROCm (feature suffixes like ':sramecc+' dropped)."""
+    if device_type != "cuda":
+        return device_type
+    props = torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device())
+    if getattr(torch.version, "hip", None):
+        return str(getattr(props, "gcnArchName", "gfx_unknown")).split(":")[0]
+    return f"sm_{props.major}{props.minor}"
+
+
+def is_rocm() -> bool:
+    return bool(getattr(torch.version, "hip", None))
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    device_type: str
+    device_index: Optional[int]
+    arch: str
+    rocm: bool
+    dtype: torch.dtype
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    v_head_dim: int
+    mask: str  # "none" | "bool" | "float"
+    mask_shape: Optional[Tuple[int, ...]]
+    is_causal: bool
+    return_lse: bool
+    smooth_k: bool
+    prologue: str
+    qk_group: str
+    last_dim_contiguous: bool
+    same_dtype: bool
+    same_device: bool
+    has_zero_size: bool
+
+    @property
+    def device_key(self) -> Tuple[str, Optional[int]]:
+        return (self.device_type, self.device_index)
+
+    @property
+    def gqa(self) -> bool:
+        return self.kv_heads != self.q_heads
+
+    def short(self) -> str:
+        return (f"B{self.batch} Hq{self.q_heads} Hkv{self.kv_heads} Nq{self.q_len} Nk{self.kv_len} "
+                f"D{self.head_dim} {str(self.dtype).replace('torch.', '')} on {self.arch}")
+
+
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> None:
+    """Errors that no backend could serve: the call itself is malformed."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D, got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D")
+    b, hq, _, d = q.shape
+    bk, hk, nk, dk = k.shape
+    bv, hv, nv, _ = v.shape
+    if not (b == bk == bv):
+        raise ValueError(f"batch sizes differ: q {b}, k {bk}, v {bv}")
+    if hk != hv or nk != nv:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must share heads and length")
+    if d != dk:
+        raise ValueError(f"q head_dim {d} != k head_dim {dk}")
+    if hk == 0 or hq % hk != 0:
+        raise ValueError(f"q heads {hq} must be a multiple of k/v heads {hk}")
+    if attn_mask is not None:
+        nq = q.shape[2]
+        try:
+            torch.broadcast_shapes(tuple(attn_mask.shape), (b, hq, nq, nk))
+        except RuntimeError:
+            raise ValueError(f"mask shape {tuple(attn_mask.shape)} does not broadcast to {(b, hq, nq, nk)}") from None
+
+
+def describe_call(q, k, v, *, attn_mask=None, is_causal=False, return_lse=False, smooth_k=True,
+                  prologue="auto", qk_group="token") -> AttentionCall:
+    check_shapes(q, k, v, attn_mask)
+    if prologue not in PROLOGUES:
+        raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
+    if qk_group not in QK_GROUPS:
+        raise ValueError(f"qk_group must be one of {QK_GROUPS}, got {qk_group!r}")
+    dev = q.device
+    if attn_mask is None:
+        mask_kind, mask_shape = "none", None
+    else:
+        mask_kind = "bool" if attn_mask.dtype == torch.bool else "float"
+        mask_shape = tuple(attn_mask.shape)
+    return AttentionCall(
+        device_type=dev.type,
+        device_index=dev.index,
+        arch=device_arch(dev.type, dev.index),
+        rocm=dev.type == "cuda" and is_rocm(),
+        dtype=q.dtype,
+        batch=q.shape[0],
+        q_heads=q.shape[1],
+        kv_heads=k.shape[1],
+        q_len=q.shape[2],
+        kv_len=k.shape[2],
+        head_dim=q.shape[3],
+        v_head_dim=v.shape[3],
+        mask=mask_kind,
+        mask_shape=mask_shape,
+        is_causal=bool(is_causal),
+        return_lse=bool(return_lse),
+        smooth_k=bool(smooth_k),
+        prologue=prologue,
+        qk_group=qk_group,
+        last_dim_contiguous=all(t.stride(-1) == 1 or t.shape[-1] == 1 for t in (q, k, v)),
+        same_dtype=q.dtype == k.dtype == v.dtype,
+        same_device=q.device == k.device == v.device
+        and (attn_mask is None or attn_mask.device == q.device),
+        has_zero_size=q.numel() == 0 or k.numel() == 0 or v.numel() == 0,
+    )

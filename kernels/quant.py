@@ -1,0 +1,122 @@
+"""The quantization steps of the numerical spec, in torch. Kernels must reproduce these.
+
+All math is FP32 unless stated. Tensors are HND: (B, H, N, D).
+
+* smooth_k: mean over tokens per (batch, head, channel), summed in FP64, subtracted in FP32.
+* INT8 Q and K: x = t.float() * mult (for Q, mult = sm_scale * log2(e), so scores are base 2);
+  per group amax = max|x| (clamped to FP32 tiny); q8 = rint(x * (127 / amax)) clamped to [-127, 127];
+  scale = amax / 127. Groups are single tokens ("token") or blocks of 32/64/128 tokens.
+* V for FP8 P.V: per (batch, head, channel) scale = amax_over_tokens / 448 (clamped to tiny);
+  v8 = e4m3(clamp(v / scale, +-448)); nothing can overflow e4m3.
+* V for FP16 P.V: per channel power-of-two scale, 1 unless amax > 32768 (bf16/fp32 inputs beyond
+  fp16 range), so FP16 inputs pass unchanged and nothing overflows.
+* P for FP8: p in [0, 1] stored as e4m3(p * 448); the 448 is divided out with the row sum.
+"""
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import torch
+
+LOG2E = 1.4426950408889634
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+FP16_SAFE = 32768.0
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def group_size(qk_group: str) -> int:
+    """Tokens per quantization group; 1 means per token."""
+    return 1 if qk_group == "token" else int(qk_group.replace("block", ""))
+
+
+def smooth_keys(k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Return (k - mean) in FP32 and the FP32 mean, shape (B, H, 1, D)."""
+    mean = k.double().mean(dim=2, keepdim=True).float() if k.shape[2] else k.new_zeros(
+        (*k.shape[:2], 1, k.shape[3]), dtype=torch.float32)
+    return k.float() - mean, mean
+
+
+def quantize_int8(x: torch.Tensor, mult: float = 1.0, group: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+    """INT8 per token (group=1) or per block of `group` tokens along dim 2.
+
+    Returns (int8 tensor like x, FP32 scales (B, H, N) with each token carrying its group's scale)."""
+    xf = x.float() * mult if mult != 1.0 else x.float()
+    b, h, n, d = xf.shape
+    if group == 1:
+        amax = xf.abs().amax(dim=-1)
+    else:
+        pad = (-n) % group
+        a = xf.abs().amax(dim=-1)
+        if pad:
+            a = torch.nn.functional.pad(a, (0, pad))
+        amax = a.view(b, h, -1, group).amax(dim=-1).repeat_interleave(group, dim=-1)[..., :n]
+    amax = amax.clamp_min(_TINY)
+    inv = (INT8_MAX / amax).unsqueeze(-1)
+    q8 = torch.round(xf * inv).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q8, amax / INT8_MAX
+
+
+def quantize_v_fp8(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel e4m3 V and its FP32 scale (B, H, 1, Dv)."""
+    vf = v.float()
+    amax = vf.abs().amax(dim=2, keepdim=True) if v.shape[2] else vf.new_zeros((*v.shape[:2], 1, v.shape[3]))
+    scale = (amax / FP8_MAX).clamp_min(_TINY)
+    v8 = (vf / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return v8, scale
+
+
+def quantize_v_fp16(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FP16 V with a per-channel power-of-two scale (B, H, 1, Dv) that is 1 unless |v| > 32768."""
+    vf = v.float()
+    amax = vf.abs().amax(dim=2, keepdim=True) if v.shape[2] else vf.new_zeros((*v.shape[:2], 1, v.shape[3]))
+    over = torch.clamp(amax / FP16_SAFE, min=1.0)
+    scale = torch.exp2(torch.ceil(torch.log2(over)))
+    return (vf / scale).to(torch.float16), scale
+
+
+def quantize_p_fp8(p: torch.Tensor) -> torch.Tensor:
+    """Probabilities in [0, 1] to e4m3 after multiplying by 448 (returned as FP32 values)."""
+    return (p * FP8_MAX).to(torch.float8_e4m3fn).float()
+
+
+def qk_multiplier(sm_scale: float) -> float:
+    """The factor folded into Q's scale: scores come out in base 2."""
+    return float(sm_scale) * LOG2E
+
+
+def default_sm_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+
+
+class QuantizedQKV:
+    """What a prologue hands to an attention kernel; every prologue (torch, triton, hip) fills this.
+
+    q8 int8 (B, Hq, Nq, D) contiguous     q_scale fp32 (B, Hq, Nq)   per token (a block's scale repeated)
+    k8 int8 (B, Hkv, Nk, D) contiguous    k_scale fp32 (B, Hkv, Nk)
+    v  e4m3 or fp16 (B, Hkv, Nk, Dv) contiguous   v_scale fp32 (B, Hkv, Dv)
+    k_mean fp32 (B, Hkv, D) or None (smooth_k off)
+    Scores in base 2 are (q8 . k8) * q_scale * k_scale; sm_scale*log2(e) is inside q_scale.
+    """
+
+    __slots__ = ("q8", "q_scale", "k8", "k_scale", "v", "v_scale", "k_mean")
+
+    def __init__(self, q8, q_scale, k8, k_scale, v, v_scale, k_mean):
+        self.q8, self.q_scale, self.k8, self.k_scale = q8, q_scale, k8, k_scale
+        self.v, self.v_scale, self.k_mean = v, v_scale, k_mean
+
+
+def quantize_qkv_torch(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: str = "fp8",
+                       qk_group: str = "token") -> QuantizedQKV:
+    """The spec's prologue in torch (also the fallback prologue on any device)."""
+    group = group_size(qk_group)
+    if smooth_k:
+        k_used, k_mean = smooth_keys(k)
+    else:
+        k_used, k_mean = k, None
+    q8, sq = quantize_int8(q, qk_multiplier(sm_scale), group)
+    k8, sk = quantize_int8(k_used, 1.0, group)
+    v_q, v_scale = quantize_v_fp8(v) if pv == "fp8" else quantize_v_fp16(v)
+    return QuantizedQKV(q8.contiguous(), sq.contiguous(), k8.contiguous(), sk.contiguous(), v_q.contiguous(),
+                        v_scale.squeeze(2).contiguous(), None if k_mean is None else k_mean.squeeze(2).contiguous())

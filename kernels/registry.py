@@ -1,0 +1,188 @@
+"""The backend registry: one acceptance rule per backend, used by `auto` and by the backend itself.
+
+A backend answers two questions, both with a reason string or None:
+  * `unavailable(device_type, index)`: can it run on this device at all (import, driver, arch)?
+  * `refuse(call)`: can it take this particular call (dtype, head_dim, mask, ...)?
+`why_not(call)` joins the two; the dispatcher asks it, and `backend(q, k, v, call, ...)` asks it
+again before launching, so a forced kernel can never be answered by another one.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .call_spec import AttentionCall
+
+# Stable names, in the order the node lists them.
+BACKEND_NAMES = (
+    "hip_int8_fp8",
+    "hip_int8_fp16",
+    "triton_int8_fp8",
+    "triton_int8_fp16",
+    "comfy_kitchen",
+    "sageattention",
+    "sdpa",
+    "reference",
+)
+
+
+class KernelRefused(RuntimeError):
+    """An explicitly requested backend cannot take this call; `reason` says why."""
+
+    def __init__(self, backend: str, reason: str):
+        super().__init__(f"{backend}: {reason}")
+        self.backend = backend
+        self.reason = reason
+
+
+class Backend:
+    """Base class. Subclasses set `name`, `description`, and implement `_unavailable`, `refuse`, `launch`."""
+
+    name: str = ""
+    description: str = ""
+    quantized: bool = True
+
+    def __init__(self) -> None:
+        self._availability: Dict[Tuple[str, Optional[int]], Optional[str]] = {}
+        self._disabled: Dict[Tuple[str, Optional[int]], str] = {}
+        self._lock = threading.Lock()
+
+    # -- environment -------------------------------------------------------------------------
+    def _unavailable(self, device_type: str, index: Optional[int]) -> Optional[str]:
+        raise NotImplementedError
+
+    def unavailable(self, device_type: str, index: Optional[int] = None) -> Optional[str]:
+        key = (device_type, index)
+        if key in self._disabled:
+            return self._disabled[key]
+        if key not in self._availability:
+            try:
+                reason = self._unavailable(device_type, index)
+            except Exception as exc:  # a probe must never take the process down
+                reason = f"availability probe failed: {type(exc).__name__}: {exc}"
+            self._availability[key] = reason
+        return self._availability[key]
+
+    def disable(self, device_type: str, index: Optional[int], reason: str) -> None:
+        """Take the backend out of service on one device for the rest of the process."""
+        with self._lock:
+            self._disabled[(device_type, index)] = reason
+
+    # -- one call ----------------------------------------------------------------------------
+    def refuse(self, call: AttentionCall) -> Optional[str]:
+        raise NotImplementedError
+
+    def why_not(self, call: AttentionCall) -> Optional[str]:
+        if not call.same_device:
+            return "q, k, v (and mask) are on different devices"
+        if not call.same_dtype:
+            return "q, k, v have different dtypes"
+        return self.unavailable(call.device_type, call.device_index) or self.refuse(call)
+
+    def launch(self, q, k, v, call: AttentionCall, sm_scale: float, attn_mask):
+        """Run on HND tensors; return (out HND in q.dtype, lse (B, Hq, Nq) float32 or None)."""
+        raise NotImplementedError
+
+    def __call__(self, q, k, v, call: AttentionCall, sm_scale: float, attn_mask=None):
+        reason = self.why_not(call)
+        if reason:
+            raise KernelRefused(self.name, reason)
+        return self.launch(q, k, v, call, sm_scale, attn_mask)
+
+
+_REGISTRY: Dict[str, Backend] = {}
+_LOADERS: Dict[str, Callable[[], Backend]] = {}
+
+
+def register_lazy(name: str, loader: Callable[[], Backend]) -> None:
+    """Backends are built on first use so importing the package stays cheap and never fails."""
+    _LOADERS[name] = loader
+
+
+class _BrokenBackend(Backend):
+    """Stands in for a backend whose module failed to import, carrying the import error as its reason."""
+
+    def __init__(self, name: str, reason: str):
+        super().__init__()
+        self.name = name
+        self._reason = reason
+
+    def _unavailable(self, device_type, index):
+        return self._reason
+
+    def refuse(self, call):
+        return self._reason
+
+
+def get_backend(name: str) -> Backend:
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown kernel {name!r}; choose 'auto' or one of {', '.join(BACKEND_NAMES)}")
+    if name not in _REGISTRY:
+        loader = _LOADERS.get(name)
+        if loader is None:
+            backend: Backend = _BrokenBackend(name, "not implemented in this version of the pack")
+        else:
+            try:
+                backend = loader()
+            except Exception as exc:
+                backend = _BrokenBackend(name, f"failed to load: {type(exc).__name__}: {exc}")
+        _REGISTRY[name] = backend
+    return _REGISTRY[name]
+
+
+def auto_order(call: AttentionCall) -> List[str]:
+    """Preference for `auto`, best first, per device family.
+
+    RDNA4: our HIP kernels, then our Triton kernels, then installed peers, then SDPA.
+    NVIDIA: SageAttention2 (0.71-0.74x cuDNN SDPA on H200, shared/data) beats SDPA; our Triton path and
+    comfy-kitchen measured slower than cuDNN SDPA there, so SDPA comes before them.
+    CPU and anything else: SDPA (the reference is a spec, not a speed path).
+    """
+    if call.device_type == "cuda" and call.rocm:
+        if call.arch in ("gfx1200", "gfx1201"):
+            return ["hip_int8_fp8", "hip_int8_fp16", "triton_int8_fp8", "triton_int8_fp16",
+                    "comfy_kitchen", "sageattention", "sdpa"]
+        return ["comfy_kitchen", "triton_int8_fp16", "sdpa"]
+    if call.device_type == "cuda":
+        return ["sageattention", "sdpa"]
+    return ["sdpa"]
+
+
+def choose_backend(call: AttentionCall, kernel: str = "auto",
+                   quantized_only: bool = False) -> Tuple[Optional[Backend], Dict[str, str]]:
+    """Return the backend that will run `call` and the reasons of those passed over.
+
+    An explicit kernel is returned as is (it raises KernelRefused itself when called); `auto`
+    walks the device's preference list and takes the first backend whose rule accepts the call.
+    With `quantized_only` (the ComfyUI override, whose fallback is the call site's own exact
+    attention) exact backends are skipped and None is returned when nothing quantized accepts.
+    """
+    if kernel != "auto":
+        return get_backend(kernel), {}
+    skipped: Dict[str, str] = {}
+    for name in auto_order(call):
+        backend = get_backend(name)
+        if quantized_only and not backend.quantized:
+            continue
+        reason = backend.why_not(call)
+        if reason is None:
+            return backend, skipped
+        skipped[name] = reason
+    if quantized_only:
+        return None, skipped
+    # SDPA is last everywhere; reaching here means even it refused (e.g. LSE was asked for).
+    return get_backend("reference"), skipped
+
+
+def available_backends(device=None) -> Dict[str, Optional[str]]:
+    """Per backend name: None when it can run on `device` (default: the current accelerator or CPU),
+    else the reason it cannot. Call-specific limits (dtype, head_dim) are not judged here."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    return {name: get_backend(name).unavailable(device.type, index) for name in BACKEND_NAMES}

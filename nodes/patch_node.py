@@ -1,0 +1,74 @@
+"""Node "Patch Sage Attention (RDNA4)": MODEL in, a patched clone out."""
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from ..kernels.registry import BACKEND_NAMES
+from ..sage_patch.config import PatchConfig
+from ..sage_patch.install import patch_model
+
+KERNEL_CHOICES = ["auto", *BACKEND_NAMES]
+
+KERNEL_TOOLTIP = (
+    "Attention kernel for this model. 'auto' takes the best quantized kernel that accepts each call "
+    "(on RX 9070/9060: hip_int8_fp8, then hip_int8_fp16, triton_int8_fp8, triton_int8_fp16, comfy_kitchen, "
+    "sageattention). A kernel that cannot take a call (not installed, wrong GPU, unsupported head size...) "
+    "sends it to ComfyUI's own attention and the reason is counted and logged once.")
+
+
+def config_from_inputs(kernel, smooth_k, prologue, on_unsupported, step_start=0.0, step_end=1.0,
+                       exact_blocks="", min_seq_len=0, cross_attention="quantized") -> PatchConfig:
+    return PatchConfig(kernel=kernel, smooth_k=bool(smooth_k), prologue=prologue, on_unsupported=on_unsupported,
+                       step_start=float(step_start), step_end=float(step_end), exact_blocks=exact_blocks.strip(),
+                       min_seq_len=int(min_seq_len), cross_attention=cross_attention)
+
+
+class PatchSageAttentionRDNA4(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="PatchSageAttentionRDNA4",
+            display_name="Patch Sage Attention (RDNA4)",
+            category="model_patches/attention",
+            description="Runs the model's attention on SageAttention-style quantized kernels (INT8 Q.K, FP8/FP16 "
+                        "P.V) written for AMD RDNA4. Text encoders and the VAE are not affected.",
+            inputs=[
+                io.Model.Input("model", tooltip="The diffusion model to patch. The original stays unpatched."),
+                io.Combo.Input("kernel", options=KERNEL_CHOICES, default="auto", tooltip=KERNEL_TOOLTIP),
+                io.Boolean.Input("smooth_k", default=True,
+                                 tooltip="Subtract the per-channel key mean before INT8 quantization. Exact for "
+                                         "softmax and more accurate on diffusion models; keep it on."),
+                io.Combo.Input("prologue", options=["auto", "hip", "triton"], default="auto",
+                               tooltip="Which kernel quantizes Q, K and V before attention: 'auto' uses the "
+                                       "attention kernel's own; 'hip' the hand-written HIP one (RDNA4 only); "
+                                       "'triton' the portable Triton one."),
+                io.Combo.Input("on_unsupported", options=["fallback", "raise"], default="fallback",
+                               tooltip="A call the kernel cannot take: 'fallback' runs ComfyUI's own attention "
+                                       "and counts the reason; 'raise' stops the run with the reason."),
+                io.Float.Input("step_start", default=0.0, min=0.0, max=1.0, step=0.01,
+                               tooltip="Fraction of the sampling schedule where quantized attention starts; "
+                                       "steps before it use exact attention (e.g. 0.1 keeps the first 10% exact)."),
+                io.Float.Input("step_end", default=1.0, min=0.0, max=1.0, step=0.01,
+                               tooltip="Fraction of the schedule where quantized attention stops; later steps "
+                                       "use exact attention (e.g. 0.9 keeps the last 10% exact)."),
+                io.String.Input("exact_blocks", default="",
+                                tooltip="Transformer blocks kept on exact attention: indices '0,5', ranges "
+                                        "'2-4', 'first N', 'last N'. Needs a model that reports block_index "
+                                        "(and total_blocks for 'last N'); otherwise a note says it cannot apply."),
+                io.Int.Input("min_seq_len", default=0, min=0, max=1 << 20,
+                             tooltip="Calls with fewer query tokens than this use exact attention (quantization "
+                                     "does not pay on short calls). 0 quantizes every call."),
+                io.Combo.Input("cross_attention", options=["quantized", "exact"], default="quantized",
+                               tooltip="Calls whose query and key lengths differ (text cross-attention): "
+                                       "quantize them too, or keep them exact."),
+            ],
+            outputs=[io.Model.Output(tooltip="A patched clone of the model.")],
+        )
+
+    @classmethod
+    def execute(cls, model, kernel, smooth_k, prologue, on_unsupported, step_start=0.0, step_end=1.0,
+                exact_blocks="", min_seq_len=0, cross_attention="quantized") -> io.NodeOutput:
+        config = config_from_inputs(kernel, smooth_k, prologue, on_unsupported, step_start, step_end,
+                                    exact_blocks, min_seq_len, cross_attention)
+        patched, _ = patch_model(model, config)
+        return io.NodeOutput(patched)

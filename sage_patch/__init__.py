@@ -1,0 +1,4 @@
+"""ComfyUI <-> kernels bridge: the attention override, layouts, policies, stats."""
+from .config import PatchConfig  # noqa: F401
+from .override import SageAttentionOverride, bind_attention_args  # noqa: F401
+from .stats import PatchStats  # noqa: F401

@@ -1,0 +1,53 @@
+"""Put the override on a clone of a ComfyUI model. The only module here that touches ComfyUI objects."""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Tuple
+
+from .config import PatchConfig
+from .override import SageAttentionOverride
+from .stats import PatchStats
+
+OVERRIDE_KEY = "optimized_attention_override"
+log = logging.getLogger("sage_rdna4")
+
+
+def override_hook_missing() -> Optional[str]:
+    """None when this ComfyUI calls per-model attention overrides, else the reason it cannot be patched."""
+    try:
+        import comfy.ldm.modules.attention as attention
+    except ImportError as exc:
+        return f"ComfyUI's attention module cannot be imported: {exc}"
+    if not hasattr(attention, "wrap_attn"):
+        return ("this ComfyUI is too old: it has no per-model attention override (wrap_attn, added in "
+                "2025-09). Update ComfyUI to use Patch Sage Attention (RDNA4).")
+    return None
+
+
+def patch_model(model, config: PatchConfig, stats: Optional[PatchStats] = None) -> Tuple[object, SageAttentionOverride]:
+    """Return (patched clone, its override). The input model is left untouched."""
+    reason = override_hook_missing()
+    if reason:
+        raise RuntimeError(reason)
+    patched = model.clone()
+    options = patched.model_options.setdefault("transformer_options", {})
+    previous = options.get(OVERRIDE_KEY)
+    if previous is not None and not isinstance(previous, SageAttentionOverride):
+        log.warning("[sage_rdna4] replacing another attention override on this model (%r)", previous)
+    override = SageAttentionOverride(config, stats or PatchStats(f"sage_rdna4[{config.kernel}]"))
+    options[OVERRIDE_KEY] = override
+    try:
+        from .timing import attach_step_timer
+        attach_step_timer(patched, override)
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("comfy"):
+            raise
+        log.info("[sage_rdna4] per-step timing not attached outside ComfyUI (%s)", exc)
+    return patched, override
+
+
+def find_override(model) -> Optional[SageAttentionOverride]:
+    """The override a model was patched with by this pack, if any."""
+    options = getattr(model, "model_options", {}).get("transformer_options", {})
+    found = options.get(OVERRIDE_KEY)
+    return found if isinstance(found, SageAttentionOverride) else None

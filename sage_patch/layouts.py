@@ -1,0 +1,44 @@
+"""ComfyUI's attention calling convention <-> the kernels' HND layout, both ways."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def to_hnd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, skip_reshape: bool):
+    """Return HND views (no copy) of ComfyUI's q, k, v.
+
+    ComfyUI passes (b, n, heads*d) unless `skip_reshape`, in which case (b, h, n, d) already (k/v may
+    then have fewer heads: GQA)."""
+    if skip_reshape:
+        return q, k, v
+    b = q.shape[0]
+    d = q.shape[-1] // heads
+    dv = v.shape[-1] // heads
+    return (q.view(b, -1, heads, d).transpose(1, 2),
+            k.view(b, -1, heads, d).transpose(1, 2),
+            v.view(b, -1, heads, dv).transpose(1, 2))
+
+
+def from_hnd(out: torch.Tensor, skip_output_reshape: bool) -> torch.Tensor:
+    """(b, h, n, d) -> what the call site expects: (b, n, h*d) unless `skip_output_reshape`."""
+    if skip_output_reshape:
+        return out
+    b, h, n, d = out.shape
+    return out.transpose(1, 2).reshape(b, n, h * d)
+
+
+def expand_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """ComfyUI's rule (attention_pytorch): a 2-D mask gains a batch dim, a 3-D mask a heads dim."""
+    if mask is None:
+        return None
+    if mask.ndim == 2:
+        mask = mask.unsqueeze(0)
+    if mask.ndim == 3:
+        mask = mask.unsqueeze(1)
+    return mask
+
+
+def heads_of(q: torch.Tensor, heads: int, skip_reshape: bool) -> int:
+    return q.shape[1] if skip_reshape else heads

@@ -1,0 +1,102 @@
+"""The callable ComfyUI calls as `transformer_options["optimized_attention_override"]`.
+
+ComfyUI's `wrap_attn` calls `override(func, *args, **kwargs)` where `func` is the attention the
+call site resolved (SDPA, sage, ...) and args/kwargs follow
+`f(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kwargs)`.
+Every call either runs the configured kernel or goes to `func` with the reason counted.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from ..kernels.call_spec import describe_call
+from ..kernels.registry import KernelRefused, choose_backend
+from .config import PatchConfig
+from .layouts import expand_mask, from_hnd, to_hnd
+from .policies import CallPolicies
+from .stats import PatchStats
+
+_POSITIONAL = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
+
+
+def bind_attention_args(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """Name ComfyUI's attention arguments whether they came by position or keyword."""
+    if len(args) > len(_POSITIONAL):
+        raise TypeError(f"attention called with {len(args)} positional arguments")
+    bound = {"mask": None, "attn_precision": None, "skip_reshape": False, "skip_output_reshape": False}
+    bound.update(zip(_POSITIONAL, args))
+    for name in _POSITIONAL[len(args):]:
+        if name in kwargs:
+            bound[name] = kwargs[name]
+    missing = [n for n in ("q", "k", "v", "heads") if n not in bound]
+    if missing:
+        raise TypeError(f"attention called without {', '.join(missing)}")
+    return bound
+
+
+class SageAttentionOverride:
+    def __init__(self, config: PatchConfig, stats: Optional[PatchStats] = None):
+        self.config = config
+        self.stats = stats or PatchStats()
+        self.policies = CallPolicies(config)
+        self.attention_timer = None  # set by the step timer when attention time is measured
+
+    def __deepcopy__(self, memo):
+        # ModelPatcher.clone() deep-copies model_options; a clone of a patched model is the same patch.
+        return self
+
+    def _fallback(self, func, args, kwargs, reason: str, kernel: str):
+        if self.config.on_unsupported == "raise":
+            raise KernelRefused(kernel, reason)
+        self.stats.record_fallback(reason)
+        return func(*args, **kwargs)
+
+    def __call__(self, func, *args, **kwargs):
+        try:
+            a = bind_attention_args(args, kwargs)
+        except TypeError as exc:
+            return self._fallback(func, args, kwargs, f"unrecognised attention call: {exc}", self.config.kernel)
+        if kwargs.get("low_precision_attention", True) is False:
+            self.stats.record_routed("low_precision_attention=False")
+            return func(*args, **kwargs)
+        q, k, v = to_hnd(a["q"], a["k"], a["v"], a["heads"], a["skip_reshape"])
+        policy, inactive = self.policies.route_exact(kwargs.get("transformer_options"), q.shape[2], k.shape[2])
+        if inactive:
+            self.stats.note(inactive)
+        if policy:
+            self.stats.record_routed(policy)
+            return func(*args, **kwargs)
+        mask = expand_mask(a["mask"])
+        try:
+            call = describe_call(q, k, v, attn_mask=mask, smooth_k=self.config.smooth_k,
+                                 prologue=self.config.prologue, qk_group=self.config.qk_group)
+        except ValueError as exc:
+            return self._fallback(func, args, kwargs, f"malformed call: {exc}", self.config.kernel)
+        backend, skipped = choose_backend(call, self.config.kernel, quantized_only=True)
+        if backend is None:
+            detail = "; ".join(f"{n}: {r}" for n, r in skipped.items()) or f"none is built for {call.arch}"
+            return self._fallback(func, args, kwargs, f"auto: no quantized kernel takes this call ({detail})", "auto")
+        reason = backend.why_not(call)
+        if reason:
+            return self._fallback(func, args, kwargs, f"{backend.name}: {reason}", backend.name)
+        scale = kwargs.get("scale")
+        sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(max(1, call.head_dim))
+        timer = self.attention_timer
+        try:
+            if timer is not None:
+                with timer.measure():
+                    out, _ = backend(q, k, v, call, sm_scale, mask)
+            else:
+                out, _ = backend(q, k, v, call, sm_scale, mask)
+        except KernelRefused as exc:
+            return self._fallback(func, args, kwargs, f"{backend.name}: {exc.reason}", backend.name)
+        except torch.cuda.OutOfMemoryError:
+            raise  # the call site's attention would run out of memory too; let ComfyUI handle it
+        except Exception as exc:  # a kernel failure must not take the ComfyUI process down
+            return self._fallback(func, args, kwargs, f"{backend.name} failed: {type(exc).__name__}: {exc}",
+                                  backend.name)
+        self.stats.record_call(backend.name)
+        return from_hnd(out, a["skip_output_reshape"])

@@ -1,0 +1,98 @@
+"""Which attention calls stay exact on purpose: step range, blocks, short calls, cross attention.
+
+Each policy reads what ComfyUI puts in `transformer_options` (sigmas, sample_sigmas, block_index,
+total_blocks) and returns the name of the policy that routes the call to exact attention, or None.
+A policy whose inputs the model does not provide cannot apply; `inactive_reason` says so once.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional, Set, Tuple
+
+import torch
+
+from .config import PatchConfig
+
+
+def parse_blocks(spec: str) -> Tuple[Set[int], int, int]:
+    """'' -> nothing; '0,1,5' -> those indices; 'last 2' -> the last two; 'first 1, last 2' both.
+
+    Returns (indices, first_n, last_n)."""
+    indices: Set[int] = set()
+    first_n = last_n = 0
+    for part in (p.strip().lower() for p in spec.replace(";", ",").split(",")):
+        if not part:
+            continue
+        m = re.fullmatch(r"(first|last)\s+(\d+)", part)
+        if m:
+            if m.group(1) == "first":
+                first_n = max(first_n, int(m.group(2)))
+            else:
+                last_n = max(last_n, int(m.group(2)))
+            continue
+        m = re.fullmatch(r"(\d+)\s*-\s*(\d+)", part)
+        if m:
+            lo, hi = int(m.group(1)), int(m.group(2))
+            if lo > hi:
+                raise ValueError(f"block range {part!r} runs backwards")
+            indices.update(range(lo, hi + 1))
+            continue
+        if part.isdigit():
+            indices.add(int(part))
+            continue
+        raise ValueError(f"cannot read block spec {part!r}: use indices '0,3', ranges '2-5', 'first N' or 'last N'")
+    return indices, first_n, last_n
+
+
+def step_fraction(transformer_options: dict) -> Optional[float]:
+    """Position of the current step in the schedule, 0 at the first step; None when unknown."""
+    sigmas = transformer_options.get("sigmas")
+    schedule = transformer_options.get("sample_sigmas")
+    if sigmas is None or schedule is None or not torch.is_tensor(schedule) or schedule.numel() < 2:
+        return None
+    current = float(sigmas.flatten()[0])
+    sched = schedule.detach().float().cpu()
+    hits = torch.nonzero(torch.isclose(sched, torch.tensor(current), rtol=1e-4, atol=0.0)).flatten()
+    if hits.numel() == 0:
+        return None
+    steps = sched.numel() - 1
+    return float(hits[0]) / steps
+
+
+class CallPolicies:
+    def __init__(self, config: PatchConfig):
+        self.config = config
+        self.block_indices, self.first_n, self.last_n = parse_blocks(config.exact_blocks)
+        self.uses_steps = config.step_start > 0.0 or config.step_end < 1.0
+        self.uses_blocks = bool(self.block_indices or self.first_n or self.last_n)
+
+    def route_exact(self, transformer_options: Optional[dict], q_len: int, kv_len: int) -> Tuple[Optional[str], Optional[str]]:
+        """(policy that makes this call exact or None, reason a configured policy could not apply or None)."""
+        cfg = self.config
+        if cfg.min_seq_len and q_len < cfg.min_seq_len:
+            return f"short call (< {cfg.min_seq_len} query tokens)", None
+        if cfg.cross_attention == "exact" and q_len != kv_len:
+            return "cross attention kept exact", None
+        to = transformer_options or {}
+        inactive = None
+        if self.uses_steps:
+            frac = step_fraction(to)
+            if frac is None:
+                inactive = "step range cannot apply: ComfyUI passed no sample_sigmas matching the current sigma"
+            elif not (cfg.step_start <= frac < cfg.step_end or (cfg.step_end >= 1.0 and frac >= cfg.step_start)):
+                return f"outside step range {cfg.step_start:g}-{cfg.step_end:g}", None
+        if self.uses_blocks:
+            block = to.get("block_index")
+            if block is None:
+                inactive = inactive or "block policy cannot apply: this model passes no block_index"
+            else:
+                block = int(block)
+                if block in self.block_indices or block < self.first_n:
+                    return f"block {block} kept exact", None
+                if self.last_n:
+                    total = to.get("total_blocks")
+                    if total is None:
+                        inactive = inactive or "'last N' blocks cannot apply: this model passes no total_blocks"
+                    elif block >= int(total) - self.last_n:
+                        return f"block {block} kept exact", None
+        return None, inactive

@@ -1,0 +1,46 @@
+"""Load the repository as a package the way ComfyUI does (by folder path, under its own name).
+
+The repo root is never put on sys.path: `kernels` is also a PyPI package name.
+"""
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACK = "comfyui_sage_rdna4"
+
+
+def load_pack():
+    if PACK in sys.modules:
+        return sys.modules[PACK]
+    spec = importlib.util.spec_from_file_location(PACK, ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[PACK] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+load_pack()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA/ROCm GPU; skipped without one")
+    config.addinivalue_line("markers", "comfyui: needs a ComfyUI checkout in COMFYUI_PATH; skipped without one")
+    config.addinivalue_line("markers", "hipcc: needs clang-19 with the AMDGPU target; skipped without it")
+    config.addinivalue_line("markers", "slow: long-running")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    no_gpu = pytest.mark.skip(reason="no GPU: torch.cuda.is_available() is False")
+    no_comfy = pytest.mark.skip(reason="COMFYUI_PATH is not set to a ComfyUI checkout")
+    has_comfy = bool(os.environ.get("COMFYUI_PATH")) and (Path(os.environ.get("COMFYUI_PATH", "")) / "comfy").is_dir()
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        if "comfyui" in item.keywords and not has_comfy:
+            item.add_marker(no_comfy)

@@ -1,0 +1,153 @@
+"""The public API and the registry: explicit kernels never get answered by another backend."""
+import pytest
+import torch
+
+from comfyui_sage_rdna4.kernels import BACKEND_NAMES, KernelRefused, available_backends, sage_attention
+from comfyui_sage_rdna4.kernels import registry
+from comfyui_sage_rdna4.kernels.call_spec import describe_call
+from comfyui_sage_rdna4.kernels.metrics import cosine
+from comfyui_sage_rdna4.kernels.reference import exact_attention
+
+
+def qkv(b=1, h=2, n=64, d=64, dtype=torch.float16, hkv=None):
+    g = torch.Generator().manual_seed(0)
+    hkv = hkv or h
+    return (torch.randn(b, h, n, d, generator=g).to(dtype), torch.randn(b, hkv, n, d, generator=g).to(dtype),
+            torch.randn(b, hkv, n, d, generator=g).to(dtype))
+
+
+def test_available_backends_names_every_backend_with_a_reason_or_none():
+    avail = available_backends("cpu")
+    assert set(avail) == set(BACKEND_NAMES)
+    assert avail["reference"] is None and avail["sdpa"] is None
+    for name in ("hip_int8_fp8", "hip_int8_fp16", "comfy_kitchen", "sageattention"):
+        assert isinstance(avail[name], str) and avail[name], name  # a reason, not a silent False
+
+
+def test_explicit_reference_runs_and_matches_exact():
+    q, k, v = qkv()
+    out = sage_attention(q, k, v, kernel="reference")
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert cosine(out, exact_attention(q, k, v)[0]) > 0.998
+
+
+def test_explicit_unavailable_kernel_raises_with_its_reason():
+    q, k, v = qkv()
+    with pytest.raises(KernelRefused) as err:
+        sage_attention(q, k, v, kernel="hip_int8_fp8")
+    assert err.value.backend == "hip_int8_fp8"
+    assert err.value.reason == registry.get_backend("hip_int8_fp8").why_not(describe_call(q, k, v))
+
+
+def test_sdpa_refuses_lse_and_auto_moves_on():
+    q, k, v = qkv(dtype=torch.float32)
+    with pytest.raises(KernelRefused, match="log-sum-exp"):
+        sage_attention(q, k, v, kernel="sdpa", return_lse=True)
+    out, lse = sage_attention(q, k, v, kernel="auto", return_lse=True)
+    assert lse.shape == (1, 2, 64)
+    torch.testing.assert_close(lse, exact_attention(q, k, v, return_lse=True)[1], atol=0.05, rtol=0)
+
+
+def test_auto_on_cpu_is_sdpa():
+    q, k, v = qkv()
+    backend, skipped = registry.choose_backend(describe_call(q, k, v), "auto")
+    assert backend.name == "sdpa"
+
+
+def test_nhd_layout_matches_hnd():
+    q, k, v = qkv()
+    hnd = sage_attention(q, k, v, kernel="reference")
+    nhd = sage_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), tensor_layout="NHD",
+                         kernel="reference")
+    torch.testing.assert_close(nhd.transpose(1, 2), hnd)
+
+
+def test_gqa_through_the_api():
+    q, k, v = qkv(h=4, hkv=2, dtype=torch.float32)
+    out = sage_attention(q, k, v, kernel="sdpa")
+    ref = sage_attention(q, k, v, kernel="reference")
+    assert cosine(out, ref) > 0.998
+
+
+def test_causal_with_mask_on_sdpa_backend():
+    q, k, v = qkv(dtype=torch.float32)
+    mask = torch.rand(64, 64, generator=torch.Generator().manual_seed(1)) > 0.2
+    mask.fill_diagonal_(True)
+    out = sage_attention(q, k, v, kernel="sdpa", is_causal=True, attn_mask=mask)
+    exact, _ = exact_attention(q, k, v, is_causal=True, attn_mask=mask)
+    torch.testing.assert_close(out, exact, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(tensor_layout="BHSD"), dict(kernel="flash9"), dict(prologue="cuda"), dict(qk_group="block7")])
+def test_bad_arguments_raise_value_error(bad):
+    q, k, v = qkv()
+    with pytest.raises(ValueError):
+        sage_attention(q, k, v, **bad)
+
+
+def test_malformed_shapes_raise_value_error():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="head_dim"):
+        sage_attention(q, k[..., :32], v)
+    with pytest.raises(ValueError, match="multiple"):
+        sage_attention(q, k[:, :1].expand(1, 3, 64, 64), v[:, :1].expand(1, 3, 64, 64))
+    with pytest.raises(ValueError, match="mask"):
+        sage_attention(q, k, v, attn_mask=torch.ones(5, 7, dtype=torch.bool))
+
+
+def test_unsupported_dtype_refused_by_reference():
+    q, k, v = qkv(dtype=torch.float64)
+    with pytest.raises(KernelRefused, match="dtype"):
+        sage_attention(q, k, v, kernel="reference")
+
+
+class _PickyBackend(registry.Backend):
+    """Accepts only head_dim 64: checks that dispatcher and wrapper apply the same rule."""
+    name = "sdpa"
+    launched = 0
+
+    def _unavailable(self, device_type, index):
+        return None
+
+    def refuse(self, call):
+        return None if call.head_dim == 64 else f"head_dim {call.head_dim} is not 64"
+
+    def launch(self, q, k, v, call, sm_scale, attn_mask):
+        type(self).launched += 1
+        return q.clone(), None
+
+
+def test_one_rule_used_by_dispatcher_and_wrapper(monkeypatch):
+    picky = _PickyBackend()
+    monkeypatch.setitem(registry._REGISTRY, "sdpa", picky)
+    q, k, v = qkv(d=32)
+    call = describe_call(q, k, v)
+    backend, skipped = registry.choose_backend(call, "auto")
+    assert backend is not picky
+    assert skipped["sdpa"] == "head_dim 32 is not 64"
+    with pytest.raises(KernelRefused, match="head_dim 32 is not 64"):
+        picky(q, k, v, call, 1.0)
+    assert _PickyBackend.launched == 0
+    q, k, v = qkv(d=64)
+    backend, _ = registry.choose_backend(describe_call(q, k, v), "auto")
+    assert backend is picky
+
+
+def test_a_backend_that_fails_to_import_reports_why(monkeypatch):
+    def broken():
+        raise ImportError("libfoo.so not found")
+    monkeypatch.setitem(registry._LOADERS, "sageattention", broken)
+    monkeypatch.delitem(registry._REGISTRY, "sageattention", raising=False)
+    reason = registry.get_backend("sageattention").unavailable("cpu", None)
+    assert "libfoo.so not found" in reason
+    monkeypatch.delitem(registry._REGISTRY, "sageattention", raising=False)
+
+
+def test_disable_takes_a_backend_out_of_service(monkeypatch):
+    b = registry.get_backend("reference")
+    monkeypatch.setattr(b, "_disabled", {})
+    b.disable("cpu", None, "self-check failed: cosine 0.2")
+    q, k, v = qkv()
+    with pytest.raises(KernelRefused, match="self-check failed"):
+        sage_attention(q, k, v, kernel="reference")

@@ -1,0 +1,175 @@
+"""The override called the way ComfyUI's wrap_attn calls it (comfy/ldm/modules/attention.py)."""
+import copy
+
+import pytest
+import torch
+
+from comfyui_sage_rdna4.kernels import KernelRefused
+from comfyui_sage_rdna4.kernels.metrics import cosine
+from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride, bind_attention_args
+
+
+def comfy_sdpa(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,
+               **kwargs):
+    """Same contract as ComfyUI's attention_pytorch; counts its calls."""
+    comfy_sdpa.calls += 1
+    assert kwargs.get("_inside_attn_wrapper") is True  # wrap_attn's marker must reach the fallback untouched
+    if not skip_reshape:
+        b, _, dh = q.shape
+        dh //= heads
+        q, k, v = (t.view(b, -1, heads, dh).transpose(1, 2) for t in (q, k, v))
+    if mask is not None:
+        mask = mask.unsqueeze(0) if mask.ndim == 2 else mask
+        mask = mask.unsqueeze(1) if mask.ndim == 3 else mask
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if not skip_output_reshape:
+        b, h, n, d = out.shape
+        out = out.transpose(1, 2).reshape(b, n, h * d)
+    return out
+
+
+comfy_sdpa.calls = 0
+
+
+def wrap_attn_call(override, func, *args, **kwargs):
+    """What wrap_attn does when transformer_options holds an override."""
+    kwargs["_inside_attn_wrapper"] = True
+    transformer_options = kwargs.get("transformer_options")
+    assert transformer_options["optimized_attention_override"] is override
+    return override(func, *args, **kwargs)
+
+
+def make(kernel="reference", **cfg):
+    ov = SageAttentionOverride(PatchConfig(kernel=kernel, **cfg))
+    return ov, {"optimized_attention_override": ov}
+
+
+def bnhd(b=2, n=96, heads=4, d=64, nk=None, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nk = nk or n
+    return (torch.randn(b, n, heads * d, generator=g).to(dtype), torch.randn(b, nk, heads * d, generator=g).to(dtype),
+            torch.randn(b, nk, heads * d, generator=g).to(dtype))
+
+
+def test_runs_the_kernel_in_comfy_layout():
+    ov, to = make()
+    q, k, v = bnhd()
+    out = wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to)
+    assert out.shape == q.shape
+    assert cosine(out, comfy_sdpa(q, k, v, 4, _inside_attn_wrapper=True)) > 0.998
+    assert ov.stats.snapshot()["calls"] == {"reference": 1}
+
+
+@pytest.mark.parametrize("skip_reshape,skip_output_reshape", [(False, False), (True, False), (False, True), (True, True)])
+def test_all_layout_combinations(skip_reshape, skip_output_reshape):
+    ov, to = make()
+    q, k, v = bnhd()
+    args = (q, k, v) if not skip_reshape else tuple(t.view(2, -1, 4, 64).transpose(1, 2) for t in (q, k, v))
+    out = wrap_attn_call(ov, comfy_sdpa, *args, heads=4, skip_reshape=skip_reshape,
+                         skip_output_reshape=skip_output_reshape, transformer_options=to)
+    expected = comfy_sdpa(*args, 4, skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape,
+                          _inside_attn_wrapper=True)
+    assert out.shape == expected.shape
+    assert cosine(out, expected) > 0.998
+
+
+def test_heads_and_mask_by_position_or_keyword():
+    q, k, v = bnhd(nk=80)
+    mask = torch.randn(96, 80)
+    for args, kwargs in [((q, k, v, 4, mask), {}), ((q, k, v), {"heads": 4, "mask": mask}),
+                         ((q, k, v, 4), {"mask": mask.unsqueeze(0).expand(2, 96, 80)})]:
+        ov, to = make()
+        out = wrap_attn_call(ov, comfy_sdpa, *args, transformer_options=to, **kwargs)
+        assert cosine(out, comfy_sdpa(q, k, v, 4, mask=mask, _inside_attn_wrapper=True)) > 0.998
+        assert ov.stats.snapshot()["calls"] == {"reference": 1}
+
+
+def test_unavailable_kernel_falls_back_with_reason_counted_once_logged(caplog):
+    ov, to = make(kernel="hip_int8_fp8")
+    q, k, v = bnhd()
+    before = comfy_sdpa.calls
+    with caplog.at_level("WARNING", logger="sage_rdna4"):
+        for _ in range(3):
+            out = wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to)
+    assert comfy_sdpa.calls == before + 3
+    torch.testing.assert_close(out, comfy_sdpa(q, k, v, 4, _inside_attn_wrapper=True))
+    fallbacks = ov.stats.snapshot()["fallbacks"]
+    assert sum(fallbacks.values()) == 3 and len(fallbacks) == 1
+    assert next(iter(fallbacks)).startswith("hip_int8_fp8: ")
+    assert len([r for r in caplog.records if "falls back" in r.message]) == 1
+
+
+def test_raise_mode_stops_with_the_reason():
+    ov, to = make(kernel="hip_int8_fp8", on_unsupported="raise")
+    q, k, v = bnhd()
+    with pytest.raises(KernelRefused):
+        wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to)
+
+
+def test_auto_on_cpu_falls_back_and_says_why():
+    ov, to = make(kernel="auto")
+    q, k, v = bnhd()
+    wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to)
+    (reason,) = ov.stats.snapshot()["fallbacks"]
+    assert reason.startswith("auto: no quantized kernel takes this call")
+
+
+def test_low_precision_attention_false_is_honoured():
+    ov, to = make()
+    q, k, v = bnhd()
+    before = comfy_sdpa.calls
+    wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to, low_precision_attention=False)
+    assert comfy_sdpa.calls == before + 1
+    assert ov.stats.snapshot()["routed"] == {"low_precision_attention=False": 1}
+
+
+def test_extra_kwargs_from_newer_comfyui_are_accepted():
+    ov, to = make()
+    q, k, v = bnhd()
+    out = wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to, enable_gqa=False,
+                         low_precision_attention=True, some_future_flag=1)
+    assert out.shape == q.shape and ov.stats.snapshot()["calls"] == {"reference": 1}
+
+
+def test_explicit_scale_kwarg_is_used():
+    ov, to = make()
+    q, k, v = bnhd(n=32)
+    out = wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to, scale=0.01)
+    flat = comfy_sdpa(q, k, v, 4, _inside_attn_wrapper=True)
+    hnd = [t.view(2, -1, 4, 64).transpose(1, 2) for t in (q, k, v)]
+    scaled = torch.nn.functional.scaled_dot_product_attention(*hnd, scale=0.01).transpose(1, 2).reshape(2, 32, 256)
+    assert cosine(out, scaled) > cosine(out, flat)
+
+
+def test_kernel_exception_falls_back_instead_of_crashing(monkeypatch):
+    from comfyui_sage_rdna4.kernels import registry
+    backend = registry.get_backend("reference")
+
+    def boom(*a, **k):
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(backend, "launch", boom)
+    ov, to = make()
+    q, k, v = bnhd()
+    out = wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to)
+    assert out.shape == q.shape
+    assert list(ov.stats.snapshot()["fallbacks"]) == ["reference failed: RuntimeError: device lost"]
+
+
+def test_malformed_call_falls_back():
+    ov, to = make()
+    q, k, v = bnhd()
+    out = wrap_attn_call(ov, lambda *a, **kw: "site", transformer_options=to)
+    assert out == "site"
+    assert "unrecognised attention call" in next(iter(ov.stats.snapshot()["fallbacks"]))
+
+
+def test_deepcopy_keeps_the_same_override():
+    ov, to = make()
+    assert copy.deepcopy({"transformer_options": to})["transformer_options"]["optimized_attention_override"] is ov
+
+
+def test_bind_attention_args():
+    a = bind_attention_args((1, 2, 3), {"heads": 8, "mask": "m", "transformer_options": {}})
+    assert (a["q"], a["heads"], a["mask"], a["skip_reshape"]) == (1, 8, "m", False)
+    with pytest.raises(TypeError):
+        bind_attention_args((1, 2), {})
