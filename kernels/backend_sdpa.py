@@ -2,6 +2,7 @@
 import torch
 import torch.nn.functional as F
 
+from .reference import exact_attention
 from .registry import Backend
 
 SDPA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -43,4 +44,18 @@ class SdpaBackend(Backend):
         return None
 
     def launch(self, q, k, v, call, sm_scale, attn_mask):
+        if call.device_type == "cpu" and not _all_finite(q, k, v, attn_mask):
+            # torch's CPU SDPA kernel turns NaN/Inf inputs into finite outputs on short sequences (a NaN
+            # query row comes out as zeros); exact attention keeps them visible. CPU is no speed path.
+            out, _ = exact_attention(q, k, v, is_causal=call.is_causal, sm_scale=sm_scale, attn_mask=attn_mask)
+            return out.to(q.dtype), None
         return sdpa_hnd(q, k, v, sm_scale, attn_mask, call.is_causal), None
+
+
+def _all_finite(q, k, v, attn_mask) -> bool:
+    """No NaN/Inf in q, k, v, and no NaN or +Inf in a float mask (-Inf there means 'masked')."""
+    if not all(bool(torch.isfinite(t).all()) for t in (q, k, v)):
+        return False
+    if attn_mask is not None and attn_mask.is_floating_point():
+        return not bool((torch.isnan(attn_mask) | torch.isposinf(attn_mask)).any())
+    return True

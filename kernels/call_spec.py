@@ -87,9 +87,13 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
     if attn_mask is not None:
         nq = q.shape[2]
         try:
-            torch.broadcast_shapes(tuple(attn_mask.shape), (b, hq, nq, nk))
+            full = torch.broadcast_shapes(tuple(attn_mask.shape), (b, hq, nq, nk))
         except RuntimeError:
-            raise ValueError(f"mask shape {tuple(attn_mask.shape)} does not broadcast to {(b, hq, nq, nk)}") from None
+            full = None
+        # Broadcasting must not grow the output: a (3, Nq, Nk) mask with one head broadcasts *with*
+        # (3, 1, Nq, Nk) but not *to* it.
+        if full != (b, hq, nq, nk):
+            raise ValueError(f"mask shape {tuple(attn_mask.shape)} does not broadcast to {(b, hq, nq, nk)}")
 
 
 def describe_call(q, k, v, *, attn_mask=None, is_causal=False, return_lse=False, smooth_k=True,

@@ -51,7 +51,7 @@ def quantize_int8(x: torch.Tensor, mult: float = 1.0, group: int = 1) -> Tuple[t
         a = xf.abs().amax(dim=-1)
         if pad:
             a = torch.nn.functional.pad(a, (0, pad))
-        amax = a.view(b, h, -1, group).amax(dim=-1).repeat_interleave(group, dim=-1)[..., :n]
+        amax = a.view(b, h, (n + pad) // group, group).amax(dim=-1).repeat_interleave(group, dim=-1)[..., :n]
     amax = amax.clamp_min(_TINY)
     inv = (INT8_MAX / amax).unsqueeze(-1)
     q8 = torch.round(xf * inv).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)

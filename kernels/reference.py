@@ -138,6 +138,8 @@ def exact_attention(q, k, v, *, is_causal=False, sm_scale=None, attn_mask=None, 
         l = torch.logsumexp(s, dim=-1, keepdim=True) if nk else s.new_full((*s.shape[:-1], 1), -math.inf)
         # Empty rows (l = -inf) give zeros; a NaN (or +inf) l must propagate, not become zeros.
         p = torch.where(l != -math.inf, torch.exp(s - l), torch.zeros_like(s))
-        out[:, :, r0:r1] = torch.matmul(p, vf)
+        o = torch.matmul(p, vf)
+        # A row that sees no key is zero even where V holds NaN/Inf (0 * NaN would make it NaN).
+        out[:, :, r0:r1] = torch.where(l == -math.inf, torch.zeros_like(o), o)
         lse[:, :, r0:r1] = l.squeeze(-1)
     return out, (lse if return_lse else None)

@@ -62,7 +62,13 @@ class SageAttentionOverride:
         if kwargs.get("low_precision_attention", True) is False:
             self.stats.record_routed("low_precision_attention=False")
             return func(*args, **kwargs)
-        q, k, v = to_hnd(a["q"], a["k"], a["v"], a["heads"], a["skip_reshape"])
+        try:
+            q, k, v = to_hnd(a["q"], a["k"], a["v"], a["heads"], a["skip_reshape"])
+        except (RuntimeError, ValueError, TypeError, AttributeError, IndexError, ZeroDivisionError) as exc:
+            # A call we cannot read (heads not dividing the width, a batch of 0, not tensors) is handed to
+            # the call site unchanged: it is ComfyUI's to accept or reject, never ours to crash on.
+            return self._fallback(func, args, kwargs, f"malformed call: {type(exc).__name__}: {exc}",
+                                  self.config.kernel)
         policy, inactive = self.policies.route_exact(kwargs.get("transformer_options"), q.shape[2], k.shape[2])
         if inactive:
             self.stats.note(inactive)

@@ -53,9 +53,12 @@ def step_fraction(transformer_options: dict) -> Optional[float]:
     current = float(sigmas.flatten()[0])
     sched = schedule.detach().float().cpu()
     hits = torch.nonzero(torch.isclose(sched, torch.tensor(current), rtol=1e-4, atol=0.0)).flatten()
-    if hits.numel() == 0:
-        return None
     steps = sched.numel() - 1
+    if hits.numel() == 0:
+        # Second-order samplers (dpm_2, dpmpp_2s, ...) also evaluate between two schedule sigmas: such a
+        # call belongs to the step it is inside (the schedule descends), not to no step at all.
+        inside = torch.nonzero((sched[:-1] > current) & (sched[1:] < current)).flatten()
+        return float(inside[0]) / steps if inside.numel() else None
     return float(hits[0]) / steps
 
 
@@ -65,6 +68,18 @@ class CallPolicies:
         self.block_indices, self.first_n, self.last_n = parse_blocks(config.exact_blocks)
         self.uses_steps = config.step_start > 0.0 or config.step_end < 1.0
         self.uses_blocks = bool(self.block_indices or self.first_n or self.last_n)
+        self._last_step = None  # (sigmas, sample_sigmas, fraction) of the previous call
+
+    def _step_fraction(self, to: dict) -> Optional[float]:
+        """step_fraction, computed once per model call: every attention call of one forward pass carries
+        the same sigmas tensor, and reading a GPU tensor's value syncs the device each time."""
+        sigmas, schedule = to.get("sigmas"), to.get("sample_sigmas")
+        last = self._last_step
+        if last is not None and last[0] is sigmas and last[1] is schedule:
+            return last[2]
+        frac = step_fraction(to)
+        self._last_step = (sigmas, schedule, frac)
+        return frac
 
     def route_exact(self, transformer_options: Optional[dict], q_len: int, kv_len: int) -> Tuple[Optional[str], Optional[str]]:
         """(policy that makes this call exact or None, reason a configured policy could not apply or None)."""
@@ -76,7 +91,7 @@ class CallPolicies:
         to = transformer_options or {}
         inactive = None
         if self.uses_steps:
-            frac = step_fraction(to)
+            frac = self._step_fraction(to)
             if frac is None:
                 inactive = "step range cannot apply: ComfyUI passed no sample_sigmas matching the current sigma"
             elif not (cfg.step_start <= frac < cfg.step_end or (cfg.step_end >= 1.0 and frac >= cfg.step_start)):

@@ -1,0 +1,702 @@
+"""Fuzzed robustness (issue 6): thousands of random attention calls through the ComfyUI override (called the
+way ComfyUI's wrap_attn calls it) and through the public API, on every backend the device offers.
+
+THE RULE. Every call either refuses with a reason (KernelRefused; or, in ComfyUI, falls back to the call
+site's own attention with the reason counted) or returns a result that meets the tolerance below. It never
+crashes: an exception is allowed only where ComfyUI's own attention raises on the same arguments (the
+override then hands the call over unchanged). It never hangs: each call runs under a watchdog.
+
+Tolerance, against exact attention (kernels.reference.exact_attention, FP32; FP64 where FP32 overflows):
+  * shape and dtype as the call site expects (API: q's layout and dtype; ComfyUI: what its attention returns).
+  * finite inputs whose exact FP32 result is finite -> a finite output (a quantized kernel must never turn
+    finite inputs into NaN/Inf), and
+      - "well-conditioned" values (|q|,|k| ~ N(0, s<=4), any V scale up to the dtype max, K channel offsets up
+        to 1e3 with smooth_k, constant rows, zeros): cosine >= 0.99 and max|out - exact| <= 0.25 max|V|
+        for quantized kernels (0.25: a sharp softmax may move weight between two near-equal keys);
+        cosine >= 0.999 for exact ones (sdpa);
+      - "extreme" values (|q|,|k| up to the dtype max; or K channel offsets with smooth_k off), where INT8
+        cannot resolve the scores: no accuracy promise, but the output must stay inside V's range
+        (|out| <= 1.07 max|V|: a convex combination of V).
+  * finite inputs whose scores overflow FP32 (only bf16/fp32 near their max): a non-finite output is
+    accepted (SDPA overflows the same way); a finite one must meet the "extreme" rule against FP64.
+  * NaN or Inf in q, k, v or the mask: wherever exact attention is not finite, the output must not be
+    finite either. NaN in must never come out as a finite, plausible-looking (e.g. black) image.
+  * a fallback in ComfyUI returns exactly what ComfyUI's own attention returns for the same call.
+Calls and counts are printed (pytest -s shows them); the test asserts zero violations.
+"""
+from __future__ import annotations
+
+import collections
+import faulthandler
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+import pytest
+import torch
+
+if __name__ == "__main__":  # the Triton-interpreter subprocess: load the pack the way conftest does
+    import importlib.util as _ilu
+
+    _spec = _ilu.spec_from_file_location("sage_conftest", Path(__file__).with_name("conftest.py"))
+    _spec.loader.exec_module(_ilu.module_from_spec(_spec))
+
+from comfyui_sage_rdna4.kernels import KernelRefused, sage_attention
+from comfyui_sage_rdna4.kernels.metrics import cosine
+from comfyui_sage_rdna4.kernels.reference import exact_attention
+from comfyui_sage_rdna4.kernels.call_spec import describe_call
+from comfyui_sage_rdna4.kernels.registry import choose_backend, get_backend
+from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride
+
+SEED = 20261130
+CALL_TIMEOUT_S = 180          # the watchdog: a call that takes longer kills the run with a traceback
+QUANT_COS, EXACT_COS = 0.99, 0.999
+QUANT_MAX_ERR = 0.25          # x max|V|: a sharp softmax may move weight between two keys
+RANGE_SLACK = 1.07            # FP8 rounding of P can lift a convex combination ~6 % above max|V|
+
+HEAD_DIMS = [1, 2, 3, 7, 8, 16, 24, 31, 32, 33, 40, 48, 63, 64, 72, 80, 96, 100, 120, 128, 129, 160, 192, 255, 256]
+DTYPE_WEIGHTS = [(torch.float16, 35), (torch.bfloat16, 25), (torch.float32, 25), (torch.float64, 5),
+                 (torch.int8, 5), ("mixed", 5)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Random calls
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Case:
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    v_head_dim: int
+    dtype: object            # a torch dtype or "mixed"
+    layout: str              # hnd | nhd | fused | strided | expanded  (API);  comfy | fused | skip (override)
+    mask: Optional[str]      # None | bool | float
+    mask_shape: str          # full | 2d | 3d | row | key | head
+    values: str              # normal | scaled | big_v | k_offset | constant_rows | zeros | extreme | nan | inf
+    is_causal: bool = False
+    smooth_k: bool = True
+    qk_group: str = "token"
+    skip_output_reshape: bool = False
+    seed: int = 0
+
+    def short(self):
+        return (f"B{self.batch} H{self.q_heads}/{self.kv_heads} N{self.q_len}/{self.kv_len} D{self.head_dim}/"
+                f"{self.v_head_dim} {self.dtype} {self.layout} mask={self.mask}:{self.mask_shape} "
+                f"values={self.values} causal={self.is_causal} smooth_k={self.smooth_k} {self.qk_group} "
+                f"seed={self.seed}")
+
+
+def pick(rng: random.Random, weighted):
+    items, weights = zip(*weighted)
+    return rng.choices(items, weights)[0]
+
+
+def random_case(rng: random.Random, for_comfy: bool) -> Case:
+    """One random call. Sizes are kept small (the CPU budget); the long ones come from long_cases()."""
+    d = rng.choice(HEAD_DIMS)
+    budget = 40_000 if d <= 64 else 15_000  # elements per (q or k) tensor, to keep CPU calls ~ms
+    q_heads = rng.choice([1, 1, 2, 3, 4, 8])
+    kv_heads = q_heads if (for_comfy or rng.random() < 0.7) else rng.choice([h for h in range(1, q_heads + 1)
+                                                                             if q_heads % h == 0])
+    batch = rng.choice([1, 1, 1, 2, 3])
+    length = lambda: rng.choice([1, 2, 3, 5, 8, 16, 17, 31, 32, 33, 64, 65, 77, 96, 127, 128, 129, 200,
+                                 256, 333, 512, 1000])  # noqa: E731
+    q_len = length()
+    kv_len = q_len if rng.random() < 0.6 else length()
+    while batch * q_heads * max(q_len, kv_len) * d > budget and max(q_len, kv_len) > 1:
+        q_len, kv_len = max(1, q_len // 2), max(1, kv_len // 2)
+    dtype = pick(rng, DTYPE_WEIGHTS)
+    v_head_dim = d if (for_comfy or rng.random() < 0.85) else rng.choice(HEAD_DIMS)
+    r = rng.random()
+    if r < 0.03:
+        batch = 0
+    elif r < 0.06:
+        q_len = 0
+    elif r < 0.09:
+        kv_len = 0
+    layout = rng.choice(["comfy", "comfy", "fused", "skip"] if for_comfy else
+                        ["hnd", "hnd", "nhd", "fused", "strided", "expanded"])
+    if layout == "fused" and (kv_len != q_len or v_head_dim != d or kv_heads != q_heads or dtype == "mixed"):
+        layout = "comfy" if for_comfy else "hnd"
+    mask = pick(rng, [(None, 60), ("bool", 20), ("float", 20)])
+    mask_shape = rng.choice(["full", "2d", "3d", "row", "key", "head"])
+    values = pick(rng, [("normal", 30), ("scaled", 12), ("big_v", 10), ("k_offset", 10), ("constant_rows", 6),
+                        ("zeros", 2), ("extreme", 10), ("nan", 10), ("inf", 10)])
+    return Case(batch=batch, q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=d,
+                v_head_dim=v_head_dim, dtype=dtype, layout=layout, mask=mask, mask_shape=mask_shape, values=values,
+                is_causal=(not for_comfy) and rng.random() < 0.15, smooth_k=rng.random() < 0.85,
+                qk_group=pick(rng, [("token", 85), ("block32", 5), ("block64", 5), ("block128", 5)]),
+                skip_output_reshape=rng.random() < 0.3, seed=rng.randrange(1 << 30))
+
+
+def long_cases(for_comfy: bool, square: int = 4096):
+    """A handful of long calls: 70k-token queries against a few keys and the reverse, plus one square call."""
+    base = dict(batch=1, q_heads=1, kv_heads=1, head_dim=16, v_head_dim=16, dtype=torch.float16,
+                layout="comfy" if for_comfy else "hnd", mask=None, mask_shape="full", values="normal")
+    return [Case(q_len=70_000, kv_len=7, seed=1, **base), Case(q_len=3, kv_len=70_000, seed=2, **base),
+            Case(q_len=square, kv_len=square, seed=3, **dict(base, head_dim=64, v_head_dim=64, dtype=torch.bfloat16)),
+            Case(q_len=70_000, kv_len=70_000 if square >= 70_000 else 64, seed=4,
+                 **dict(base, head_dim=128, v_head_dim=128, values="big_v"))]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tensors for a case
+# ---------------------------------------------------------------------------------------------------------
+
+def _dtypes(case: Case):
+    if case.dtype == "mixed":
+        return torch.float16, torch.float32, torch.float16
+    return case.dtype, case.dtype, case.dtype
+
+
+def _fill(g: torch.Generator, shape, dtype, device, scale=1.0):
+    if dtype == torch.int8:
+        return torch.randint(-100, 100, shape, generator=g, dtype=torch.int8).to(device)
+    return (torch.randn(shape, generator=g, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
+
+
+def _dtype_max(dtype) -> float:
+    return torch.finfo(dtype).max if dtype.is_floating_point else 127.0
+
+
+def values_for(case: Case, q, k, v, g: torch.Generator):
+    """Shape the value distribution of case.values into q, k, v (float32 HND masters)."""
+    rnd = lambda: torch.rand((), generator=g).item()  # noqa: E731
+    dt = _dtypes(case)[0]
+    top = min(_dtype_max(dt), 3e38) if isinstance(dt, torch.dtype) and dt.is_floating_point else 100.0
+    if case.values == "scaled":
+        s = 10 ** (rnd() * 2.6 - 2)  # 0.01 .. 4
+        q, k = q * s, k * s
+    elif case.values == "big_v":
+        if v.numel():
+            v = v * min(6e4, top) / 4 if rnd() < 0.6 else v / v.abs().amax().clamp_min(1e-30) * top * (0.5 + 0.5 * rnd())
+    elif case.values == "k_offset":
+        off = (torch.rand(k.shape[-1], generator=g) * 2 - 1) * 10 ** (rnd() * 3)  # up to 1e3 per channel
+        k = k + off
+    elif case.values == "constant_rows":
+        if q.shape[2]:
+            q[:, :, : max(1, q.shape[2] // 3)] = 0.7
+        if k.shape[2]:
+            k[:, :, : max(1, k.shape[2] // 2)] = k[:, :, :1].clone()
+        v[..., : max(1, v.shape[-1] // 2)] = 3.0
+    elif case.values == "zeros":
+        q, k = q * 0, k * 0
+    elif case.values == "extreme":
+        for name in rng_choice_names(g):
+            t = {"q": q, "k": k, "v": v}[name]
+            if t.numel():
+                t.copy_(t / t.abs().amax().clamp_min(1e-30) * top * (0.25 + 0.75 * rnd()))
+    elif case.values in ("nan", "inf"):
+        bad = float("nan") if case.values == "nan" else (float("inf") if rnd() < 0.5 else -float("inf"))
+        t = [q, k, v][int(rnd() * 3) % 3]
+        if t.numel():
+            idx = int(rnd() * t.numel()) % t.numel()
+            t.view(-1)[idx] = bad
+    return q, k, v
+
+
+def rng_choice_names(g):
+    names = [n for n in ("q", "k", "v") if torch.rand((), generator=g).item() < 0.6]
+    return names or ["q"]
+
+
+def make_mask(case: Case, g: torch.Generator, device, dtype, hnd_shape):
+    """A mask in ComfyUI's / SDPA's convention: bool selects, float is added (natural-log units)."""
+    if case.mask is None:
+        return None
+    b, h, nq, nk = hnd_shape
+    shape = {"full": (b, h, nq, nk), "2d": (nq, nk), "3d": (b, nq, nk), "row": (1, 1, nq, nk),
+             "key": (b, 1, 1, nk), "head": (1, h, nq, nk)}[case.mask_shape]
+    if case.mask == "bool":
+        m = torch.rand(shape, generator=g) > 0.2
+    else:
+        m = torch.randn(shape, generator=g) * 2
+        m = m.masked_fill(torch.rand(shape, generator=g) < 0.15, -math.inf)
+        if case.values == "nan" and m.numel() and torch.rand((), generator=g).item() < 0.3:
+            m.view(-1)[0] = float("nan")
+        mdt = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+        m = m.to(mdt)
+    return m.to(device)
+
+
+def hnd_tensors(case: Case, device):
+    """(q, k, v) as HND tensors laid out per case.layout (API), or None when the layout cannot hold it."""
+    g = torch.Generator().manual_seed(case.seed)
+    b, hq, hk, nq, nk, d, dv = (case.batch, case.q_heads, case.kv_heads, case.q_len, case.kv_len, case.head_dim,
+                                case.v_head_dim)
+    qf, kf, vf = (torch.randn(s, generator=g) for s in ((b, hq, nq, d), (b, hk, nk, d), (b, hk, nk, dv)))
+    qf, kf, vf = values_for(case, qf, kf, vf, g)
+    dq, dk, dv_t = _dtypes(case)
+
+    def cast(t, dt):
+        if dt == torch.int8:
+            return t.clamp(-127, 127).round().to(torch.int8)
+        return t.to(dt)
+
+    qf, kf, vf = cast(qf, dq), cast(kf, dk), cast(vf, dv_t)
+    if case.layout == "nhd":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (qf, kf, vf))
+    elif case.layout == "fused":
+        buf = torch.empty((b, nq, 3, hq, d), dtype=qf.dtype)
+        for i, t in enumerate((qf, kf, vf)):
+            buf[:, :, i] = t.transpose(1, 2)
+        q, k, v = (buf[:, :, i].transpose(1, 2) for i in range(3))
+    elif case.layout == "strided":
+        q, k, v = (torch.stack([t, t], dim=-1).flatten(-2)[..., ::2] for t in (qf, kf, vf))
+    elif case.layout == "expanded" and b > 0:
+        q = qf
+        k, v = kf[:1].expand(b, -1, -1, -1), vf[:1].expand(b, -1, -1, -1)
+    else:
+        q, k, v = qf, kf, vf
+    return tuple(t.to(device) for t in (q, k, v)), g
+
+
+def comfy_tensors(case: Case, device):
+    """(args, heads, hnd views) in ComfyUI's convention: (b, n, h*d), fused-qkv slices, or skip_reshape HND."""
+    (q, k, v), g = hnd_tensors(dict_replace(case, layout="hnd"), device)
+    h = case.q_heads
+    if case.layout == "skip":
+        if case.seed % 2 and q.shape == k.shape == v.shape and case.dtype != "mixed":
+            # Flux's way: one qkv projection (B, L, 3*H*D) rearranged to three strided (B, H, L, D) views.
+            b, _, n, d = q.shape
+            qkv = torch.stack([t.transpose(1, 2) for t in (q, k, v)], dim=2).reshape(b, n, 3 * h * d)
+            q, k, v = qkv.view(b, n, 3, h, d).permute(2, 0, 3, 1, 4)
+        return (q, k, v), h, True, g
+    flat = lambda t: t.transpose(1, 2).reshape(t.shape[0], t.shape[2], -1)  # noqa: E731
+    if case.layout == "fused":
+        qkv = torch.cat([flat(q), flat(k), flat(v)], dim=-1)  # a fused qkv projection's output
+        hd = h * case.head_dim
+        return (qkv[..., :hd], qkv[..., hd:2 * hd], qkv[..., 2 * hd:]), h, False, g
+    return (flat(q), flat(k), flat(v)), h, False, g
+
+
+def dict_replace(case: Case, **kw) -> Case:
+    return Case(**{**case.__dict__, **kw})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Judging one result
+# ---------------------------------------------------------------------------------------------------------
+
+def all_finite(q, k, v, mask=None) -> bool:
+    """No NaN/Inf in q, k, v; no NaN/+Inf in a float mask (-Inf there is an ordinary 'masked' entry)."""
+    if not all(not t.is_floating_point() or bool(torch.isfinite(t).all()) for t in (q, k, v)):
+        return False
+    if mask is not None and mask.is_floating_point():
+        return not bool((torch.isnan(mask) | torch.isposinf(mask)).any())
+    return True
+
+
+def score_peak(q, k, sm_scale=None) -> float:
+    """max |q.k| * sm_scale: how close the scores come to the FP32 limit (Inf when FP32 overflows already).
+    Chunked over query rows so a 70k x 70k call never holds its score matrix."""
+    if q.numel() == 0 or k.numel() == 0:
+        return 0.0
+    sm_scale = sm_scale or 1.0 / math.sqrt(q.shape[-1])
+    kk = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1).transpose(-1, -2)
+    rows = max(1, (1 << 25) // max(1, q.shape[0] * q.shape[1] * k.shape[2]))
+    peak = 0.0
+    for r0 in range(0, q.shape[2], rows):
+        s = torch.matmul(q[:, :, r0:r0 + rows].float(), kk)
+        peak = max(peak, float(s.abs().amax()))
+    return peak * sm_scale
+
+
+class Tally:
+    def __init__(self, name):
+        self.name = name
+        self.calls = 0
+        self.results = collections.Counter()
+        self.refusals = collections.Counter()
+        self.violations: List[str] = []
+        self.worst_cos = 1.0
+        self.torch_overflow = 0
+        self.t0 = time.time()
+
+    def violation(self, case, what):
+        if len(self.violations) < 50:
+            self.violations.append(f"{what} :: {case.short()}")
+        else:
+            self.violations.append("...")
+
+    def refusal(self, reason: str):
+        # Group reasons by their stable head (shapes in reasons would make every one unique).
+        self.refusals[reason.split(" (")[0][:110]] += 1
+
+    def report(self) -> str:
+        lines = [f"[{self.name}] {self.calls} calls in {time.time() - self.t0:.1f} s; results "
+                 f"{sum(self.results.values())} {dict(self.results)}; refusals {sum(self.refusals.values())}; "
+                 f"torch SDPA overflows on near-max values {self.torch_overflow}; "
+                 f"violations {len(self.violations)}; worst cosine of accuracy-checked results {self.worst_cos:.5f}"]
+        for reason, n in self.refusals.most_common(25):
+            lines.append(f"    refused {n:5d}x  {reason}")
+        for v in self.violations[:20]:
+            lines.append(f"    VIOLATION {v}")
+        return "\n".join(lines)
+
+
+def exact_for(q, k, v, mask, is_causal, sm_scale):
+    """Exact attention in FP32, and in FP64 when FP32 overflowed on finite inputs."""
+    e32, _ = exact_attention(q, k, v, is_causal=is_causal, sm_scale=sm_scale, attn_mask=mask)
+    e64 = None
+    # Scores within a factor 64 of the FP32 maximum: the quantized kernels' base-2 scores (x1.44), smooth_k
+    # (up to x2) and INT8 partial products cannot be held in FP32 there; exact FP32 barely can.
+    near_limit = all_finite(q, k, v, mask) and score_peak(q, k, sm_scale) * 64 > torch.finfo(torch.float32).max
+    if all_finite(q, k, v, mask) and (near_limit or not bool(torch.isfinite(e32).all())):
+        m64 = mask.double() if mask is not None and mask.is_floating_point() else mask
+        e64, _ = exact_attention(q.double(), k.double(), v.double(), is_causal=is_causal, sm_scale=sm_scale,
+                                 attn_mask=m64)
+    return e32, e64
+
+
+def judge(tally: Tally, case: Case, out, q, k, v, mask, quantized: bool, is_causal=False, sm_scale=None,
+          label="result"):
+    """Apply the rule to one returned result; `out` is HND (B, Hq, Nq, Dv). Returns nothing; counts."""
+    tally.results[label] += 1
+    e32, e64 = exact_for(q, k, v, mask, is_causal, sm_scale)
+    if tuple(out.shape) != tuple(e32.shape):
+        return tally.violation(case, f"{label}: shape {tuple(out.shape)} != {tuple(e32.shape)}")
+    if out.numel() == 0:
+        return
+    o = out.double()
+    finite_in = all_finite(q, k, v, mask)
+    vmax = float(v.double().abs().amax()) if v.numel() else 0.0
+    if not finite_in:
+        leaked = (~torch.isfinite(e32)) & torch.isfinite(o)
+        if bool(leaked.any()):
+            tally.violation(case, f"{label}: non-finite input gave {int(leaked.sum())} finite outputs where exact "
+                                  f"attention is not finite (NaN in must not come out as a plausible value)")
+        return
+    if e64 is not None:  # scores beyond FP32: SDPA overflows too; a finite answer must still be in range
+        if bool(torch.isfinite(o).all()):
+            check_range(tally, case, o, vmax, label)
+        return
+    if not bool(torch.isfinite(o).all()):
+        if not quantized and case.values in ("extreme", "big_v"):
+            tally.torch_overflow += 1  # torch's own SDPA overflowing at the dtype max: not this pack's kernel
+            return
+        return tally.violation(case, f"{label}: finite inputs gave {int((~torch.isfinite(o)).sum())} non-finite "
+                                     f"outputs (exact attention is finite)")
+    if case.values == "extreme" or (case.values == "k_offset" and not case.smooth_k):
+        # INT8 cannot resolve these scores (that is what smooth_k is for): no accuracy promise, only range.
+        return check_range(tally, case, o, vmax, label)
+    c = cosine(o, e32)
+    tally.worst_cos = min(tally.worst_cos, c)
+    need = QUANT_COS if quantized else EXACT_COS
+    if c < need:
+        return tally.violation(case, f"{label}: cosine {c:.5f} < {need}")
+    if quantized:
+        err = float((o - e32.double()).abs().max())
+        if err > QUANT_MAX_ERR * vmax + 1e-6:
+            tally.violation(case, f"{label}: max abs error {err:.4g} > {QUANT_MAX_ERR} x max|V| ({vmax:.4g})")
+
+
+def check_range(tally, case, o, vmax, label):
+    top = float(o.abs().amax()) if o.numel() else 0.0
+    if top > RANGE_SLACK * vmax + 1e-6:
+        tally.violation(case, f"{label}: |out| {top:.4g} beyond V's range {vmax:.4g}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driving calls: the public API
+# ---------------------------------------------------------------------------------------------------------
+
+def api_call(tally: Tally, case: Case, kernel: str, device):
+    (q, k, v), g = hnd_tensors(case, device)
+    mask = make_mask(case, g, device, q.dtype, (case.batch, case.q_heads, case.q_len, case.kv_len))
+    expected_bad = case.dtype in ("mixed", torch.int8, torch.float64)
+    tally.calls += 1
+    use_nhd = case.layout == "nhd"
+    args = tuple(t.transpose(1, 2) for t in (q, k, v)) if use_nhd else (q, k, v)
+    try:
+        out = sage_attention(*args, tensor_layout="NHD" if use_nhd else "HND", kernel=kernel,
+                             is_causal=case.is_causal, smooth_k=case.smooth_k, qk_group=case.qk_group,
+                             attn_mask=mask)
+    except KernelRefused as exc:
+        tally.refusal(f"{exc.backend}: {exc.reason}")
+        return
+    except ValueError as exc:  # a malformed call is rejected with its reason before any backend
+        tally.refusal(f"malformed: {exc}")
+        return
+    except Exception as exc:  # noqa: BLE001  (anything else is a crash)
+        return tally.violation(case, f"{kernel} raised {type(exc).__name__}: {str(exc)[:200]}")
+    if use_nhd:
+        out = out.transpose(1, 2)
+    if expected_bad and case.dtype != torch.float64:
+        return tally.violation(case, f"{kernel} accepted a call it should refuse ({case.dtype})")
+    if out.dtype != q.dtype:
+        return tally.violation(case, f"{kernel} returned {out.dtype} for {q.dtype} inputs")
+    ran = kernel
+    if kernel == "auto":  # judge by the backend auto chose (SDPA, or the reference where SDPA refuses)
+        call = describe_call(q, k, v, attn_mask=mask, is_causal=case.is_causal, smooth_k=case.smooth_k,
+                             qk_group=case.qk_group)
+        ran = choose_backend(call, "auto")[0].name
+    judge(tally, case, out, q, k, v, mask, get_backend(ran).quantized, case.is_causal, label=f"{kernel}->{ran}"
+          if kernel != ran else kernel)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driving calls: the ComfyUI override, called exactly as wrap_attn calls it
+# ---------------------------------------------------------------------------------------------------------
+
+def comfy_attention_pytorch(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+                            skip_output_reshape=False, **kwargs):
+    """ComfyUI's attention_pytorch contract (comfy/ldm/modules/attention.py), the usual resolved `func`."""
+    if skip_reshape:
+        b, _, _, dim_head = q.shape
+    else:
+        b, _, dim_head = q.shape
+        dim_head //= heads
+        q, k, v = (t.view(b, -1, heads, dim_head).transpose(1, 2) for t in (q, k, v))
+    if mask is not None:
+        if mask.ndim == 2:
+            mask = mask.unsqueeze(0)
+        if mask.ndim == 3:
+            mask = mask.unsqueeze(1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
+    if not skip_output_reshape:
+        out = out.transpose(1, 2).reshape(b, -1, heads * dim_head)
+    return out
+
+
+def wrap_attn(func):
+    """What ComfyUI's wrap_attn does: hand the call to transformer_options' override, marking it as inside."""
+    def wrapper(*args, **kwargs):
+        remove = False
+        try:
+            if "_inside_attn_wrapper" not in kwargs:
+                to = kwargs.get("transformer_options", None)
+                remove = True
+                kwargs["_inside_attn_wrapper"] = True
+                if to is not None and "optimized_attention_override" in to:
+                    return to["optimized_attention_override"](func, *args, **kwargs)
+            return func(*args, **kwargs)
+        finally:
+            if remove:
+                del kwargs["_inside_attn_wrapper"]
+    return wrapper
+
+
+def comfy_func():
+    """ComfyUI's own wrapped attention_pytorch when COMFYUI_PATH is importable, else the same contract here."""
+    if os.environ.get("COMFYUI_PATH"):
+        try:
+            sys.path.insert(0, os.environ["COMFYUI_PATH"]) if os.environ["COMFYUI_PATH"] not in sys.path else None
+            import comfy.cli_args
+            comfy.cli_args.args.cpu = not torch.cuda.is_available()
+            import comfy.ldm.modules.attention as attention
+            return attention.attention_pytorch, "ComfyUI's attention_pytorch"
+        except Exception:  # noqa: BLE001  (ComfyUI's deps missing: use the local twin)
+            pass
+    return wrap_attn(comfy_attention_pytorch), "local twin of attention_pytorch"
+
+
+def to_hnd_out(out, case, skip_output_reshape):
+    if skip_output_reshape:
+        return out
+    b, n, _ = out.shape
+    return out.view(b, n, case.q_heads, case.v_head_dim).transpose(1, 2)
+
+
+def override_call(tally: Tally, case: Case, override: SageAttentionOverride, func, device, kernel_name: str):
+    try:
+        args, heads, skip, g = comfy_tensors(case, device)
+    except RuntimeError:
+        return  # a layout this case cannot take (never counted)
+    mask = make_mask(case, g, device, args[0].dtype, (case.batch, case.q_heads, case.q_len, case.kv_len))
+    to = {"optimized_attention_override": override, "sigmas": torch.tensor([1.0]), "block_index": 0,
+          "cond_or_uncond": [0]}
+    kwargs = dict(mask=mask, skip_reshape=skip, skip_output_reshape=case.skip_output_reshape,
+                  transformer_options=to)
+    tally.calls += 1
+    before = override.stats.snapshot()
+    # ComfyUI's own attention on the same call: what a fallback must return, and whether it raises.
+    try:
+        plain = func(*args, heads, **{**kwargs, "transformer_options": {}})
+        plain_exc = None
+    except Exception as exc:  # noqa: BLE001
+        plain, plain_exc = None, exc
+    try:
+        out = func(*args, heads, **kwargs)
+    except Exception as exc:  # noqa: BLE001
+        if plain_exc is not None and type(exc) is type(plain_exc):
+            tally.refusal(f"ComfyUI's own attention raises on this call too ({type(exc).__name__})")
+            return
+        return tally.violation(case, f"override raised {type(exc).__name__}: {str(exc)[:200]}")
+    after = override.stats.snapshot()
+    ran = sum(after["calls"].values()) - sum(before["calls"].values())
+    fell = {r: n - before["fallbacks"].get(r, 0) for r, n in after["fallbacks"].items()
+            if n != before["fallbacks"].get(r, 0)}
+    if ran == 1 and not fell:
+        q4, k4, v4 = (args if skip else tuple(t.view(t.shape[0], t.shape[1], heads, t.shape[-1] // heads)
+                                               .transpose(1, 2) for t in args))
+        m4 = mask
+        if m4 is not None:
+            m4 = m4.unsqueeze(0) if m4.ndim == 2 else m4
+            m4 = m4.unsqueeze(1) if m4.ndim == 3 else m4
+        judge(tally, case, to_hnd_out(out, case, case.skip_output_reshape), q4, k4, v4, m4, quantized=True,
+              label=kernel_name)
+    elif ran == 0 and len(fell) == 1:
+        reason = next(iter(fell))
+        tally.refusal(reason)
+        if plain_exc is not None:
+            return tally.violation(case, f"fallback returned although ComfyUI's attention raises ({plain_exc!r})")
+        same = out.shape == plain.shape and out.dtype == plain.dtype and torch.equal(
+            torch.nan_to_num(out, nan=1.2345), torch.nan_to_num(plain, nan=1.2345))
+        if not same:
+            tally.violation(case, f"fallback result differs from ComfyUI's own attention ({reason})")
+    else:
+        tally.violation(case, f"stats do not account for the call: ran {ran}, fallbacks {fell}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The runs
+# ---------------------------------------------------------------------------------------------------------
+
+class Watchdog:
+    """Kill the run with every thread's traceback if one call exceeds CALL_TIMEOUT_S (a hang is a failure)."""
+
+    def __enter__(self):
+        faulthandler.dump_traceback_later(CALL_TIMEOUT_S, exit=True)
+        return self
+
+    def __exit__(self, *exc):
+        faulthandler.cancel_dump_traceback_later()
+
+
+def run_api_fuzz(kernels, n_random: int, device="cpu", seed=SEED, long=True, square=4096) -> List[Tally]:
+    rng = random.Random(seed)
+    cases = (long_cases(False, square) if long else []) + [random_case(rng, False) for _ in range(n_random)]
+    tallies = []
+    for kernel in kernels:
+        tally = Tally(f"api kernel={kernel} on {device}")
+        for case in cases:
+            with Watchdog():
+                api_call(tally, case, kernel, device)
+        tallies.append(tally)
+    return tallies
+
+
+def run_override_fuzz(kernels, n_random: int, device="cpu", seed=SEED + 1, long=True, square=4096) -> List[Tally]:
+    rng = random.Random(seed)
+    cases = (long_cases(True, square) if long else []) + [random_case(rng, True) for _ in range(n_random)]
+    func, func_name = comfy_func()
+    tallies = []
+    for kernel in kernels:
+        override = SageAttentionOverride(PatchConfig(kernel=kernel))
+        tally = Tally(f"override kernel={kernel} on {device} via {func_name}")
+        for case in cases:
+            cfg_case_override = override
+            if case.smooth_k is False or case.qk_group != "token":
+                cfg_case_override = SageAttentionOverride(PatchConfig(kernel=kernel, smooth_k=case.smooth_k,
+                                                                      qk_group=case.qk_group))
+            with Watchdog():
+                override_call(tally, case, cfg_case_override, func, device, kernel)
+        tallies.append(tally)
+    return tallies
+
+
+def report_and_assert(tallies: List[Tally], min_results: int):
+    for t in tallies:
+        print(t.report())
+    bad = [v for t in tallies for v in t.violations]
+    assert not bad, f"{len(bad)} violations:\n" + "\n".join(bad[:30])
+    for t in tallies:
+        assert sum(t.results.values()) >= min_results, f"{t.name}: too few results to mean anything"
+
+
+def test_fuzz_public_api_cpu():
+    """reference (quantized spec), sdpa (exact) and auto: 600 random calls each plus the long ones."""
+    tallies = run_api_fuzz(["reference", "sdpa", "auto"], n_random=600)
+    report_and_assert(tallies, min_results=300)
+    # Refusals must carry a reason naming the dtype or the shape problem; and some calls must be refused.
+    assert sum(sum(t.refusals.values()) for t in tallies) > 0
+
+
+def test_fuzz_comfyui_override_cpu():
+    """The override with kernel=reference (runs) and kernel=auto (no quantized kernel on CPU: all fall back)."""
+    tallies = run_override_fuzz(["reference", "auto"], n_random=800)
+    report_and_assert(tallies, min_results=0)
+    ref, auto = tallies
+    assert sum(ref.results.values()) >= 500
+    assert sum(auto.results.values()) == 0 and sum(auto.refusals.values()) >= 700
+
+
+def test_fuzz_triton_interpreter_cpu():
+    """The Triton backends under TRITON_INTERPRET=1, in a fresh process (the interpreter is chosen when the
+    kernels are first defined): a few dozen small calls, since the interpreter is slow."""
+    if not (Path(__file__).resolve().parents[1] / "kernels" / "triton" / "backend.py").exists():
+        pytest.skip("kernels/triton/backend.py is not there yet")
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, __file__, "--triton-interpreter"], env=env, capture_output=True,
+                          text=True, timeout=200)
+    print(proc.stdout[-6000:])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+@pytest.mark.gpu
+def test_fuzz_gpu(monkeypatch):
+    """The same fuzz on the GPU for the Triton backends and the HIP backends (emulated gfx12 on NVIDIA)."""
+    monkeypatch.setenv("SAGE_RDNA4_HIP_EMULATE", "1")
+    kernels = ["triton_int8_fp8", "triton_int8_fp16", "hip_int8_fp8", "hip_int8_fp16"]
+    present = [k for k in kernels if get_backend(k).unavailable("cuda", torch.cuda.current_device()) is None]
+    print("GPU backends present:", present, {k: get_backend(k).unavailable("cuda", torch.cuda.current_device())
+                                             for k in kernels if k not in present})
+    if not present:
+        pytest.skip("no Triton or HIP backend available on this GPU")
+    n = int(os.environ.get("SAGE_FUZZ_GPU_CALLS", "300"))  # random calls per backend and path
+    tallies = []
+    for kernel in present:
+        # A 70k x 70k call for the Triton kernels; the HIP emulation (WMMA lane by lane) gets 8k.
+        square = 70_000 if kernel.startswith("triton") else 8192
+        tallies += run_api_fuzz([kernel], n_random=n, device="cuda", square=square)
+        tallies += run_override_fuzz([kernel], n_random=n, device="cuda", square=square)
+    report_and_assert(tallies, min_results=n // 10)
+
+
+def _triton_interpreter_main():
+    """Runs inside the subprocess of test_fuzz_triton_interpreter_cpu."""
+    kernels = ["triton_int8_fp8", "triton_int8_fp16"]
+    reasons = {k: get_backend(k).unavailable("cpu", None) for k in kernels}
+    present = [k for k in kernels if reasons[k] is None]
+    print("Triton backends under the interpreter:", present, reasons)
+    if not present:
+        sys.exit(0)
+    rng = random.Random(SEED + 2)
+    cases = []
+    # Small ones only (the interpreter runs every program instance in Python), two of each value kind so
+    # NaN/Inf and near-max values are always among them; no masks (the Triton kernels refuse them).
+    for values in ("normal", "scaled", "big_v", "k_offset", "constant_rows", "extreme", "nan", "inf"):
+        found = 0
+        while found < 2:
+            c = random_case(rng, False)
+            if c.batch * c.q_heads * max(c.q_len, c.kv_len) * max(c.head_dim, c.v_head_dim) <= 6000:
+                cases.append(dict_replace(c, values=values, mask=None))
+                found += 1
+    tallies = []
+    for kernel in present:
+        tally = Tally(f"api kernel={kernel} on cpu (TRITON_INTERPRET=1)")
+        for case in cases:
+            with Watchdog():
+                api_call(tally, case, kernel, "cpu")
+        tallies.append(tally)
+    try:
+        report_and_assert(tallies, min_results=3)
+    except AssertionError as exc:
+        print(exc)
+        sys.exit(1)
+
+
+if __name__ == "__main__" and "--triton-interpreter" in sys.argv:
+    _triton_interpreter_main()
