@@ -1,0 +1,126 @@
+"""The example workflows: they parse, use only core ComfyUI node types or this pack's, and their links agree.
+
+Without ComfyUI the core types are checked against the list below; with COMFYUI_PATH set, that list, the
+pack's node ids, and every node's sockets and widget count are checked against the real node definitions.
+"""
+import asyncio
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOWS = sorted((ROOT / "example_workflows").glob("*.json"))
+
+# Core ComfyUI node types the workflows may use (verified against ComfyUI itself when COMFYUI_PATH is set).
+CORE_NODE_TYPES = {
+    "CheckpointLoaderSimple", "CLIPLoader", "CLIPTextEncode", "ConditioningZeroOut", "CreateVideo",
+    "DualCLIPLoader", "EmptyHunyuanLatentVideo", "EmptyLatentImage", "EmptySD3LatentImage", "FluxGuidance",
+    "KSampler", "ModelSamplingSD3", "PreviewAny", "PreviewImage", "SaveImage", "SaveVideo", "UNETLoader",
+    "VAEDecode", "VAELoader",
+}
+PACK_NODE_TYPES = {"PatchSageAttentionRDNA4", "SageAttentionBenchmarkRDNA4"}
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+ANY = "*"
+
+
+def load(path):
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def test_the_promised_workflows_exist():
+    names = {p.name for p in WORKFLOWS}
+    assert {"flux_text_to_image_sage_rdna4.json", "wan_text_to_video_sage_rdna4.json", "sdxl_sage_rdna4.json",
+            "ab_benchmark_flux_sage_rdna4.json"} <= names
+    for path in WORKFLOWS:
+        types = {n["type"] for n in load(path)["nodes"]}
+        assert "PatchSageAttentionRDNA4" in types, f"{path.name} does not use the Patch node"
+    assert "SageAttentionBenchmarkRDNA4" in {n["type"] for n in load(ROOT / "example_workflows" /
+                                                                       "ab_benchmark_flux_sage_rdna4.json")["nodes"]}
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_workflow_uses_known_node_types(path):
+    unknown = {n["type"] for n in load(path)["nodes"]} - CORE_NODE_TYPES - PACK_NODE_TYPES
+    assert not unknown, f"{path.name} uses node types that are neither core ComfyUI nor this pack: {unknown}"
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_workflow_links_are_consistent(path):
+    wf = load(path)
+    nodes = {n["id"]: n for n in wf["nodes"]}
+    assert len(nodes) == len(wf["nodes"]), "duplicate node ids"
+    assert wf["last_node_id"] >= max(nodes)
+    link_ids = [link[0] for link in wf["links"]]
+    assert len(set(link_ids)) == len(link_ids), "duplicate link ids"
+    assert wf["last_link_id"] >= max(link_ids)
+    for link_id, src, src_slot, dst, dst_slot, typ in wf["links"]:
+        assert src in nodes and dst in nodes, f"link {link_id} joins a missing node"
+        out = nodes[src]["outputs"][src_slot]
+        inp = nodes[dst]["inputs"][dst_slot]
+        assert link_id in (out["links"] or []), f"link {link_id} is not listed on its source output"
+        assert inp["link"] == link_id, f"link {link_id} is not the link of its target input"
+        assert out["type"] == typ and inp["type"] in (typ, ANY), f"link {link_id}: {out['type']} -> {inp['type']}"
+    by_id = set(link_ids)
+    for node in wf["nodes"]:
+        for inp in node.get("inputs", []):
+            assert inp["link"] is None or inp["link"] in by_id, f"node {node['id']} input {inp['name']}: dangling"
+        for out in node.get("outputs", []):
+            assert all(lid in by_id for lid in out["links"] or []), f"node {node['id']} output {out['name']}"
+
+
+# -- against the real ComfyUI ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def comfy_nodes(tmp_path_factory):
+    spec = importlib.util.spec_from_file_location("comfy_harness", Path(__file__).with_name("comfy_harness.py"))
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    harness.comfy_import(cpu=True)
+    import nodes
+
+    asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
+    link = tmp_path_factory.mktemp("custom_nodes") / "ComfyUI-Sage-RDNA4"
+    link.symlink_to(ROOT, target_is_directory=True)
+    assert asyncio.run(nodes.load_custom_node(str(link)))
+    module = sys.modules[str(link).replace(".", "_x_")]  # the name load_custom_node gives a folder module
+    pack = set(module.NODE_CLASS_MAPPINGS)
+    core = set(nodes.NODE_CLASS_MAPPINGS) - pack
+    return nodes, core, pack
+
+
+@pytest.mark.comfyui
+def test_committed_lists_match_comfyui(comfy_nodes):
+    _, core, pack = comfy_nodes
+    assert CORE_NODE_TYPES <= core, f"not core ComfyUI node types: {CORE_NODE_TYPES - core}"
+    assert pack == PACK_NODE_TYPES
+
+
+def _definition(cls):
+    """(socket inputs {name: type}, number of widget values, output types) as the frontend builds them."""
+    sockets, widgets = {}, 0
+    for section in ("required", "optional"):
+        for name, entry in cls.INPUT_TYPES().get(section, {}).items():
+            typ = entry[0] if isinstance(entry[0], str) else "COMBO"
+            typ = str(getattr(typ, "value", typ))
+            opts = entry[1] if len(entry) > 1 else {}
+            if typ in WIDGET_TYPES and not opts.get("forceInput"):
+                widgets += 2 if opts.get("control_after_generate") else 1
+            else:
+                sockets[name] = typ
+    return sockets, widgets, [str(getattr(t, "value", t)) for t in cls.RETURN_TYPES]
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_workflow_nodes_match_their_definitions(comfy_nodes, path):
+    nodes = comfy_nodes[0]
+    for node in load(path)["nodes"]:
+        sockets, widgets, outputs = _definition(nodes.NODE_CLASS_MAPPINGS[node["type"]])
+        where = f"{path.name} node {node['id']} ({node['type']})"
+        for inp in node["inputs"]:
+            assert inp["name"] in sockets, f"{where}: no input {inp['name']}"
+            assert inp["type"] == sockets[inp["name"]], f"{where}: input {inp['name']} type"
+        assert len(node["widgets_values"]) == widgets, f"{where}: widget values"
+        assert [o["type"] for o in node["outputs"]] == outputs, f"{where}: outputs"

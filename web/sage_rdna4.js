@@ -1,0 +1,124 @@
+// Shows the A/B report of "Sage Attention Benchmark (RDNA4)" on the node as a table:
+// kernel, per-step times, ratio, fidelity, sampled accuracy and fallback reasons.
+// The node sends the report as JSON in its UI output (key "sage_rdna4_report"); text goes in with
+// textContent only, never as HTML, since fallback reasons are free text.
+import { app } from "../../scripts/app.js";
+
+const NODE_ID = "SageAttentionBenchmarkRDNA4";
+const WIDGET_NAME = "sage_rdna4_report";
+
+function fmt(x, digits = 1) {
+  if (x === null || x === undefined) return "-";
+  if (typeof x === "string") return x; // "inf" from the JSON writer
+  return Number(x).toFixed(digits);
+}
+
+function pct(x) {
+  return x === null || x === undefined ? "-" : `${Math.round(100 * x)}%`;
+}
+
+function el(doc, tag, text, style) {
+  const node = doc.createElement(tag);
+  if (text !== undefined) node.textContent = String(text);
+  if (style) node.style.cssText = style;
+  return node;
+}
+
+function table(doc, header, rows) {
+  const t = el(doc, "table", undefined, "border-collapse:collapse;width:100%;margin:4px 0");
+  const head = el(doc, "tr");
+  for (const h of header) head.appendChild(el(doc, "th", h, "text-align:right;padding:1px 6px;border-bottom:1px solid #888"));
+  t.appendChild(head);
+  for (const row of rows) {
+    const tr = el(doc, "tr");
+    if (row.warmup) tr.style.opacity = "0.55";
+    for (const cell of row.cells) tr.appendChild(el(doc, "td", cell, "text-align:right;padding:1px 6px"));
+    t.appendChild(tr);
+  }
+  return t;
+}
+
+// Builds the report's DOM (a <div>); exported so it can be checked without a ComfyUI page.
+export function renderReport(report, doc = document) {
+  const root = el(doc, "div", undefined,
+    "font:12px monospace;color:var(--fg-color,#ddd);overflow:auto;max-height:100%;padding:4px");
+  root.className = "sage-rdna4-report";
+  if (!report || typeof report !== "object") {
+    root.appendChild(el(doc, "div", "no report"));
+    return root;
+  }
+  const t = report.totals || {};
+  root.appendChild(el(doc, "div", `kernel ${report.kernel} vs exact SDPA — ${report.model ?? "?"} on ${report.device ?? "?"}`,
+    "font-weight:bold"));
+  if (t.measured_steps) {
+    root.appendChild(el(doc, "div",
+      `speed-up ${fmt(t.speedup, 3)}x (ratio ${fmt(t.ratio, 3)}) over ${t.measured_steps} steps; ` +
+      `${t.warmup_steps_excluded} warm-up step excluded`, "font-weight:bold"));
+  } else {
+    root.appendChild(el(doc, "div", "no measured steps: sample at least 2 steps (the first is warm-up)"));
+  }
+  if (t.attention_speedup !== undefined && t.attention_speedup !== null) {
+    root.appendChild(el(doc, "div",
+      `attention: ${pct(t.sdpa_attention_share)} of a SDPA step, ${pct(t.patched_attention_share)} patched; ` +
+      `attention speed-up ${fmt(t.attention_speedup, 3)}x`));
+  }
+  const rows = (report.per_step || []).map((s) => ({
+    warmup: s.warmup,
+    cells: [s.index + (s.warmup ? " (warm-up)" : ""), fmt(s.sdpa_ms), fmt(s.patched_ms), fmt(s.ratio, 3),
+      pct(s.sdpa_attention_share), pct(s.patched_attention_share)],
+  }));
+  root.appendChild(table(doc, ["step", "SDPA ms", "patched ms", "ratio", "attn SDPA", "attn patched"], rows));
+  const f = report.fidelity || {};
+  root.appendChild(el(doc, "div",
+    `fidelity vs SDPA: latent PSNR ${fmt(f.latent_psnr_db, 2)} dB, cosine ${fmt(f.latent_cosine, 6)}, image PSNR ` +
+    (f.image_psnr_db === null || f.image_psnr_db === undefined ? "n/a (no VAE)" : `${fmt(f.image_psnr_db, 2)} dB`)));
+  const acc = report.attention_accuracy || [];
+  if (acc.length) {
+    root.appendChild(table(doc, ["call", "shape", "ran", "cosine", "rel L1"], acc.map((a) => ({
+      cells: [`${a.step}/${a.call}`, a.shape, a.backend, fmt(a.cosine, 5), fmt(a.rel_l1, 4)],
+    }))));
+  }
+  const fallbacks = Object.entries(report.fallbacks || {});
+  if (fallbacks.length) {
+    root.appendChild(el(doc, "div", "fallbacks to ComfyUI's own attention:", "margin-top:4px;color:#e9a23b"));
+    for (const [reason, n] of fallbacks) root.appendChild(el(doc, "div", `${n} × ${reason}`, "color:#e9a23b"));
+  }
+  for (const [policy, n] of Object.entries(report.routed || {})) {
+    root.appendChild(el(doc, "div", `exact by policy (${policy}): ${n}`));
+  }
+  if (report.json_path) root.appendChild(el(doc, "div", `saved: ${report.json_path}`, "opacity:0.7"));
+  return root;
+}
+
+function showOnNode(node, report) {
+  const view = renderReport(report);
+  let widget = node.widgets?.find((w) => w.name === WIDGET_NAME);
+  if (widget?.element) {
+    widget.element.replaceChildren(...view.childNodes);
+  } else if (typeof node.addDOMWidget === "function") {
+    widget = node.addDOMWidget(WIDGET_NAME, "sage_rdna4_report", view, { serialize: false, hideOnZoom: false });
+    node.setSize?.([Math.max(node.size?.[0] ?? 0, 520), Math.max(node.size?.[1] ?? 0, 420)]);
+  }
+  node.setDirtyCanvas?.(true, true);
+}
+
+app.registerExtension({
+  name: "sage_rdna4.benchmark_report",
+  async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (nodeData?.name !== NODE_ID) return;
+    const previous = nodeType.prototype.onExecuted;
+    nodeType.prototype.onExecuted = function (message) {
+      previous?.apply(this, arguments);
+      const raw = message?.sage_rdna4_report?.[0];
+      if (raw === undefined) return;
+      let report;
+      try {
+        report = typeof raw === "string" ? JSON.parse(raw) : raw;
+      } catch (err) {
+        console.warn("[sage_rdna4] unreadable benchmark report", err);
+        return;
+      }
+      showOnNode(this, report);
+    };
+  },
+});
