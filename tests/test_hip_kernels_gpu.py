@@ -1,0 +1,118 @@
+"""The HIP kernels executed on an NVIDIA GPU through the gfx12 WMMA emulation (CUDA via nvrtc/CuPy),
+launched with kernel_abi's geometry and compared with the spec:
+  * prologue outputs bit-exact against quant.quantize_qkv_torch (CPU), strided/fused/NHD views;
+  * INT8 Q.K^T products bit-exact (same LDS staging and fragments as the attention kernels);
+  * attention outputs and LSE within tight tolerance of reference.attention_from_quantized;
+  * shapes with tails, causal, GQA, both head dims, both dtypes, both P.V modes;
+  * a call whose offsets exceed 2^31 elements."""
+import math
+
+import pytest
+import torch
+
+from comfyui_sage_rdna4.kernels import quant
+from comfyui_sage_rdna4.kernels.hip import cupy_runner, verify
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def run():
+    if getattr(torch.version, "hip", None):
+        pytest.skip("the CUDA emulation harness runs on NVIDIA GPUs")
+    reason = cupy_runner.cupy_missing()
+    if reason:
+        pytest.skip(reason)
+    cupy_runner.module(torch.cuda.current_device())
+
+    def go(launches):
+        cupy_runner.run(launches)
+        torch.cuda.synchronize()
+    return go
+
+
+PROLOGUE_CASES = [
+    (torch.float16, 128, "fp8", "token", "hnd", 1, 4, 2, 333, 517),
+    (torch.bfloat16, 128, "fp8", "token", "fused", 2, 3, 3, 700, 700),
+    (torch.bfloat16, 64, "fp16", "block32", "nhd", 1, 2, 1, 1000, 999),
+    (torch.float16, 64, "fp8", "block64", "fused", 1, 2, 2, 257, 257),
+    (torch.bfloat16, 128, "fp16", "block128", "hnd", 1, 2, 2, 300, 4097),
+]
+
+
+@pytest.mark.parametrize("dtype,d,pv,group,layout,b,hq,hkv,nq,nk", PROLOGUE_CASES)
+def test_prologue_bit_exact(run, dtype, d, pv, group, layout, b, hq, hkv, nq, nk):
+    q, k, v = verify.make_qkv(b, hq, hkv, nq, nk, d, dtype, DEV, layout=layout)
+    sm = 1 / math.sqrt(d)
+    for smooth in (True, False):
+        qq = verify.prologue(run, q, k, v, sm_scale=sm, smooth_k=smooth, pv=pv, qk_group=group)
+        assert verify.prologue_mismatches(qq, q, k, v, sm_scale=sm, smooth_k=smooth, pv=pv, qk_group=group) == {}
+
+
+@pytest.mark.parametrize("d,nq,nk,hq,hkv", [(128, 333, 517, 4, 2), (64, 130, 33, 2, 1), (128, 1, 1, 1, 1)])
+def test_qk_scores_bit_exact(run, d, nq, nk, hq, hkv):
+    q, k, v = verify.make_qkv(2, hq, hkv, nq, nk, d, torch.float16, DEV)
+    qq = quant.quantize_qkv_torch(q, k, v, sm_scale=1 / math.sqrt(d))
+    assert torch.equal(verify.qk_scores(run, qq).cpu(), verify.qk_scores_expected(qq))
+
+
+ATTN_CASES = []
+for _pv in ("fp8", "fp16"):
+    for _d in (128, 64):
+        for _dt in (torch.float16, torch.bfloat16):
+            for _causal in (False, True):
+                ATTN_CASES.append((_pv, _d, _dt, _causal, 2, 4, 2, 333, 517, "hnd"))
+ATTN_CASES += [
+    ("fp8", 128, torch.bfloat16, True, 1, 3, 3, 700, 700, "fused"),
+    ("fp16", 128, torch.float16, False, 1, 3, 3, 700, 700, "fused"),
+    ("fp8", 64, torch.float16, True, 1, 2, 2, 1000, 1000, "nhd"),
+    ("fp8", 128, torch.float16, True, 1, 2, 1, 300, 100, "hnd"),   # causal with Nq > Nk
+    ("fp16", 64, torch.bfloat16, True, 1, 2, 1, 50, 600, "hnd"),    # causal with Nq < Nk
+]
+
+
+@pytest.mark.parametrize("pv,d,dtype,causal,b,hq,hkv,nq,nk,layout", ATTN_CASES)
+def test_attention_matches_reference(run, pv, d, dtype, causal, b, hq, hkv, nq, nk, layout):
+    q, k, v = verify.make_qkv(b, hq, hkv, nq, nk, d, dtype, DEV, layout=layout)
+    sm = 1 / math.sqrt(d)
+    qq = verify.prologue(run, q, k, v, sm_scale=sm, pv=pv)
+    out, lse = verify.attention(run, qq, pv=pv, is_causal=causal, out_dtype=dtype, return_lse=True, q=q, sm_scale=sm)
+    rep = verify.attention_report(out, lse, qq, q, k, v, pv=pv, is_causal=causal, sm_scale=sm)
+    print(pv, d, dtype, causal, layout, {k_: round(v_, 6) for k_, v_ in rep.items()})
+    verify.assert_attention_ok(rep, pv)
+
+
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+def test_flux_sized_call_accuracy(run, pv):
+    """B1 H24 N4608 D128 bf16 (a Flux 1 MP call): accuracy against exact attention and the spec."""
+    q, k, v = verify.make_qkv(1, 24, 24, 4608, 4608, 128, torch.bfloat16, DEV)
+    sm = 1 / math.sqrt(128)
+    qq = verify.prologue(run, q, k, v, sm_scale=sm, pv=pv)
+    out, _ = verify.attention(run, qq, pv=pv, is_causal=False, out_dtype=torch.bfloat16)
+    rep = verify.attention_report(out, None, qq, q, k, v, pv=pv, is_causal=False, sm_scale=sm)
+    print("flux", pv, rep)
+    verify.assert_attention_ok(rep, pv)
+
+
+def test_offsets_beyond_2_pow_31(run):
+    """q, q8 and out hold more than 2^31 elements; the last query rows sit past that offset."""
+    nq, nk, d = (1 << 24) + 200, 100, 128
+    q = torch.randn(1, 1, nq, d, device=DEV, dtype=torch.float16)
+    assert q.numel() > (1 << 31)
+    _, k, v = verify.make_qkv(1, 1, 1, 1, nk, d, torch.float16, DEV)
+    sm = 1 / math.sqrt(d)
+    qq = verify.prologue(run, q, k, v, sm_scale=sm, pv="fp8")
+    out, lse = verify.attention(run, qq, pv="fp8", is_causal=False, out_dtype=torch.float16, return_lse=True,
+                                q=q, sm_scale=sm)
+    tail = slice(nq - 300, nq)
+    q_t = q[:, :, tail]
+    ref = quant.quantize_qkv_torch(q_t.cpu(), k.cpu(), v.cpu(), sm_scale=sm)
+    assert torch.equal(qq.q8[:, :, tail].cpu(), ref.q8)
+    assert torch.equal(qq.q_scale[:, :, tail].cpu(), ref.q_scale)
+    sub = quant.QuantizedQKV(qq.q8[:, :, tail].contiguous(), qq.q_scale[:, :, tail].contiguous(), qq.k8, qq.k_scale,
+                             qq.v, qq.v_scale, qq.k_mean)
+    rep = verify.attention_report(out[:, :, tail], lse[:, :, tail], sub, q_t, k, v, pv="fp8", is_causal=False,
+                                  sm_scale=sm)
+    print("2^31", rep)
+    verify.assert_attention_ok(rep, "fp8")

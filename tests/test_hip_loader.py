@@ -1,0 +1,515 @@
+"""CPU tests of the HIP loader: cache keys and rebuilds, arch parsing, library discovery and error
+paths, backend acceptance, and the first-use self-check disabling a deliberately broken kernel."""
+import os
+import threading
+import types
+
+import pytest
+import torch
+
+from comfyui_sage_rdna4.kernels import quant, registry
+from comfyui_sage_rdna4.kernels.call_spec import describe_call
+from comfyui_sage_rdna4.kernels.hip import backend as hip_backend
+from comfyui_sage_rdna4.kernels.hip import cache as kcache
+from comfyui_sage_rdna4.kernels.hip import compiler, runtime, selfcheck
+from comfyui_sage_rdna4.kernels.hip import prologue as hip_prologue
+from comfyui_sage_rdna4.kernels.reference import attention_from_quantized
+
+
+@pytest.fixture(autouse=True)
+def fresh_environment_verdicts(monkeypatch):
+    """Tests fake devices and versions; keep the per-device environment answers from leaking between them."""
+    monkeypatch.setattr(runtime, "_ENV_VERDICTS", {})
+
+
+# -- arch detection ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, arch", [
+    ("gfx1201:sramecc+:xnack-", "gfx1201"),
+    ("gfx1200", "gfx1200"),
+    (" gfx1201:xnack- ", "gfx1201"),
+    ("gfx90a:sramecc+:xnack-", "gfx90a"),
+    ("", "gfx_unknown"),
+])
+def test_parse_gcn_arch(name, arch):
+    assert runtime.parse_gcn_arch(name) == arch
+
+
+def test_nvrtc_target_falls_back_to_ptx_for_unknown_arch():
+    assert compiler.nvrtc_target(90, [75, 80, 90]) == "sm_90"
+    assert compiler.nvrtc_target(120, [75, 80, 90]) == "compute_90"  # newer GPU than nvrtc knows: PTX
+    assert compiler.nvrtc_target(90, []) == "sm_90"
+
+
+# -- the cache --------------------------------------------------------------------------------------
+
+BASE = dict(source="s" * 64, target="gfx1201", compiler="hiprtc-7.0", runtime="hip-70000", flags=["-O3"])
+
+
+@pytest.mark.parametrize("part, other", [
+    ("source", "t" * 64), ("target", "gfx1200"), ("compiler", "hiprtc-6.4"), ("runtime", "hip-60400"),
+    ("flags", ["-O2"]),
+])
+def test_cache_key_changes_with_every_part(part, other):
+    assert kcache.cache_key(**BASE) == kcache.cache_key(**dict(BASE))
+    assert kcache.cache_key(**{**BASE, part: other}) != kcache.cache_key(**BASE)
+
+
+def test_cache_dir_env_override(monkeypatch, tmp_path):
+    monkeypatch.setenv(kcache.ENV_VAR, str(tmp_path / "here"))
+    assert kcache.default_cache_dir() == str(tmp_path / "here")
+    assert kcache.CodeObjectCache().root == str(tmp_path / "here")
+    monkeypatch.delenv(kcache.ENV_VAR)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    if os.name != "nt":
+        assert kcache.default_cache_dir().startswith(str(tmp_path / "xdg"))
+
+
+def test_cache_roundtrip_is_atomic(tmp_path):
+    c = kcache.CodeObjectCache(str(tmp_path))
+    key = kcache.cache_key(**BASE)
+    path = c.store(key, "attn-gfx1201", b"\x7fELF" + bytes(range(256)))
+    assert path and os.path.isfile(path)
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".part")]  # no temp file left
+    fresh = kcache.CodeObjectCache(str(tmp_path))  # a new process: nothing in memory
+    payload, hit = fresh.load(key, "attn-gfx1201")
+    assert payload == b"\x7fELF" + bytes(range(256)) and hit == path
+
+
+def _corrupt(path, how):
+    blob = open(path, "rb").read()
+    if how == "truncate":
+        blob = blob[: len(blob) - 7]
+    elif how == "flip":
+        blob = blob[:-1] + bytes([blob[-1] ^ 0xFF])
+    elif how == "garbage":
+        blob = b"not a code object at all"
+    elif how == "empty":
+        blob = b""
+    open(path, "wb").write(blob)
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip", "garbage", "empty"])
+def test_corrupt_entry_is_a_miss_and_removed(tmp_path, how):
+    c = kcache.CodeObjectCache(str(tmp_path))
+    key = kcache.cache_key(**BASE)
+    path = c.store(key, "attn", b"payload" * 100)
+    _corrupt(path, how)
+    payload, hit = kcache.CodeObjectCache(str(tmp_path)).load(key, "attn")
+    assert payload is None and hit is None
+    assert not os.path.exists(path)
+
+
+def test_entry_of_another_key_is_stale(tmp_path):
+    c = kcache.CodeObjectCache(str(tmp_path))
+    key, other = kcache.cache_key(**BASE), kcache.cache_key(**{**BASE, "runtime": "hip-1"})
+    path = c.store(other, "attn", b"old build")
+    os.replace(path, c.path(key, "attn"))  # an entry under the right name whose contents are for another key
+    assert kcache.CodeObjectCache(str(tmp_path)).load(key, "attn") == (None, None)
+
+
+def test_unwritable_cache_keeps_memory_copy(tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    monkeypatch.setattr(kcache.tempfile, "gettempdir", lambda: str(blocker))
+    c = kcache.CodeObjectCache(str(blocker / "sub"))  # cannot create a folder under a file
+    assert c.root is None
+    assert c.store("k" * 64, "attn", b"abc") is None
+    assert c.load("k" * 64, "attn") == (b"abc", None)
+
+
+class FakeCompiler(compiler.RtcCompiler):
+    """The cache path of RtcCompiler without a real compiler library."""
+
+    kind = "fake"
+
+    def __init__(self, version="fake-1.0"):
+        self._version, self.compiles = version, 0
+
+    def options(self, target, extra_flags):
+        return [f"--arch={target}", *extra_flags]
+
+    def target_for_device(self, device_index):
+        return "gfx1201"
+
+    def compile(self, source, target, extra_flags=()):
+        self.compiles += 1
+        return f"{source.digest}:{target}:{self._version}".encode()
+
+
+SRC = compiler.SourceBundle("k.hip", 'extern "C" __global__ void k() {}', (("p.h", "// prelude"),))
+
+
+def test_build_cached_compiles_once_then_hits(tmp_path):
+    c, comp = kcache.CodeObjectCache(str(tmp_path)), FakeCompiler()
+    first = comp.build_cached(c, SRC, "gfx1201", [], "hip-1")
+    second = comp.build_cached(kcache.CodeObjectCache(str(tmp_path)), SRC, "gfx1201", [], "hip-1")
+    assert comp.compiles == 1 and not first.from_cache and second.from_cache
+    assert first.image == second.image
+
+
+def test_build_cached_rebuilds_corrupt_entry(tmp_path):
+    comp = FakeCompiler()
+    built = comp.build_cached(kcache.CodeObjectCache(str(tmp_path)), SRC, "gfx1201", [], "hip-1")
+    _corrupt(built.path, "flip")
+    again = comp.build_cached(kcache.CodeObjectCache(str(tmp_path)), SRC, "gfx1201", [], "hip-1")
+    assert comp.compiles == 2 and not again.from_cache and again.image == built.image
+    assert kcache.CodeObjectCache(str(tmp_path)).load(again.key, "k-gfx1201")[0] == built.image
+
+
+@pytest.mark.parametrize("change", ["runtime", "compiler", "source", "flags"])
+def test_build_cached_misses_after_version_or_source_change(tmp_path, change):
+    c, comp = kcache.CodeObjectCache(str(tmp_path)), FakeCompiler()
+    comp.build_cached(c, SRC, "gfx1201", [], "hip-1")
+    src, runtime_v, flags = SRC, "hip-1", []
+    if change == "runtime":
+        runtime_v = "hip-2"
+    elif change == "compiler":
+        comp._version = "fake-2.0"
+    elif change == "source":
+        src = compiler.SourceBundle("k.hip", SRC.text, (("p.h", "// prelude, edited"),))
+    else:
+        flags = ["-DX=1"]
+    built = comp.build_cached(c, src, "gfx1201", flags, runtime_v)
+    assert not built.from_cache and comp.compiles == 2
+
+
+def test_source_bundle_from_dir_hashes_headers(tmp_path):
+    (tmp_path / "main.hip").write_text('#include "pre.h"\n')
+    (tmp_path / "pre.h").write_text("// v1\n")
+    (tmp_path / "notes.txt").write_text("ignored")
+    a = compiler.SourceBundle.from_dir(str(tmp_path), "main.hip")
+    assert a.name == "main.hip" and dict(a.headers) == {"pre.h": "// v1\n"}
+    (tmp_path / "pre.h").write_text("// v2\n")
+    assert compiler.SourceBundle.from_dir(str(tmp_path), "main.hip").digest != a.digest
+    with pytest.raises(FileNotFoundError):
+        compiler.SourceBundle.from_dir(str(tmp_path), "missing.hip")
+
+
+class FakeRuntime(runtime.GpuRuntime):
+    kind = "fake"
+
+    def __init__(self):
+        self.loaded = []
+
+    def version(self):
+        return "fake-rt-1"
+
+    def load_module(self, image, device_index):
+        if image.startswith(b"stale"):
+            raise runtime.LaunchError("hipModuleLoadData failed: invalid image")
+        self.loaded.append(image)
+        return ("module", image)
+
+    def get_function(self, module, name):
+        return (module, name)
+
+
+def test_loader_rebuilds_entry_the_driver_rejects(tmp_path):
+    cache_, comp, rt = kcache.CodeObjectCache(str(tmp_path)), FakeCompiler(), FakeRuntime()
+    target = comp.target_for_device(0)
+    key = kcache.cache_key(source=SRC.digest, target=target, compiler=comp.version(), runtime=rt.version(),
+                           flags=comp.options(target, []))
+    cache_.store(key, "k-gfx1201", b"stale image from an older driver")
+    loader = runtime.KernelLoader(rt, comp, kcache.CodeObjectCache(str(tmp_path)))
+    kern = loader.kernel(0, SRC, "k", ["ptr"])
+    assert comp.compiles == 1 and rt.loaded and not rt.loaded[0].startswith(b"stale")
+    assert loader.kernel(0, SRC, "k", ["ptr"]) is kern  # loaded once per device
+    assert kcache.CodeObjectCache(str(tmp_path)).load(key, "k-gfx1201")[0] == rt.loaded[0]
+
+
+def test_loader_raises_when_a_fresh_build_is_rejected(tmp_path):
+    class Stale(FakeCompiler):
+        def compile(self, source, target, extra_flags=()):
+            self.compiles += 1
+            return b"stale always"
+
+    loader = runtime.KernelLoader(FakeRuntime(), Stale(), kcache.CodeObjectCache(str(tmp_path)))
+    with pytest.raises(runtime.LaunchError):
+        loader.kernel(0, SRC, "k", [])
+
+
+# -- launch arguments -------------------------------------------------------------------------------
+
+def test_pack_args_kinds_and_limits():
+    t = torch.zeros(4)
+    held, arr = runtime.pack_args(["ptr", "i32", "i64", "f32", "u32", "ptr"], [t, -5, 1 << 40, 0.5, 7, None])
+    assert held[0].value == t.data_ptr() and held[1].value == -5 and held[2].value == 1 << 40
+    assert abs(held[3].value - 0.5) < 1e-9 and held[4].value == 7 and held[5].value is None
+    import ctypes
+    assert arr[2] == ctypes.addressof(held[2])  # the void** slots point at the values
+    with pytest.raises(ValueError, match="does not fit i32"):
+        runtime.pack_args(["i32"], [1 << 31])
+    with pytest.raises(ValueError, match="takes 2 arguments"):
+        runtime.pack_args(["i32", "i32"], [1])
+    with pytest.raises(ValueError, match="unknown argument kind"):
+        runtime.pack_args(["f64"], [1.0])
+
+
+# -- libraries: discovery and missing ones -----------------------------------------------------------
+
+def test_missing_hip_runtime_gives_a_reason(tmp_path):
+    with pytest.raises(runtime.RuntimeUnavailable, match="HIP runtime.*not found.*libamdhip64"):
+        runtime.HipRuntime([str(tmp_path / "libamdhip64.so.7")])
+    with pytest.raises(runtime.RuntimeUnavailable, match="CUDA driver.*not found"):
+        runtime.CudaRuntime([str(tmp_path / "libcuda.so.1")])
+
+
+def test_missing_compilers_give_a_reason(tmp_path):
+    with pytest.raises(compiler.CompilerUnavailable, match="hiprtc.*not found.*libhiprtc"):
+        compiler.HiprtcCompiler([str(tmp_path / "libhiprtc.so.7")])
+    with pytest.raises(compiler.CompilerUnavailable, match="nvrtc.*not found"):
+        compiler.NvrtcCompiler([str(tmp_path / "libnvrtc.so.13")])
+
+
+def test_library_without_entry_point_gives_a_reason():
+    import ctypes.util
+    libc = ctypes.util.find_library("c")
+    if not libc:
+        pytest.skip("no libc to stand in for a wrong library")
+    with pytest.raises(runtime.RuntimeUnavailable, match="has no hip"):
+        runtime.HipRuntime([libc])
+
+
+def test_runtime_reason_is_cached_and_stable(monkeypatch, tmp_path):
+    monkeypatch.setattr(runtime, "_RUNTIMES", {})
+    monkeypatch.setattr(runtime, "_RUNTIME_ERRORS", {})
+    monkeypatch.setattr(runtime, "hip_library_candidates", lambda: [str(tmp_path / "libamdhip64.so")])
+    first = runtime.runtime_unavailable_reason("hip")
+    assert first and "libamdhip64.so" in first
+    assert runtime.runtime_unavailable_reason("hip") == first
+
+
+def test_nvrtc_candidates_prefer_torch_cuda_major(monkeypatch, tmp_path):
+    for sub, name in (("cu13", "libnvrtc.so.13"), ("cuda_nvrtc", "libnvrtc.so.12"),
+                      ("cu13", "libnvrtc-builtins.so.13.0")):
+        d = tmp_path / "nvidia" / sub / "lib"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / name).write_bytes(b"")
+    monkeypatch.setattr(compiler.sys, "path", [str(tmp_path)])
+    monkeypatch.setattr(compiler, "loaded_library_paths", lambda fragment: [])
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    found = compiler.nvrtc_candidates()
+    files = [p for p in found if os.path.sep in p]
+    if compiler.sys.platform == "win32":
+        pytest.skip("Linux file names")
+    assert files[0].endswith("cu13/lib/libnvrtc.so.13")
+    assert any(p.endswith("cuda_nvrtc/lib/libnvrtc.so.12") for p in files)
+    assert not any("builtins" in p for p in found)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert [p for p in compiler.nvrtc_candidates() if os.path.sep in p][0].endswith("libnvrtc.so.12")
+
+
+def test_hip_candidates_start_with_the_loaded_library(monkeypatch):
+    monkeypatch.setattr(runtime.sys, "platform", "linux")
+    monkeypatch.setattr(runtime, "loaded_library_paths", lambda frag: ["/opt/x/lib/libamdhip64.so.7"])
+    assert runtime.hip_library_candidates()[0] == "/opt/x/lib/libamdhip64.so.7"
+    monkeypatch.setattr(runtime.sys, "platform", "win32")
+    monkeypatch.setattr(runtime, "windows_loaded_module", lambda names: [r"C:\torch\lib\amdhip64_7.dll"])
+    names = runtime.hip_library_candidates()
+    assert names[0] == r"C:\torch\lib\amdhip64_7.dll"
+    assert "amdhip64_7.dll" in names and "amdhip64_6.dll" in names
+
+
+def test_nvrtc_compiles_a_tiny_kernel_when_present():
+    """Exercises the real nvrtc binding on a machine without a GPU, when the nvrtc wheel is installed."""
+    reason = compiler.compiler_unavailable_reason("nvrtc")
+    if reason:
+        pytest.skip(reason)
+    comp = compiler.get_compiler("nvrtc")
+    src = compiler.SourceBundle("t.cu", '#include "h.h"\nextern "C" __global__ void k(float* x) { x[0] = two(); }',
+                                (("h.h", "__device__ inline float two() { return 2.0f; }"),))
+    cubin = comp.compile(src, "sm_90")
+    assert cubin[:4] == b"\x7fELF"
+    assert b".entry k" in comp.compile(src, "compute_90")  # PTX names the entry point
+    with pytest.raises(compiler.CompileError, match="error"):
+        comp.compile(compiler.SourceBundle("bad.cu", "not C++ at all"), "sm_90")
+
+
+# -- acceptance -------------------------------------------------------------------------------------
+
+def _call(dtype=torch.float16, d=128, dv=None, hq=2, hkv=2, nq=40, nk=40, mask=None, prologue="auto",
+          causal=False, lse=False, device="cpu"):
+    q = torch.empty(1, hq, nq, d, dtype=dtype, device=device)
+    k = torch.empty(1, hkv, nk, d, dtype=dtype, device=device)
+    v = torch.empty(1, hkv, nk, dv or d, dtype=dtype, device=device)
+    return describe_call(q, k, v, attn_mask=mask, prologue=prologue, is_causal=causal, return_lse=lse)
+
+
+def test_environment_refuses_cpu_and_other_gpus(monkeypatch):
+    assert "ROCm gfx1200/gfx1201" in runtime.environment_refusal("cpu", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", "7.0.0", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(gcnArchName="gfx1100:xnack-"))
+    assert "this GPU is gfx1100" in runtime.environment_refusal("cuda", 0)
+
+
+def test_environment_on_nvidia_needs_explicit_emulation(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.delenv(runtime.EMULATE_ENV, raising=False)
+    assert runtime.EMULATE_ENV in runtime.environment_refusal("cuda", 0)
+    monkeypatch.setenv(runtime.EMULATE_ENV, "1")
+    monkeypatch.setattr(runtime, "runtime_unavailable_reason", lambda kind: "no libcuda here")
+    assert runtime.environment_refusal("cuda", 0) == "no libcuda here"  # past the emulation gate
+
+
+def test_auto_never_lists_hip_on_nvidia():
+    call = _call()
+    nvidia = types.SimpleNamespace(**{**call.__dict__, "device_type": "cuda", "rocm": False, "arch": "sm_90"})
+    assert not [n for n in registry.auto_order(nvidia) if n.startswith("hip")]
+
+
+def test_backend_names_and_unavailable_on_cpu():
+    for pv in ("fp8", "fp16"):
+        b = hip_backend.make_backend(pv)
+        assert b.name == f"hip_int8_{pv}"
+        assert "ROCm" in b.why_not(_call())
+    with pytest.raises(ValueError):
+        hip_backend.make_backend("int4")
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(dtype=torch.float32), "not fp16 or bf16"),
+    (dict(d=96), "head_dim 96"),
+    (dict(dv=64), "v head_dim 64"),
+    (dict(mask=torch.ones(40, 40, dtype=torch.bool)), "masks (bool)"),
+    (dict(nq=0), "zero-size"),
+])
+def test_attention_refusal_reasons(kw, words):
+    reason = hip_backend.attention_refusal(_call(**kw), "fp8")
+    assert reason and words in reason
+    assert hip_backend.attention_refusal(_call(), "fp8") is None
+
+
+def test_launch_wrapper_uses_the_same_rule():
+    call = _call(d=96)
+    with pytest.raises(registry.KernelRefused, match="head_dim 96"):
+        hip_backend.hip_attention(None, call, "fp8", 0.1)
+
+
+def test_missing_triton_prologue_is_a_refusal(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "comfyui_sage_rdna4.kernels.triton.prologue", None)
+    reason = hip_backend.prologue_refusal(_call(prologue="triton"))
+    assert reason and "Triton prologue is unavailable" in reason
+
+
+def test_hip_prologue_refuses_cpu():
+    reason = hip_backend.prologue_refusal(_call(prologue="hip"))
+    assert reason and reason.startswith("HIP prologue:")
+
+
+# -- the self-check ---------------------------------------------------------------------------------
+
+def good_attention(qq, call, pv, sm_scale, q=None):
+    return attention_from_quantized(qq, pv=pv, is_causal=call.is_causal, return_lse=call.return_lse,
+                                    q=q, sm_scale=sm_scale, out_dtype=call.dtype)
+
+
+def garbage_attention(qq, call, pv, sm_scale, q=None):
+    b, h, n, _ = qq.q8.shape
+    out = torch.randn(b, h, n, qq.v.shape[3], generator=torch.Generator().manual_seed(0)).to(call.dtype)
+    return out, (torch.zeros(b, h, n) if call.return_lse else None)
+
+
+@pytest.fixture
+def cpu_hip_backend(monkeypatch):
+    """A HIP backend that accepts CPU tensors, with the torch prologue standing in for the HIP one."""
+    monkeypatch.setattr(hip_prologue, "hip_prologue_refusal", lambda call: None)
+    monkeypatch.setattr(hip_prologue, "hip_quantize_qkv", quant.quantize_qkv_torch)
+    b = hip_backend.make_backend("fp8")
+    monkeypatch.setattr(b, "_unavailable", lambda device_type, index: None)
+    return b
+
+
+def test_selfcheck_passes_a_correct_kernel(cpu_hip_backend):
+    cpu_hip_backend.attention_impl = good_attention
+    assert cpu_hip_backend.why_not(_call()) is None
+    assert cpu_hip_backend.selfcheck.verdict("cpu", None) == (True, None)
+
+
+@pytest.mark.parametrize("broken, words", [
+    (garbage_attention, "cosine"),
+    (lambda qq, call, pv, s, q=None: (torch.full((1, qq.q8.shape[1], qq.q8.shape[2], qq.v.shape[3]), float("nan"),
+                                                 dtype=call.dtype), None), "NaN"),
+    (lambda *a, **k: (_ for _ in ()).throw(RuntimeError("hipModuleLaunchKernel failed")), "raised RuntimeError"),
+])
+def test_selfcheck_disables_a_broken_kernel(cpu_hip_backend, monkeypatch, broken, words):
+    cpu_hip_backend.attention_impl = broken
+    call = _call()
+    reason = cpu_hip_backend.why_not(call)
+    assert reason and "self-check failed" in reason and words in reason
+    assert cpu_hip_backend.unavailable("cpu", None) == reason  # disabled for the process, reason kept
+    with pytest.raises(registry.KernelRefused, match="self-check failed"):
+        cpu_hip_backend(torch.randn(1, 2, 40, 128).half(), torch.randn(1, 2, 40, 128).half(),
+                        torch.randn(1, 2, 40, 128).half(), call, 0.1)
+    # auto falls back past it, and records why
+    monkeypatch.setitem(registry._REGISTRY, "hip_int8_fp8", cpu_hip_backend)
+    monkeypatch.setattr(registry, "auto_order", lambda c: ["hip_int8_fp8", "sdpa"])
+    chosen, skipped = registry.choose_backend(call)
+    assert chosen.name == "sdpa" and "self-check failed" in skipped["hip_int8_fp8"]
+
+
+def test_selfcheck_catches_a_wrong_lse(cpu_hip_backend):
+    def bad_lse(qq, call, pv, sm_scale, q=None):
+        out, lse = good_attention(qq, call, pv, sm_scale, q)
+        return out, (None if lse is None else lse + 1.0)
+
+    cpu_hip_backend.attention_impl = bad_lse
+    reason = cpu_hip_backend.why_not(_call())
+    assert reason and "LSE off by" in reason
+
+
+def test_selfcheck_runs_once_across_threads(cpu_hip_backend):
+    runs = []
+
+    def counting(qq, call, pv, sm_scale, q=None):
+        runs.append(1)
+        return good_attention(qq, call, pv, sm_scale, q)
+
+    cpu_hip_backend.attention_impl = counting
+    call, results = _call(), []
+    threads = [threading.Thread(target=lambda: results.append(cpu_hip_backend.why_not(call))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [None] * 4
+    accepted = [c for c in selfcheck.DEFAULT_CASES
+                if cpu_hip_backend.refuse(describe_call(*[torch.empty(1, h, n, c.head_dim, dtype=c.dtype)
+                                                          for h, n in ((c.q_heads, c.q_len), (c.kv_heads, c.kv_len),
+                                                                       (c.kv_heads, c.kv_len))],
+                                                        is_causal=c.is_causal, return_lse=c.return_lse)) is None]
+    assert len(runs) == len(accepted) == len(selfcheck.DEFAULT_CASES)
+    cpu_hip_backend.why_not(call)
+    assert len(runs) == len(accepted)  # not run again
+
+
+def test_selfcheck_without_acceptable_case_disables(cpu_hip_backend, monkeypatch):
+    cpu_hip_backend.attention_impl = good_attention
+    monkeypatch.setattr(hip_prologue, "hip_prologue_refusal", lambda call: "nothing fits")
+    # the real call is refused by the prologue rule before the self-check is reached
+    assert "nothing fits" in cpu_hip_backend.why_not(_call())
+    reason = cpu_hip_backend.ensure_selfcheck("cpu", None)
+    assert reason and "no case" in reason
+
+
+@pytest.mark.slow
+def test_nvrtc_builds_the_whole_kernel_module_with_the_loader_flags(tmp_path, monkeypatch):
+    """The exact CUDA build the loader makes for the emulation (sm_90, ptxas -O1), through the disk cache;
+    every entry point of kernel_abi must be in the cubin. ~10 s on a 2-core CPU."""
+    reason = compiler.compiler_unavailable_reason("nvrtc")
+    if reason:
+        pytest.skip(reason)
+    abi = pytest.importorskip("comfyui_sage_rdna4.kernels.hip.kernel_abi")
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setattr(runtime, "_BUNDLES", {})
+    bundle = runtime.kernel_bundle()
+    comp = compiler.get_compiler("nvrtc")
+    built = comp.build_cached(kcache.CodeObjectCache(str(tmp_path)), bundle, "sm_90", [], "cuda-driver-test")
+    assert built.image[:4] == b"\x7fELF" and built.path
+    missing = [n for n in abi.all_kernel_names() if n.encode() not in built.image]
+    assert not missing, missing
+    again = comp.build_cached(kcache.CodeObjectCache(str(tmp_path)), bundle, "sm_90", [], "cuda-driver-test")
+    assert again.from_cache and again.image == built.image
