@@ -17,10 +17,12 @@ KERNEL_TOOLTIP = (
 
 
 def config_from_inputs(kernel, smooth_k, prologue, on_unsupported, step_start=0.0, step_end=1.0,
-                       exact_blocks="", min_seq_len=0, cross_attention="quantized") -> PatchConfig:
+                       exact_blocks="", min_seq_len=0, cross_attention="quantized",
+                       time_attention=False) -> PatchConfig:
     return PatchConfig(kernel=kernel, smooth_k=bool(smooth_k), prologue=prologue, on_unsupported=on_unsupported,
                        step_start=float(step_start), step_end=float(step_end), exact_blocks=exact_blocks.strip(),
-                       min_seq_len=int(min_seq_len), cross_attention=cross_attention)
+                       min_seq_len=int(min_seq_len), cross_attention=cross_attention,
+                       time_attention=bool(time_attention))
 
 
 class PatchSageAttentionRDNA4(io.ComfyNode):
@@ -61,14 +63,17 @@ class PatchSageAttentionRDNA4(io.ComfyNode):
                 io.Combo.Input("cross_attention", options=["quantized", "exact"], default="quantized",
                                tooltip="Calls whose query and key lengths differ (text cross-attention): "
                                        "quantize them too, or keep them exact."),
+                io.Boolean.Input("time_attention", default=False,
+                                 tooltip="Also time the attention calls of each step with device events and "
+                                         "print the attention share per sampling run. Off: no extra work."),
             ],
             outputs=[io.Model.Output(tooltip="A patched clone of the model.")],
         )
 
     @classmethod
     def execute(cls, model, kernel, smooth_k, prologue, on_unsupported, step_start=0.0, step_end=1.0,
-                exact_blocks="", min_seq_len=0, cross_attention="quantized") -> io.NodeOutput:
+                exact_blocks="", min_seq_len=0, cross_attention="quantized", time_attention=False) -> io.NodeOutput:
         config = config_from_inputs(kernel, smooth_k, prologue, on_unsupported, step_start, step_end,
-                                    exact_blocks, min_seq_len, cross_attention)
+                                    exact_blocks, min_seq_len, cross_attention, time_attention)
         patched, _ = patch_model(model, config)
         return io.NodeOutput(patched)

@@ -110,8 +110,8 @@ def format_report_text(report: dict) -> str:
     calls = report.get("calls", {})
     for run in ("patched", "sdpa"):
         if run in calls:
-            lines.append(f"{run} run attention calls: " + (", ".join(f"{k} {v}" for k, v in sorted(calls[run].items()))
-                                                           or "none reached the override"))
+            lines.append(f"{run} run, calls served by a kernel of this pack: " + (", ".join(f"{k} {v}" for k, v in sorted(calls[run].items()))
+                                                           or "none ran a kernel of this pack (see fallbacks)"))
     fallbacks = report.get("fallbacks", {})
     if fallbacks:
         lines.append("fallbacks (patched run) to the call site's own attention (their time is not in 'attn'):")

@@ -63,7 +63,7 @@ def test_text_report_shows_every_part():
     assert "2 x reference: head_dim 300 is too large" in text
     assert "exact by policy (short call (< 64 query tokens)): 1" in text
     assert "note: block policy cannot apply" in text
-    assert "patched run attention calls: reference 4" in text
+    assert "patched run, calls served by a kernel of this pack: reference 4" in text
 
 
 def test_text_report_without_measured_steps_says_so():

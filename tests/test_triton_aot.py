@@ -1,0 +1,54 @@
+"""Ahead-of-time compilation of every shipped RDNA4 Triton configuration, on the CPU.
+
+For gfx1201 and gfx1200: the kernel compiles with num_stages=1, its ISA uses the gfx12 INT8 WMMA for
+Q.K^T and the FP8 (or F16) WMMA for P.V, no VGPR is spilled (no scratch), and LDS fits 64 KiB.
+Prints VGPRs, LDS and occupancy per configuration (run with -s to see them).
+"""
+import pytest
+
+pytest.importorskip("triton")
+
+from comfyui_sage_rdna4.kernels.triton import aot  # noqa: E402
+from comfyui_sage_rdna4.kernels.triton.configs import (  # noqa: E402
+    RDNA4_ARCHS, attention_config, padded_head_dim, shipped_rdna4_configs)
+
+_missing = aot.amd_backend_missing()
+pytestmark = pytest.mark.skipif(_missing is not None, reason=f"AOT for gfx12 impossible here: {_missing}")
+
+
+def check(report: aot.KernelReport, pv: str):
+    print(report.line())
+    assert report.vgprs > 0, "no .vgpr_count in the ISA metadata"
+    assert report.vgpr_spills == 0 and report.scratch_bytes == 0, "VGPRs spilled to scratch"
+    assert report.lds_bytes <= aot.LDS_LIMIT
+    assert report.isa_ops[aot.WMMA_INT8] > 0, "Q.K^T is not on the INT8 WMMA"
+    pv_op = aot.WMMA_FP8 if pv == "fp8" else aot.WMMA_F16
+    assert report.isa_ops[pv_op] > 0, f"P.V is not on {pv_op}"
+
+
+def test_shipped_configs_use_one_stage():
+    for _, _, cfg in shipped_rdna4_configs():
+        assert cfg.num_stages == 1 and cfg.block_m % cfg.block_n == 0
+    for arch in RDNA4_ARCHS:
+        for d in (40, 64, 80, 128, 160, 256):
+            assert attention_config(arch, d, "fp8").num_stages == 1
+
+
+@pytest.mark.parametrize("arch", RDNA4_ARCHS)
+@pytest.mark.parametrize("d,pv,cfg", shipped_rdna4_configs(),
+                         ids=[f"D{d}-{pv}" for d, pv, _ in shipped_rdna4_configs()])
+def test_attention_compiles_for_gfx12(arch, d, pv, cfg):
+    check(aot.compile_attention(arch, d, pv, cfg), pv)
+    if arch == "gfx1201":  # the causal + LSE + fp16-output variant, and an SD1.5 padded head dim
+        check(aot.compile_attention(arch, d, pv, cfg, is_causal=True, return_lse=True, out_dtype="fp16",
+                                    kv_group=4), pv)
+        odd = {32: 24, 64: 40, 128: 80, 256: 160}[d]
+        assert padded_head_dim(odd) == d
+        check(aot.compile_attention(arch, odd, pv, cfg), pv)
+
+
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+def test_prologue_compiles_for_gfx1201(pv):
+    for r in aot.compile_prologue("gfx1201", 128, pv):
+        print(r.line())
+        assert r.vgpr_spills == 0 and r.scratch_bytes == 0 and r.lds_bytes <= aot.LDS_LIMIT
