@@ -4,7 +4,8 @@ launched with kernel_abi's geometry and compared with the spec:
   * INT8 Q.K^T products bit-exact (same LDS staging and fragments as the attention kernels);
   * attention outputs and LSE within tight tolerance of reference.attention_from_quantized;
   * shapes with tails, causal, GQA, both head dims, both dtypes, both P.V modes;
-  * a call whose offsets exceed 2^31 elements."""
+  * a call whose offsets exceed 2^31 elements;
+  * NaN/Inf in q, k or v reaching the output as NaN where the spec puts it; V at the dtype max staying finite."""
 import math
 
 import pytest
@@ -116,3 +117,40 @@ def test_offsets_beyond_2_pow_31(run):
                                   sm_scale=sm)
     print("2^31", rep)
     verify.assert_attention_ok(rep, "fp8")
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("where,value,pv,causal,smooth,dtype", [
+    ("q", NAN, "fp8", False, True, torch.float16),
+    ("q", INF, "fp16", True, True, torch.bfloat16),
+    ("k", NAN, "fp8", True, False, torch.bfloat16),
+    ("k", -INF, "fp16", True, False, torch.float16),
+    ("k", INF, "fp8", False, True, torch.float16),
+    ("v", NAN, "fp16", True, True, torch.bfloat16),
+    ("v", INF, "fp8", True, True, torch.float16),
+    ("v", -INF, "fp8", False, True, torch.bfloat16),
+])
+def test_nan_and_inf_propagate(run, where, value, pv, causal, smooth, dtype):
+    """Prologue: NaN/Inf scales exactly where the torch prologue has them (else bit-exact). Attention: NaN
+    exactly where the spec is not finite, never finite where exact attention is not, NaN LSE where the spec's is
+    NaN (several query blocks and key tiles)."""
+    q, k, v = verify.poisoned_qkv(where, value, dtype, DEV, nq=300, nk=517)
+    qq = verify.prologue(run, q, k, v, sm_scale=0.125, smooth_k=smooth, pv=pv)
+    assert verify.prologue_mismatches(qq, q, k, v, sm_scale=0.125, smooth_k=smooth, pv=pv) == {}
+    out, lse = verify.attention(run, qq, pv=pv, is_causal=causal, out_dtype=dtype, return_lse=True, q=q,
+                                sm_scale=0.125)
+    verify.assert_nonfinite_like_spec(out, lse, qq, q, k, v, where=where, pv=pv, is_causal=causal, sm_scale=0.125,
+                                      smooth_k=smooth)
+
+
+@pytest.mark.parametrize("dtype,v_max", [(torch.float16, 65504.0), (torch.bfloat16, 3e38)])
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_output_is_overflow_safe(run, dtype, v_max, pv, d):
+    """V at the top of its dtype's range (fp16 65504; bf16 3e38): finite output, constant channels at +-max|V|."""
+    q, k, v = verify.overflow_qkv(dtype, v_max, DEV, nq=300, nk=517, d=d)
+    qq = verify.prologue(run, q, k, v, sm_scale=1 / math.sqrt(d), pv=pv)
+    out, _ = verify.attention(run, qq, pv=pv, is_causal=True, out_dtype=dtype)
+    verify.assert_overflow_safe(out, qq, v, pv=pv, is_causal=True)

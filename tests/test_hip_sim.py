@@ -3,7 +3,9 @@ the gfx12 WMMA emulation, one OS thread per GPU thread. Small shapes only: CI ha
 
 Checks: every emulated WMMA builtin against a plain matrix product (bit-exact), the prologue against
 quant.quantize_qkv_torch (bit-exact) for strided views and every quantization group, the INT8 Q.K^T
-products of the attention path (bit-exact), and attention outputs/LSE against the reference."""
+products of the attention path (bit-exact), and attention outputs/LSE against the reference; the spec's
+NaN rule (NaN/Inf in q, k or v reaches the output as NaN where the spec puts it, never finite garbage) and its
+overflow-safe output (V at the fp16/bf16 maximum stays finite)."""
 import math
 
 import pytest
@@ -92,3 +94,80 @@ def test_lse_without_smooth_k_and_gqa():
     rep = verify.attention_report(out, lse, qq, q, k, v, pv="fp8", is_causal=False, sm_scale=0.125)
     verify.assert_attention_ok(rep, "fp8")
     assert rep["lse_max_abs_vs_exact"] < 0.05, rep
+
+
+
+# ------------------------------------------------------------------------------------------------------
+# NaN/Inf propagation and the overflow-safe output cast (the spec's rules in quant.py / reference.py)
+# ------------------------------------------------------------------------------------------------------
+NAN, INF = float("nan"), float("inf")
+T, C = verify.POISON_TOKEN, verify.POISON_CHANNEL
+
+
+@pytest.mark.parametrize("where,value,pv,group,smooth", [
+    ("q", NAN, "fp8", "token", True),
+    ("q", INF, "fp16", "block32", True),
+    ("k", -INF, "fp16", "block64", False),
+    ("k", INF, "fp8", "token", True),
+    ("v", NAN, "fp16", "token", True),
+])
+def test_prologue_keeps_nan_and_inf_where_the_spec_does(where, value, pv, group, smooth):
+    """A NaN/Inf element gives its token (or block, or V channel) a NaN/Inf scale exactly where
+    quant.quantize_qkv_torch does, with the same int8 values, and every finite field stays bit-exact.
+    An fmaxf-based amax would give the bad token a finite scale (and finite garbage) instead.
+    (test_attention_propagates_nan_and_inf checks the prologue of its cases the same way.)"""
+    q, k, v = verify.poisoned_qkv(where, value, torch.float16, CPU)
+    qq = verify.prologue(run, q, k, v, sm_scale=0.125, smooth_k=smooth, pv=pv, qk_group=group)
+    assert verify.prologue_mismatches(qq, q, k, v, sm_scale=0.125, smooth_k=smooth, pv=pv, qk_group=group) == {}
+    if where == "q":
+        bad = qq.q_scale[0, 0, 0:32] if group == "block32" else qq.q_scale[0, 0, T:T + 1]
+        assert not torch.isfinite(bad).any() and torch.isfinite(qq.q_scale[0, 0, 32:]).all()
+        assert not qq.q8[0, 0, T].any()  # int8 0, as torch casts NaN
+    elif where == "k":
+        bad = qq.k_scale[0, 0] if smooth else (qq.k_scale[0, 0, 0:64] if group == "block64" else qq.k_scale[0, 0, T])
+        assert not torch.isfinite(bad).any()
+        assert bool(torch.isfinite(qq.k_scale[0, 0, 64:]).all()) == (not smooth)
+    else:
+        assert not torch.isfinite(qq.v_scale[0, 0, C]) and torch.isfinite(qq.v_scale[0, 0, C + 1:]).all()
+        assert torch.isnan(qq.v.float()[0, 0, T, C])
+
+
+@pytest.mark.parametrize("where,value,pv,causal,smooth", [
+    ("q", NAN, "fp8", False, True),
+    ("q", INF, "fp16", True, True),
+    ("q", -INF, "fp8", True, False),
+    ("k", NAN, "fp8", True, False),
+    ("k", INF, "fp16", True, False),
+    ("k", NAN, "fp16", False, True),
+    ("v", NAN, "fp8", True, True),
+    ("v", INF, "fp8", False, True),
+    ("v", -INF, "fp16", True, True),
+])
+def test_attention_propagates_nan_and_inf(where, value, pv, causal, smooth):
+    """NaN/Inf in q, k or v comes out as NaN exactly where the spec's attention is not finite (the bad query's
+    row; the rows that see the bad key; the bad V channel), never as a finite value where exact attention is
+    not finite (test_fuzz's rule), with a NaN LSE where the spec's is NaN; all else matches the spec."""
+    dtype = torch.bfloat16 if where == "k" else torch.float16
+    q, k, v = verify.poisoned_qkv(where, value, dtype, CPU)
+    qq = verify.prologue(run, q, k, v, sm_scale=0.125, smooth_k=smooth, pv=pv)
+    assert verify.prologue_mismatches(qq, q, k, v, sm_scale=0.125, smooth_k=smooth, pv=pv) == {}
+    out, lse = verify.attention(run, qq, pv=pv, is_causal=causal, out_dtype=dtype, return_lse=True, q=q,
+                                sm_scale=0.125)
+    verify.assert_nonfinite_like_spec(out, lse, qq, q, k, v, where=where, pv=pv, is_causal=causal, sm_scale=0.125,
+                                      smooth_k=smooth)
+
+
+@pytest.mark.parametrize("dtype,v_max,pv", [
+    (torch.float16, 65504.0, "fp8"),
+    (torch.float16, 65504.0, "fp16"),
+    (torch.bfloat16, 3e38, "fp8"),
+    (torch.bfloat16, 3e38, "fp16"),
+])
+def test_attention_output_is_overflow_safe(dtype, v_max, pv):
+    """V at the top of its dtype's range: a channel holding +-v_max everywhere comes out as about +-v_max and
+    finite. FP8 rounding of P lifts a convex combination up to ~6 % above max|V| (65504 -> Inf in fp16 without
+    the saturating cast), and acc * v_scale before the division overflows FP32 for bf16 near its max."""
+    q, k, v = verify.overflow_qkv(dtype, v_max, CPU)
+    qq = verify.prologue(run, q, k, v, sm_scale=0.125, pv=pv)
+    out, _ = verify.attention(run, qq, pv=pv, is_causal=True, out_dtype=dtype)
+    verify.assert_overflow_safe(out, qq, v, pv=pv, is_causal=True)

@@ -92,29 +92,39 @@ def prologue(run: Callable, q, k, v, *, sm_scale, smooth_k=True, pv="fp8", qk_gr
     return qq
 
 
-def _bits(t):
-    if t is None:
-        return None
-    t = t.cpu()
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+def _differing(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements of a and b (same shape and dtype, CPU) that differ; e4m3 compared by bits. Two NaNs count as
+    equal: the spec fixes where a NaN appears (a NaN or Inf input), not its sign or payload."""
+    if a.dtype == torch.float8_e4m3fn:
+        diff = a.view(torch.uint8) != b.view(torch.uint8)
+        a, b = a.float(), b.float()
+    else:
+        diff = a != b
+    if a.is_floating_point():
+        diff &= ~(torch.isnan(a) & torch.isnan(b))
+    return int(diff.sum())
 
 
 def prologue_mismatches(qq: quant.QuantizedQKV, q, k, v, *, sm_scale, smooth_k=True, pv="fp8",
                         qk_group="token") -> Dict[str, int]:
-    """{field: number of elements that differ from the CPU torch prologue} (empty = bit-exact)."""
+    """{field: number of elements that differ from the CPU torch prologue} (empty = bit-exact; for inputs
+    holding NaN/Inf, NaN must sit exactly where the spec puts it)."""
     ref = quant.quantize_qkv_torch(q.cpu(), k.cpu(), v.cpu(), sm_scale=sm_scale, smooth_k=smooth_k, pv=pv,
                                    qk_group=qk_group)
     bad = {}
     for name in QQ_FIELDS:
-        a, b = _bits(getattr(qq, name)), _bits(getattr(ref, name))
+        a, b = getattr(qq, name), getattr(ref, name)
         if a is None or b is None:
             if (a is None) != (b is None):
                 bad[name] = -1
             continue
+        a = a.cpu()
         if a.shape != b.shape or a.dtype != b.dtype:
             bad[name] = -1
-        elif not torch.equal(a, b):
-            bad[name] = int((a != b).sum())
+        else:
+            n = _differing(a, b)
+            if n:
+                bad[name] = n
     return bad
 
 
@@ -176,3 +186,68 @@ def assert_attention_ok(rep: Dict[str, float], pv: str) -> None:
     assert rep["rel_l1_vs_exact"] < rep["ref_rel_l1_vs_exact"] * 1.1 + 2e-3, rep
     if "lse_max_abs_vs_ref" in rep:
         assert rep["lse_max_abs_vs_ref"] < TOL_LSE, rep
+
+
+# ------------------------------------------------------------------------------------------ NaN/Inf, overflow
+POISON_TOKEN, POISON_CHANNEL = 30, 5
+
+
+def poisoned_qkv(where: str, value: float, dtype, device, nq=40, nk=100, d=64):
+    """q, k, v (B1 H1, HND, on `device`) with one bad element at (POISON_TOKEN, POISON_CHANNEL) of `where`.
+    The token lies inside the first key tile, so under causal masking rows before it never see it."""
+    q, k, v = make_qkv(1, 1, 1, nq, nk, d, dtype, torch.device("cpu"), k_offset=1.0)
+    {"q": q, "k": k, "v": v}[where][0, 0, POISON_TOKEN, POISON_CHANNEL] = value
+    return tuple(t.to(device) for t in (q, k, v))
+
+
+def assert_nonfinite_like_spec(out, lse, qq, q, k, v, *, where, pv, is_causal, sm_scale, smooth_k):
+    """The NaN rule: outputs are non-finite exactly where the spec's attention half (same QuantizedQKV) is, and
+    those are NaN (not a saturated or overflowed value); nothing is finite where exact attention is not
+    (tests/test_fuzz.py's rule); the LSE is NaN where the spec's is; all other outputs match the spec."""
+    qq_cpu = quant.QuantizedQKV(*(None if getattr(qq, f) is None else getattr(qq, f).cpu() for f in QQ_FIELDS))
+    q, k, v, out = q.cpu(), k.cpu(), v.cpu(), out.cpu().float()
+    ref, ref_lse = reference.attention_from_quantized(qq_cpu, pv=pv, is_causal=is_causal, return_lse=True, q=q,
+                                                      sm_scale=sm_scale, out_dtype=q.dtype)
+    exact, _ = reference.exact_attention(q, k, v, is_causal=is_causal, sm_scale=sm_scale)
+    bad_out, bad_ref = ~torch.isfinite(out), ~torch.isfinite(ref.float())
+    assert torch.isnan(out[bad_out]).all(), "non-finite outputs must be NaN"
+    assert torch.equal(bad_out, bad_ref), f"{int(bad_out.sum())} non-finite outputs, spec has {int(bad_ref.sum())}"
+    assert not (torch.isfinite(out) & ~torch.isfinite(exact)).any(), "a NaN/Inf input came out finite"
+    if lse is not None:
+        assert torch.equal(torch.isnan(lse.cpu()), torch.isnan(ref_lse)), "LSE NaN pattern differs from the spec"
+    t, c = POISON_TOKEN, POISON_CHANNEL
+    if where == "q":
+        assert bad_out[0, 0, t].all(), "the bad query's row must be NaN"
+    elif where == "k":
+        assert bad_out[0, 0, t if is_causal else 0].all(), "a row that sees the bad key must be NaN"
+        if is_causal and not smooth_k:
+            assert not bad_out[0, 0, :t].any(), "rows before the bad key never see it"
+    else:
+        assert bad_out[0, 0, :, c].all() and not bad_out[0, 0, :, c + 1:].any(), "only the bad V channel is NaN"
+    good = ~bad_ref
+    if good.any():
+        o, r = out[good], ref.float()[good]
+        assert float((o - r).abs().sum() / r.abs().sum()) < TOL_REL_L1_VS_REF[pv]
+
+
+def overflow_qkv(dtype, v_max: float, device, nq=40, nk=100, d=64):
+    """V at the top of its range: channel POISON_CHANNEL holds +v_max everywhere, the next one -v_max."""
+    q, k, v = make_qkv(1, 1, 1, nq, nk, d, torch.float32, torch.device("cpu"), k_offset=1.0)
+    v = v / v.abs().amax() * v_max * 0.5
+    v[..., POISON_CHANNEL] = v_max
+    v[..., POISON_CHANNEL + 1] = -v_max
+    return tuple(t.to(dtype).to(device) for t in (q, k, v))
+
+
+def assert_overflow_safe(out, qq, v, *, pv, is_causal):
+    """Finite output; the constant channels come out as +-max|V| (FP8 rounding of P: within 7 %), never beyond
+    the dtype's finite range; everything matches the spec's attention half."""
+    qq_cpu = quant.QuantizedQKV(*(None if getattr(qq, f) is None else getattr(qq, f).cpu() for f in QQ_FIELDS))
+    ref, _ = reference.attention_from_quantized(qq_cpu, pv=pv, is_causal=is_causal, out_dtype=out.dtype)
+    o, c = out.cpu().float(), POISON_CHANNEL
+    assert torch.isfinite(o).all(), f"{int((~torch.isfinite(o)).sum())} non-finite outputs"
+    top = float(v.float().abs().max())
+    assert torch.allclose(o[..., c], torch.full_like(o[..., c], top), rtol=0.07)
+    assert torch.allclose(o[..., c + 1], torch.full_like(o[..., c + 1], -top), rtol=0.07)
+    assert float(o.abs().max()) <= torch.finfo(out.dtype).max
+    assert float((o - ref.float()).abs().sum() / ref.float().abs().sum()) < TOL_REL_L1_VS_REF[pv]

@@ -293,9 +293,13 @@ SG_INLINE void attention(const i8* q8, const float* q_scale, const i8* k8, const
     block_sync();
   }
 
-  // Epilogue: out = acc / row_sum * v_scale (the x448 of FP8 P cancels between acc and sum).
+  // Epilogue: out = acc / row_sum * v_scale (the x448 of FP8 P cancels between acc and sum). Dividing
+  // first keeps acc * v_scale from overflowing FP32 (V near the bf16 max); the cast saturates (FP8
+  // rounding of P lifts a convex combination of V up to ~6 % above max|V|: fp16 V at 65504 would be Inf)
+  // and keeps NaN. Only a row that saw no key has l_tot == 0 (zeros out); a NaN row sum (NaN or Inf in
+  // q or k) must stay NaN, so it is not tested with `> 0`.
   const float l_tot = rs.l + lane_xor<16>(rs.l);
-  const float inv = l_tot > 0.0f ? 1.0f / l_tot : 0.0f;
+  const float inv = l_tot == 0.0f ? 0.0f : 1.0f / l_tot;
   if (rs.qrow < Nq) {
     u16* orow = out + (i64)b * osb + (i64)hq * osh + (i64)rs.qrow * osn;
     const float* vs = v_scale + bhk * D;
@@ -305,8 +309,8 @@ SG_INLINE void attention(const i8* q8, const float* q_scale, const i8* k8, const
       u32 w[4];
       #pragma unroll
       for (int e = 0; e < 8; e += 2) {
-        const u32 lo = T::store(rs.o[tt][e] * vs[c0 + e] * inv);
-        const u32 hi = T::store(rs.o[tt][e + 1] * vs[c0 + e + 1] * inv);
+        const u32 lo = T::store_sat(rs.o[tt][e] * inv * vs[c0 + e]);
+        const u32 hi = T::store_sat(rs.o[tt][e + 1] * inv * vs[c0 + e + 1]);
         w[e / 2] = lo | (hi << 16);
       }
       u32x4 pk;
@@ -324,7 +328,7 @@ SG_INLINE void attention(const i8* q8, const float* q_scale, const i8* k8, const
       corr = (corr + lane_xor<16>(corr)) * sm_scale;
     }
     const float base2 = rs.m * rs.qscale + fast_log2(l_tot) - (FP8PV ? LOG2_FP8_MAX : 0.0f);
-    const float val = l_tot > 0.0f ? base2 * LN2 + corr : neg_inf();
+    const float val = l_tot == 0.0f ? neg_inf() : base2 * LN2 + corr;  // NaN row sum: NaN LSE
     if (h == 0 && rs.qrow < Nq) lse[bhq * Nq + rs.qrow] = val;
   }
 }

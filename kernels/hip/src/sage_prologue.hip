@@ -9,6 +9,8 @@ constexpr int STAT_CHUNK = 512;  // tokens per column-statistics block
 
 // Column statistics per (b, h, channel) over one chunk of tokens, into a f64 workspace
 // ws[((b*H + h)*chunks + chunk)*D + d]. mode 0: sum (for the key mean); mode 1: max |x|.
+// Both keep NaN as torch does (a sum does by itself; the max through abs_max), so a NaN or Inf
+// anywhere in a channel gives that channel a NaN/Inf statistic instead of a finite one.
 template <class T>
 SG_INLINE void colstats(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int N, int D, int chunks,
                         int mode, double* ws) {
@@ -22,7 +24,7 @@ SG_INLINE void colstats(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int
     for (int n = chunk * STAT_CHUNK + r; n < n_end; n += rows) {
       float v = T::load(base[(i64)n * sn]);
       if (mode == 0) acc += (double)v;
-      else acc = acc > (double)fabs_(v) ? acc : (double)fabs_(v);
+      else acc = abs_max(acc, (double)fabs_(v));
     }
   }
   part[t] = acc;
@@ -31,7 +33,7 @@ SG_INLINE void colstats(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int
     double s = part[t];
     for (int i = 1; i < rows; ++i) {
       double o = part[i * D + t];
-      s = mode == 0 ? s + o : (s > o ? s : o);
+      s = mode == 0 ? s + o : abs_max(s, o);
     }
     ws[(((i64)b * H + h) * chunks + chunk) * D + t] = s;
   }
@@ -41,6 +43,7 @@ SG_INLINE void colstats(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int
 //   mode 0: key mean   = float(sum / N)                         (torch: k.double().mean().float())
 //   mode 1: fp8 scale  = max(amax / 448, tiny)                  (quant.quantize_v_fp8)
 //   mode 2: fp16 scale = smallest power of two >= max(amax / 32768, 1)   (quant.quantize_v_fp16)
+// A NaN amax gives a NaN scale and an Inf amax an Inf scale (torch's clamp_min keeps both).
 SG_INLINE void colstats_finalize(const double* ws, int chunks, i64 rows, int D, int N, int mode, float* out) {
   const i64 i = (i64)bid_x() * PRO_THREADS + tid_x();
   if (i >= rows * D) return;
@@ -49,18 +52,19 @@ SG_INLINE void colstats_finalize(const double* ws, int chunks, i64 rows, int D, 
   double s = 0.0;
   for (int c = 0; c < chunks; ++c) {
     double o = ws[(bh * chunks + c) * D + d];
-    s = mode == 0 ? s + o : (s > o ? s : o);
+    s = mode == 0 ? s + o : abs_max(s, o);
   }
   float res;
   if (mode == 0) {
     res = N > 0 ? (float)(s / (double)N) : 0.0f;
   } else if (mode == 1) {
-    res = fmax_((float)s / 448.0f, F32_TINY);
+    res = abs_max((float)s / 448.0f, F32_TINY);
   } else {
-    float over = fmax_((float)s / 32768.0f, 1.0f);
+    float over = abs_max((float)s / 32768.0f, 1.0f);
     u32 bits = bit_cast<u32>(over);
-    // exp2(ceil(log2(over))) without transcendental rounding: exact powers of two stay.
-    if (bits & 0x7fffffu) bits = (bits & 0x7f800000u) + 0x800000u;
+    // exp2(ceil(log2(over))) without transcendental rounding: exact powers of two stay; Inf and NaN
+    // (bits at or above 0x7f800000, over being >= 1 or NaN) pass unchanged.
+    if ((bits & 0x7fffffu) && bits < 0x7f800000u) bits = (bits & 0x7f800000u) + 0x800000u;
     res = bit_cast<float>(bits);
   }
   out[i] = res;
@@ -70,6 +74,9 @@ SG_INLINE void colstats_finalize(const double* ws, int chunks, i64 rows, int D, 
 //   x = float(in) * mult (Q: mult = fp32(sm_scale * log2 e)) or x = float(in) - mean[d] (smoothed K)
 //   amax = max(max|x| over the group, tiny); q = clamp(rint(x * ((1 / amax) * 127)), -127, 127);
 //   scale = amax / 127.
+// Non-finite input: NaN in the group gives amax NaN, Inf gives Inf (torch.amax, NaN winning), so the
+// scale is NaN/Inf and every q of the group is 0 (x * inv is NaN or 0; torch casts NaN to int8 0):
+// the scores of that token become NaN (0 * Inf, x * NaN) and reach the output instead of garbage.
 // One block = 8 waves; a wave handles TB/8 tokens, a lane D/32 adjacent channels.
 template <int D, int G, class T>
 SG_INLINE void quant_qk(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int N, float mult,
@@ -98,29 +105,30 @@ SG_INLINE void quant_qk(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int
         f = mean ? f - mu[i] : f * mult;
       }
       v[t][i] = f;
-      m = fmax_(m, fabs_(f));
+      m = abs_max(m, fabs_(f));
     }
-    amax[t] = wave_max(m);
-    group_amax = fmax_(group_amax, amax[t]);
+    amax[t] = wave_abs_max(m);
+    group_amax = abs_max(group_amax, amax[t]);
   }
   if (G > 1) {
     if (lane == 0) wave_amax[w] = group_amax;
     block_sync();
     group_amax = wave_amax[0];
     #pragma unroll
-    for (int i = 1; i < 8; ++i) group_amax = fmax_(group_amax, wave_amax[i]);
+    for (int i = 1; i < 8; ++i) group_amax = abs_max(group_amax, wave_amax[i]);
   }
   #pragma unroll
   for (int t = 0; t < TPW; ++t) {
     const int n = n0 + t;
     if (n >= N) continue;
-    const float a = fmax_(G == 1 ? amax[t] : group_amax, F32_TINY);
+    const float a = abs_max(G == 1 ? amax[t] : group_amax, F32_TINY);
     // quant.py writes INT8_MAX / amax: a Python scalar over a tensor is reciprocal() * 127 in torch.
     const float inv = (1.0f / a) * 127.0f;
     u32 packed = 0;
     #pragma unroll
     for (int i = 0; i < EPL; ++i) {
-      float q = fmin_(fmax_(round_even(v[t][i] * inv), -127.0f), 127.0f);
+      const float r = v[t][i] * inv;
+      const float q = r == r ? fmin_(fmax_(round_even(r), -127.0f), 127.0f) : 0.0f;
       packed |= ((u32)(int)q & 0xffu) << (8 * i);
     }
     i8* dst = out + (bh * N + n) * D + lane * EPL;
@@ -131,6 +139,7 @@ SG_INLINE void quant_qk(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int
 }
 
 // V for FP8 P.V: e4m3(clamp(v / scale, -448, 448)); for FP16 P.V: fp16(v / scale).
+// NaN (a NaN/Inf channel: its scale is NaN/Inf) stays NaN through the clamp and the e4m3 encoding.
 // One thread = 4 adjacent channels of one token; output (B, H, N, Dv) contiguous.
 template <bool FP8, class T>
 SG_INLINE void quant_v(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int N, int Dv,
@@ -147,7 +156,7 @@ SG_INLINE void quant_v(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int 
   #pragma unroll
   for (int i = 0; i < 4; ++i) {
     float f = T::load(src[(i64)i * sd]) / vscale[bh * Dv + d0 + i];
-    y[i] = FP8 ? fmin_(fmax_(f, -448.0f), 448.0f) : f;
+    y[i] = FP8 ? clamp_keep_nan(f, 448.0f) : f;
   }
   const i64 o = (bh * N + n) * Dv + d0;
   if (FP8) {
