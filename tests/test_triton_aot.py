@@ -52,3 +52,13 @@ def test_prologue_compiles_for_gfx1201(pv):
     for r in aot.compile_prologue("gfx1201", 128, pv):
         print(r.line())
         assert r.vgpr_spills == 0 and r.scratch_bytes == 0 and r.lds_bytes <= aot.LDS_LIMIT
+
+
+def test_value_head_dim_may_differ_from_query_head_dim():
+    """A model whose V is narrower than Q/K (found by the GPU fuzz: D192/DV3 failed to compile, because the
+    prologue's if/else branches gave one variable two widths)."""
+    for r in aot.compile_prologue("gfx1201", 192, "fp8", v_head_dim=3):
+        assert r.vgpr_spills == 0
+    cfg = attention_config("gfx1201", 192, "fp8")
+    report = aot.compile_attention("gfx1201", 192, "fp8", cfg, v_head_dim=3)
+    assert report.isa_ops[aot.WMMA_INT8] > 0

@@ -89,10 +89,12 @@ def _compile(fn, signature: Dict[str, str], constexprs: Dict[str, object], arch:
 
 
 def compile_attention(arch: str, head_dim: int, pv: str, config: AttentionConfig, *, is_causal: bool = False,
-                      return_lse: bool = False, out_dtype: str = "bf16", kv_group: int = 1) -> KernelReport:
+                      return_lse: bool = False, out_dtype: str = "bf16", kv_group: int = 1,
+                      v_head_dim: Optional[int] = None) -> KernelReport:
     from .attention import _sage_attn_fwd
 
-    d_pad = padded_head_dim(head_dim)
+    dv = v_head_dim or head_dim
+    d_pad, dv_pad = padded_head_dim(head_dim), padded_head_dim(dv)
     v_ty = "*fp8e4nv" if pv == "fp8" else "*fp16"
     sig = {"Q8": "*i8", "QS": "*fp32", "K8": "*i8", "KS": "*fp32", "V": v_ty, "VS": "*fp32",
            "O": f"*{out_dtype}", "LSE": "*fp32"}
@@ -102,25 +104,26 @@ def compile_attention(arch: str, head_dim: int, pv: str, config: AttentionConfig
         sig[s] = "constexpr" if s == unit else "i32"
     for s in ("Hq", "Hkv", "Nq", "Nk"):
         sig[s] = "i32"
-    consts = {unit: 1, "KV_GROUP": kv_group, "HEAD_DIM": head_dim, "D_PAD": d_pad, "DV": head_dim, "DV_PAD": d_pad,
+    consts = {unit: 1, "KV_GROUP": kv_group, "HEAD_DIM": head_dim, "D_PAD": d_pad, "DV": dv, "DV_PAD": dv_pad,
               "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "IS_CAUSAL": is_causal,
               "PV_FP8": pv == "fp8", "STORE_LSE": return_lse, "V_T": config.v_transposed, "EXACT_P_ROUND": False,
               "INTERPRETER": False}
     for k in consts:
         sig[k] = "constexpr"
     kernel = _compile(_sage_attn_fwd, sig, consts, arch, config.num_warps, config.num_stages)
-    label = (f"attention D{head_dim} {pv} BM{config.block_m} BN{config.block_n} w{config.num_warps} "
+    label = (f"attention D{head_dim}{'' if dv == head_dim else f'/{dv}'} {pv} BM{config.block_m} BN{config.block_n} w{config.num_warps} "
              f"s{config.num_stages}{' causal' if is_causal else ''}{' lse' if return_lse else ''}")
     return _report(kernel, label, arch)
 
 
-def compile_prologue(arch: str, head_dim: int, pv: str) -> List[KernelReport]:
+def compile_prologue(arch: str, head_dim: int, pv: str, v_head_dim: Optional[int] = None) -> List[KernelReport]:
     """The quantize kernels at the shipped prologue configuration (bf16 input)."""
     from . import prologue as p
     from .configs import prologue_config
 
     cfg = prologue_config(arch)
-    d_pad = padded_head_dim(head_dim)
+    dv = v_head_dim or head_dim
+    d_pad, dv_pad = padded_head_dim(head_dim), padded_head_dim(dv)
     reports = []
     v_out = "*fp8e4nv" if pv == "fp8" else "*fp16"
     sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KSUM": "*fp32", "VMAX": "*fp32", "KMEAN": "*fp32",
@@ -133,25 +136,25 @@ def compile_prologue(arch: str, head_dim: int, pv: str) -> List[KernelReport]:
     for name in ("Hq", "Hkv", "Nq", "Nk", "n_chunks", "q_blocks", "k_blocks", "v_blocks", "q_programs",
                  "k_programs"):
         sig[name] = "i32"
-    consts = {"sqd": 1, "skd": 1, "svd": 1, "sod": 1, "D": head_dim, "D_PAD": d_pad, "DV": head_dim,
-              "DV_PAD": d_pad, "QK_BLOCK": cfg.block_n, "V_BLOCK": cfg.block_n, "PER_BLOCK": False,
+    consts = {"sqd": 1, "skd": 1, "svd": 1, "sod": 1, "D": head_dim, "D_PAD": d_pad, "DV": dv,
+              "DV_PAD": dv_pad, "QK_BLOCK": cfg.block_n, "V_BLOCK": cfg.block_n, "PER_BLOCK": False,
               "HAS_MEAN": True, "PV_FP8": pv == "fp8", "OUT_T": False, "FOLD_STATS": False,
               "STATS_CH": p.STATS_CH, "INTERPRETER": False}
     sig.update({k: "constexpr" for k in consts})
     for fold in (False, True):
         consts["FOLD_STATS"] = fold
         k = _compile(p._quantize_qkv, sig, consts, arch, cfg.num_warps, 1)
-        reports.append(_report(k, f"quantize_qkv D{head_dim} {pv}{' fold' if fold else ''}", arch))
+        reports.append(_report(k, f"quantize_qkv D{head_dim}/{dv} {pv}{' fold' if fold else ''}", arch))
     sig = {"K": "*bf16", "V": "*bf16", "KSUM": "*fp32", "VMAX": "*fp32",
            "skb": "i32", "skh": "i32", "skn": "i32", "skd": "constexpr",
            "svb": "i32", "svh": "i32", "svn": "i32", "svd": "constexpr", "Hkv": "i32", "Nk": "i32", "n_chunks": "i32"}
-    consts = {"skd": 1, "svd": 1, "D": head_dim, "D_PAD": d_pad, "DV": head_dim, "DV_PAD": d_pad,
+    consts = {"skd": 1, "svd": 1, "D": head_dim, "D_PAD": d_pad, "DV": dv, "DV_PAD": dv_pad,
               "CHUNK": cfg.stats_block_n, "SUB": 32, "DO_KSUM": True}
     sig.update({k: "constexpr" for k in consts})
     k = _compile(p._kv_stats, sig, consts, arch, cfg.num_warps, 1)
     reports.append(_report(k, f"kv_stats D{head_dim}", arch))
     sig = {"KSUM": "*fp32", "VMAX": "*fp32", "KMEAN": "*fp32", "VSCALE": "*fp32", "n_chunks": "i32", "Nk": "i32"}
-    consts = {"D": head_dim, "D_PAD": d_pad, "DV": head_dim, "DV_PAD": d_pad, "CH": p.STATS_CH, "DO_KSUM": True,
+    consts = {"D": head_dim, "D_PAD": d_pad, "DV": dv, "DV_PAD": dv_pad, "CH": p.STATS_CH, "DO_KSUM": True,
               "PV_FP8": pv == "fp8"}
     sig.update({k: "constexpr" for k in consts})
     k = _compile(p._kv_finalize, sig, consts, arch, 4, 1)

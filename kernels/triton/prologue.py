@@ -238,8 +238,10 @@ def _quantize_qkv(Q, K, V, KSUM, VMAX, KMEAN, VSCALE, Q8, QS, K8, KS, VOUT, mult
         blk = p % k_blocks
         if HAS_MEAN:
             if FOLD_STATS:
-                mean, _unused = _head_stats(KSUM, VMAX, pid_bh, n_chunks, Nk, D_PAD, DV_PAD, STATS_CH,
-                                            True, False, PV_FP8)
+                # Distinct names per branch: Triton unifies same-named variables across if/else, and the
+                # unused halves have different widths when D != DV.
+                mean, _v_unused = _head_stats(KSUM, VMAX, pid_bh, n_chunks, Nk, D_PAD, DV_PAD, STATS_CH,
+                                              True, False, PV_FP8)
                 if blk == 0:
                     tl.store(KMEAN + pid_bh.to(tl.int64) * D + offs_d, mean, mask=offs_d < D)
             else:
@@ -253,8 +255,8 @@ def _quantize_qkv(Q, K, V, KSUM, VMAX, KMEAN, VSCALE, Q8, QS, K8, KS, VOUT, mult
         pid_bh = p // v_blocks
         blk = p % v_blocks
         if FOLD_STATS:
-            _unused, scale = _head_stats(KSUM, VMAX, pid_bh, n_chunks, Nk, D_PAD, DV_PAD, STATS_CH,
-                                         False, True, PV_FP8)
+            _k_unused, scale = _head_stats(KSUM, VMAX, pid_bh, n_chunks, Nk, D_PAD, DV_PAD, STATS_CH,
+                                           False, True, PV_FP8)
             if blk == 0:
                 tl.store(VSCALE + pid_bh.to(tl.int64) * DV + offs_dv, scale, mask=offs_dv < DV)
         else:
