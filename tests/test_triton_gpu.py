@@ -111,3 +111,14 @@ def test_explicit_kernel_never_answered_by_another():
     with pytest.raises(KernelRefused, match="mask"):
         sage_attention(q, k, v, kernel="triton_int8_fp8", attn_mask=mask)
     assert math.isfinite(float(sage_attention(q, k, v, kernel="triton_int8_fp16", prologue="triton").float().sum()))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_value_head_dim_differs_from_query_head_dim(kernel):
+    """V narrower than Q/K (the GPU fuzz found D192/DV3 failing to compile)."""
+    q, k, _ = inputs(1, 2, 2, 300, 300, 192)
+    v = torch.randn(1, 2, 300, 3, device="cuda", dtype=torch.bfloat16)
+    out = sage_attention(q, k, v, kernel=kernel)
+    exact, _ = reference.exact_attention(q, k, v)
+    assert out.shape == (1, 2, 300, 3)
+    assert metrics.cosine(out, exact) >= 0.998

@@ -250,4 +250,6 @@ def assert_overflow_safe(out, qq, v, *, pv, is_causal):
     assert torch.allclose(o[..., c], torch.full_like(o[..., c], top), rtol=0.07)
     assert torch.allclose(o[..., c + 1], torch.full_like(o[..., c + 1], -top), rtol=0.07)
     assert float(o.abs().max()) <= torch.finfo(out.dtype).max
-    assert float((o - ref.float()).abs().sum() / ref.float().abs().sum()) < TOL_REL_L1_VS_REF[pv]
+    # In FP64: near 3e38 an FP32 sum of |ref| overflows to Inf and the ratio becomes NaN.
+    o64, r64 = o.double(), ref.double()
+    assert float((o64 - r64).abs().sum() / r64.abs().sum()) < TOL_REL_L1_VS_REF[pv]
