@@ -17,6 +17,9 @@ PACK = "comfyui_sage_rdna4"
 
 
 def load_pack():
+    """Import this folder as the package `comfyui_sage_rdna4` (once), as ComfyUI imports a custom node."""
+    if PACK in sys.modules:
+        return sys.modules[PACK]
     spec = importlib.util.spec_from_file_location(PACK, os.path.join(HERE, "__init__.py"),
                                                   submodule_search_locations=[HERE])
     module = importlib.util.module_from_spec(spec)

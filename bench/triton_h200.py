@@ -31,14 +31,11 @@ PACK = "comfyui_sage_rdna4"
 
 
 def load_pack():
-    if PACK in sys.modules:
-        return sys.modules[PACK]
-    spec = importlib.util.spec_from_file_location(PACK, os.path.join(ROOT, "__init__.py"),
-                                                  submodule_search_locations=[ROOT])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[PACK] = module
-    spec.loader.exec_module(module)
-    return module
+    """The repo as package `comfyui_sage_rdna4`, through benchmark.py's loader (loaded by path)."""
+    spec = importlib.util.spec_from_file_location("_sage_rdna4_entry", os.path.join(ROOT, "benchmark.py"))
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    return entry.load_pack()
 
 
 load_pack()
