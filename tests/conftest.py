@@ -44,3 +44,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_gpu)
         if "comfyui" in item.keywords and not has_comfy:
             item.add_marker(no_comfy)
+
+
+_SUMMARY = pytest.StashKey[list]()
+
+
+@pytest.fixture
+def summary_lines(request):
+    """Lines a test wants shown in the run's final summary even when its output is captured (fuzz counts)."""
+    return request.config.stash.setdefault(_SUMMARY, [])
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    lines = config.stash.get(_SUMMARY, [])
+    if lines:
+        terminalreporter.section("sage_rdna4 counts")
+        for line in lines:
+            terminalreporter.write_line(line)

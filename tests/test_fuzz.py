@@ -606,33 +606,35 @@ def run_override_fuzz(kernels, n_random: int, device="cpu", seed=SEED + 1, long=
     return tallies
 
 
-def report_and_assert(tallies: List[Tally], min_results: int):
+def report_and_assert(tallies: List[Tally], min_results: int, summary: Optional[list] = None):
     for t in tallies:
         print(t.report())
+        if summary is not None:
+            summary.append(t.report().splitlines()[0])
     bad = [v for t in tallies for v in t.violations]
     assert not bad, f"{len(bad)} violations:\n" + "\n".join(bad[:30])
     for t in tallies:
         assert sum(t.results.values()) >= min_results, f"{t.name}: too few results to mean anything"
 
 
-def test_fuzz_public_api_cpu():
+def test_fuzz_public_api_cpu(summary_lines):
     """reference (quantized spec), sdpa (exact) and auto: 600 random calls each plus the long ones."""
     tallies = run_api_fuzz(["reference", "sdpa", "auto"], n_random=600)
-    report_and_assert(tallies, min_results=300)
+    report_and_assert(tallies, min_results=300, summary=summary_lines)
     # Refusals must carry a reason naming the dtype or the shape problem; and some calls must be refused.
     assert sum(sum(t.refusals.values()) for t in tallies) > 0
 
 
-def test_fuzz_comfyui_override_cpu():
+def test_fuzz_comfyui_override_cpu(summary_lines):
     """The override with kernel=reference (runs) and kernel=auto (no quantized kernel on CPU: all fall back)."""
     tallies = run_override_fuzz(["reference", "auto"], n_random=800)
-    report_and_assert(tallies, min_results=0)
+    report_and_assert(tallies, min_results=0, summary=summary_lines)
     ref, auto = tallies
     assert sum(ref.results.values()) >= 500
     assert sum(auto.results.values()) == 0 and sum(auto.refusals.values()) >= 700
 
 
-def test_fuzz_triton_interpreter_cpu():
+def test_fuzz_triton_interpreter_cpu(summary_lines):
     """The Triton backends under TRITON_INTERPRET=1, in a fresh process (the interpreter is chosen when the
     kernels are first defined): a few dozen small calls, since the interpreter is slow."""
     if not (Path(__file__).resolve().parents[1] / "kernels" / "triton" / "backend.py").exists():
@@ -642,11 +644,12 @@ def test_fuzz_triton_interpreter_cpu():
     proc = subprocess.run([sys.executable, __file__, "--triton-interpreter"], env=env, capture_output=True,
                           text=True, timeout=200)
     print(proc.stdout[-6000:])
+    summary_lines.extend(line for line in proc.stdout.splitlines() if " calls in " in line)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
 @pytest.mark.gpu
-def test_fuzz_gpu(monkeypatch):
+def test_fuzz_gpu(monkeypatch, summary_lines):
     """The same fuzz on the GPU for the Triton backends and the HIP backends (emulated gfx12 on NVIDIA)."""
     monkeypatch.setenv("SAGE_RDNA4_HIP_EMULATE", "1")
     kernels = ["triton_int8_fp8", "triton_int8_fp16", "hip_int8_fp8", "hip_int8_fp16"]
@@ -662,7 +665,7 @@ def test_fuzz_gpu(monkeypatch):
         square = 70_000 if kernel.startswith("triton") else 8192
         tallies += run_api_fuzz([kernel], n_random=n, device="cuda", square=square)
         tallies += run_override_fuzz([kernel], n_random=n, device="cuda", square=square)
-    report_and_assert(tallies, min_results=n // 10)
+    report_and_assert(tallies, min_results=n // 10, summary=summary_lines)
 
 
 def _triton_interpreter_main():
