@@ -49,7 +49,7 @@ def pytest_collection_modifyitems(config, items):
 _SUMMARY = pytest.StashKey[list]()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def summary_lines(request):
     """Lines a test wants shown in the run's final summary even when its output is captured (fuzz counts)."""
     return request.config.stash.setdefault(_SUMMARY, [])

@@ -17,13 +17,17 @@ FP8_LOOP_TARGET = 8.0
 
 
 @pytest.fixture(scope="module", params=static_check.ARCHS)
-def stats(request):
+def stats(request, summary_lines):
     if static_check.toolchain_missing():
         pytest.skip(static_check.toolchain_missing())
     kernels = static_check.analyze(request.param, kernel_abi.module_source("hip"))
     print()
     for name in sorted(kernels):
         print(kernels[name].line())
+    # The attention kernels' figures go to the run's summary too (CI captures test output).
+    attention = {kernel_abi.attention_kernel(pv, d, dt) for pv in ("fp8", "fp16") for d in kernel_abi.HEAD_DIMS
+                 for dt in kernel_abi.DTYPES}
+    summary_lines.extend(kernels[n].line() for n in sorted(attention) if n in kernels)
     return kernels
 
 

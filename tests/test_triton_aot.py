@@ -16,8 +16,18 @@ _missing = aot.amd_backend_missing()
 pytestmark = pytest.mark.skipif(_missing is not None, reason=f"AOT for gfx12 impossible here: {_missing}")
 
 
+SUMMARY = []  # filled by check(); the session fixture below hands it to the run's summary
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _to_summary(summary_lines):
+    yield
+    summary_lines.extend(SUMMARY)
+
+
 def check(report: aot.KernelReport, pv: str):
     print(report.line())
+    SUMMARY.append(report.line())
     assert report.vgprs > 0, "no .vgpr_count in the ISA metadata"
     assert report.vgpr_spills == 0 and report.scratch_bytes == 0, "VGPRs spilled to scratch"
     assert report.lds_bytes <= aot.LDS_LIMIT
