@@ -46,6 +46,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from comfyui_sage_rdna4.kernels import backends  # noqa: E402,F401
 from comfyui_sage_rdna4.kernels import metrics, reference  # noqa: E402
+from comfyui_sage_rdna4.kernels.benchmark import median_time_ms  # noqa: E402
 from comfyui_sage_rdna4.kernels.call_spec import describe_call  # noqa: E402
 from comfyui_sage_rdna4.kernels.registry import get_backend  # noqa: E402
 from comfyui_sage_rdna4.kernels.triton import configs  # noqa: E402
@@ -69,18 +70,8 @@ SWEEP_SHAPES = ("wan_480p", "flux_1mp")
 
 
 def time_ms(fn, reps, warmup=1):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median of per-call CUDA-event timings (the main job's timer)."""
+    return median_time_ms(fn, torch.device("cuda"), reps, warmup)
 
 
 def make_inputs(shape, seed=0):
