@@ -61,3 +61,25 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.section("sage_rdna4 counts")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def hip_emulated_run():
+    """Launch kernel_abi plans through the CUDA build of the HIP sources (gfx12 WMMA emulated), synchronously.
+
+    Skips on ROCm (the emulation is for NVIDIA) and without CuPy; compiles the module once (nvrtc)."""
+    import torch
+
+    from comfyui_sage_rdna4.kernels.hip import cupy_runner
+
+    if getattr(torch.version, "hip", None):
+        pytest.skip("the CUDA emulation harness runs on NVIDIA GPUs")
+    reason = cupy_runner.cupy_missing()
+    if reason:
+        pytest.skip(reason)
+    cupy_runner.module(torch.cuda.current_device())
+
+    def run(launches):
+        cupy_runner.run(launches)
+        torch.cuda.synchronize()
+    return run

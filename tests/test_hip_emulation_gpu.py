@@ -3,20 +3,14 @@
 import pytest
 import torch
 
-from comfyui_sage_rdna4.kernels.hip import cupy_runner, verify
+from comfyui_sage_rdna4.kernels.hip import verify
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def run():
-    if getattr(torch.version, "hip", None):
-        pytest.skip("the CUDA emulation harness runs on NVIDIA GPUs")
-    reason = cupy_runner.cupy_missing()
-    if reason:
-        pytest.skip(reason)
-    cupy_runner.module(torch.cuda.current_device())  # compile once (nvrtc)
-    return cupy_runner.run
+def run(hip_emulated_run):
+    return hip_emulated_run  # tests/conftest.py
 
 
 @pytest.mark.parametrize("kind", ["iu8", "fp8", "f16"])

@@ -12,25 +12,15 @@ import pytest
 import torch
 
 from comfyui_sage_rdna4.kernels import quant
-from comfyui_sage_rdna4.kernels.hip import cupy_runner, verify
+from comfyui_sage_rdna4.kernels.hip import verify
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
 
 
 @pytest.fixture(scope="module")
-def run():
-    if getattr(torch.version, "hip", None):
-        pytest.skip("the CUDA emulation harness runs on NVIDIA GPUs")
-    reason = cupy_runner.cupy_missing()
-    if reason:
-        pytest.skip(reason)
-    cupy_runner.module(torch.cuda.current_device())
-
-    def go(launches):
-        cupy_runner.run(launches)
-        torch.cuda.synchronize()
-    return go
+def run(hip_emulated_run):
+    return hip_emulated_run  # tests/conftest.py
 
 
 PROLOGUE_CASES = [
