@@ -1,3 +1,6 @@
-"""Quantized attention with one Python API. Never imports ComfyUI."""
+"""Quantized attention with one Python API. Never imports ComfyUI.
+
+backends/ holds every backend (listed and registered lazily in backends/__init__.py); verify/ holds what only
+tests and developers run, and nothing a user's run imports reaches it."""
 from .api import sage_attention  # noqa: F401
 from .registry import BACKEND_NAMES, KernelRefused, available_backends  # noqa: F401

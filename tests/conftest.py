@@ -70,7 +70,7 @@ def hip_emulated_run():
     Skips on ROCm (the emulation is for NVIDIA) and without CuPy; compiles the module once (nvrtc)."""
     import torch
 
-    from comfyui_sage_rdna4.kernels.hip import cupy_runner
+    from comfyui_sage_rdna4.kernels.verify import cupy_runner
 
     if getattr(torch.version, "hip", None):
         pytest.skip("the CUDA emulation harness runs on NVIDIA GPUs")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from comfyui_sage_rdna4.kernels.hip import verify
+from comfyui_sage_rdna4.kernels.verify import hip_checks
 
 pytestmark = pytest.mark.gpu
 
@@ -16,5 +16,5 @@ def run(hip_emulated_run):
 @pytest.mark.parametrize("kind", ["iu8", "fp8", "f16"])
 def test_emulated_wmma_matches_matrix_product(run, kind):
     for seed in range(4):
-        got, want = verify.run_wmma(run, kind, torch.device("cuda"), seed)
+        got, want = hip_checks.run_wmma(run, kind, torch.device("cuda"), seed)
         assert torch.equal(got, want.to(got.dtype)), (kind, seed, (got.double() - want.double()).abs().max())

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from comfyui_sage_rdna4.kernels import quant
-from comfyui_sage_rdna4.kernels.hip import verify
+from comfyui_sage_rdna4.kernels.verify import hip_checks
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
@@ -34,18 +34,18 @@ PROLOGUE_CASES = [
 
 @pytest.mark.parametrize("dtype,d,pv,group,layout,b,hq,hkv,nq,nk", PROLOGUE_CASES)
 def test_prologue_bit_exact(run, dtype, d, pv, group, layout, b, hq, hkv, nq, nk):
-    q, k, v = verify.make_qkv(b, hq, hkv, nq, nk, d, dtype, DEV, layout=layout)
+    q, k, v = hip_checks.make_qkv(b, hq, hkv, nq, nk, d, dtype, DEV, layout=layout)
     sm = 1 / math.sqrt(d)
     for smooth in (True, False):
-        qq = verify.prologue(run, q, k, v, sm_scale=sm, smooth_k=smooth, pv=pv, qk_group=group)
-        assert verify.prologue_mismatches(qq, q, k, v, sm_scale=sm, smooth_k=smooth, pv=pv, qk_group=group) == {}
+        qq = hip_checks.prologue(run, q, k, v, sm_scale=sm, smooth_k=smooth, pv=pv, qk_group=group)
+        assert hip_checks.prologue_mismatches(qq, q, k, v, sm_scale=sm, smooth_k=smooth, pv=pv, qk_group=group) == {}
 
 
 @pytest.mark.parametrize("d,nq,nk,hq,hkv", [(128, 333, 517, 4, 2), (64, 130, 33, 2, 1), (128, 1, 1, 1, 1)])
 def test_qk_scores_bit_exact(run, d, nq, nk, hq, hkv):
-    q, k, v = verify.make_qkv(2, hq, hkv, nq, nk, d, torch.float16, DEV)
+    q, k, v = hip_checks.make_qkv(2, hq, hkv, nq, nk, d, torch.float16, DEV)
     qq = quant.quantize_qkv_torch(q, k, v, sm_scale=1 / math.sqrt(d))
-    assert torch.equal(verify.qk_scores(run, qq).cpu(), verify.qk_scores_expected(qq))
+    assert torch.equal(hip_checks.qk_scores(run, qq).cpu(), hip_checks.qk_scores_expected(qq))
 
 
 ATTN_CASES = []
@@ -65,25 +65,26 @@ ATTN_CASES += [
 
 @pytest.mark.parametrize("pv,d,dtype,causal,b,hq,hkv,nq,nk,layout", ATTN_CASES)
 def test_attention_matches_reference(run, pv, d, dtype, causal, b, hq, hkv, nq, nk, layout):
-    q, k, v = verify.make_qkv(b, hq, hkv, nq, nk, d, dtype, DEV, layout=layout)
+    q, k, v = hip_checks.make_qkv(b, hq, hkv, nq, nk, d, dtype, DEV, layout=layout)
     sm = 1 / math.sqrt(d)
-    qq = verify.prologue(run, q, k, v, sm_scale=sm, pv=pv)
-    out, lse = verify.attention(run, qq, pv=pv, is_causal=causal, out_dtype=dtype, return_lse=True, q=q, sm_scale=sm)
-    rep = verify.attention_report(out, lse, qq, q, k, v, pv=pv, is_causal=causal, sm_scale=sm)
+    qq = hip_checks.prologue(run, q, k, v, sm_scale=sm, pv=pv)
+    out, lse = hip_checks.attention(run, qq, pv=pv, is_causal=causal, out_dtype=dtype, return_lse=True, q=q,
+                                    sm_scale=sm)
+    rep = hip_checks.attention_report(out, lse, qq, q, k, v, pv=pv, is_causal=causal, sm_scale=sm)
     print(pv, d, dtype, causal, layout, {k_: round(v_, 6) for k_, v_ in rep.items()})
-    verify.assert_attention_ok(rep, pv)
+    hip_checks.assert_attention_ok(rep, pv)
 
 
 @pytest.mark.parametrize("pv", ["fp8", "fp16"])
 def test_flux_sized_call_accuracy(run, pv):
     """B1 H24 N4608 D128 bf16 (a Flux 1 MP call): accuracy against exact attention and the spec."""
-    q, k, v = verify.make_qkv(1, 24, 24, 4608, 4608, 128, torch.bfloat16, DEV)
+    q, k, v = hip_checks.make_qkv(1, 24, 24, 4608, 4608, 128, torch.bfloat16, DEV)
     sm = 1 / math.sqrt(128)
-    qq = verify.prologue(run, q, k, v, sm_scale=sm, pv=pv)
-    out, _ = verify.attention(run, qq, pv=pv, is_causal=False, out_dtype=torch.bfloat16)
-    rep = verify.attention_report(out, None, qq, q, k, v, pv=pv, is_causal=False, sm_scale=sm)
+    qq = hip_checks.prologue(run, q, k, v, sm_scale=sm, pv=pv)
+    out, _ = hip_checks.attention(run, qq, pv=pv, is_causal=False, out_dtype=torch.bfloat16)
+    rep = hip_checks.attention_report(out, None, qq, q, k, v, pv=pv, is_causal=False, sm_scale=sm)
     print("flux", pv, rep)
-    verify.assert_attention_ok(rep, pv)
+    hip_checks.assert_attention_ok(rep, pv)
 
 
 def test_offsets_beyond_2_pow_31(run):
@@ -91,10 +92,10 @@ def test_offsets_beyond_2_pow_31(run):
     nq, nk, d = (1 << 24) + 200, 100, 128
     q = torch.randn(1, 1, nq, d, device=DEV, dtype=torch.float16)
     assert q.numel() > (1 << 31)
-    _, k, v = verify.make_qkv(1, 1, 1, 1, nk, d, torch.float16, DEV)
+    _, k, v = hip_checks.make_qkv(1, 1, 1, 1, nk, d, torch.float16, DEV)
     sm = 1 / math.sqrt(d)
-    qq = verify.prologue(run, q, k, v, sm_scale=sm, pv="fp8")
-    out, lse = verify.attention(run, qq, pv="fp8", is_causal=False, out_dtype=torch.float16, return_lse=True,
+    qq = hip_checks.prologue(run, q, k, v, sm_scale=sm, pv="fp8")
+    out, lse = hip_checks.attention(run, qq, pv="fp8", is_causal=False, out_dtype=torch.float16, return_lse=True,
                                 q=q, sm_scale=sm)
     tail = slice(nq - 300, nq)
     q_t = q[:, :, tail]
@@ -103,10 +104,10 @@ def test_offsets_beyond_2_pow_31(run):
     assert torch.equal(qq.q_scale[:, :, tail].cpu(), ref.q_scale)
     sub = quant.QuantizedQKV(qq.q8[:, :, tail].contiguous(), qq.q_scale[:, :, tail].contiguous(), qq.k8, qq.k_scale,
                              qq.v, qq.v_scale, qq.k_mean)
-    rep = verify.attention_report(out[:, :, tail], lse[:, :, tail], sub, q_t, k, v, pv="fp8", is_causal=False,
+    rep = hip_checks.attention_report(out[:, :, tail], lse[:, :, tail], sub, q_t, k, v, pv="fp8", is_causal=False,
                                   sm_scale=sm)
     print("2^31", rep)
-    verify.assert_attention_ok(rep, "fp8")
+    hip_checks.assert_attention_ok(rep, "fp8")
 
 
 NAN, INF = float("nan"), float("inf")
@@ -126,12 +127,12 @@ def test_nan_and_inf_propagate(run, where, value, pv, causal, smooth, dtype):
     """Prologue: NaN/Inf scales exactly where the torch prologue has them (else bit-exact). Attention: NaN
     exactly where the spec is not finite, never finite where exact attention is not, NaN LSE where the spec's is
     NaN (several query blocks and key tiles)."""
-    q, k, v = verify.poisoned_qkv(where, value, dtype, DEV, nq=300, nk=517)
-    qq = verify.prologue(run, q, k, v, sm_scale=0.125, smooth_k=smooth, pv=pv)
-    assert verify.prologue_mismatches(qq, q, k, v, sm_scale=0.125, smooth_k=smooth, pv=pv) == {}
-    out, lse = verify.attention(run, qq, pv=pv, is_causal=causal, out_dtype=dtype, return_lse=True, q=q,
+    q, k, v = hip_checks.poisoned_qkv(where, value, dtype, DEV, nq=300, nk=517)
+    qq = hip_checks.prologue(run, q, k, v, sm_scale=0.125, smooth_k=smooth, pv=pv)
+    assert hip_checks.prologue_mismatches(qq, q, k, v, sm_scale=0.125, smooth_k=smooth, pv=pv) == {}
+    out, lse = hip_checks.attention(run, qq, pv=pv, is_causal=causal, out_dtype=dtype, return_lse=True, q=q,
                                 sm_scale=0.125)
-    verify.assert_nonfinite_like_spec(out, lse, qq, q, k, v, where=where, pv=pv, is_causal=causal, sm_scale=0.125,
+    hip_checks.assert_nonfinite_like_spec(out, lse, qq, q, k, v, where=where, pv=pv, is_causal=causal, sm_scale=0.125,
                                       smooth_k=smooth)
 
 
@@ -140,7 +141,7 @@ def test_nan_and_inf_propagate(run, where, value, pv, causal, smooth, dtype):
 @pytest.mark.parametrize("d", [64, 128])
 def test_output_is_overflow_safe(run, dtype, v_max, pv, d):
     """V at the top of its dtype's range (fp16 65504; bf16 3e38): finite output, constant channels at +-max|V|."""
-    q, k, v = verify.overflow_qkv(dtype, v_max, DEV, nq=300, nk=517, d=d)
-    qq = verify.prologue(run, q, k, v, sm_scale=1 / math.sqrt(d), pv=pv)
-    out, _ = verify.attention(run, qq, pv=pv, is_causal=True, out_dtype=dtype)
-    verify.assert_overflow_safe(out, qq, v, pv=pv, is_causal=True)
+    q, k, v = hip_checks.overflow_qkv(dtype, v_max, DEV, nq=300, nk=517, d=d)
+    qq = hip_checks.prologue(run, q, k, v, sm_scale=1 / math.sqrt(d), pv=pv)
+    out, _ = hip_checks.attention(run, qq, pv=pv, is_causal=True, out_dtype=dtype)
+    hip_checks.assert_overflow_safe(out, qq, v, pv=pv, is_causal=True)

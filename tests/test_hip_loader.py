@@ -9,10 +9,10 @@ import torch
 
 from comfyui_sage_rdna4.kernels import quant, registry
 from comfyui_sage_rdna4.kernels.call_spec import describe_call
-from comfyui_sage_rdna4.kernels.hip import backend as hip_backend
-from comfyui_sage_rdna4.kernels.hip import cache as kcache
-from comfyui_sage_rdna4.kernels.hip import compiler, runtime, selfcheck
-from comfyui_sage_rdna4.kernels.hip import prologue as hip_prologue
+from comfyui_sage_rdna4.kernels.backends.hip import backend as hip_backend
+from comfyui_sage_rdna4.kernels.backends.hip import cache as kcache
+from comfyui_sage_rdna4.kernels.backends.hip import compiler, runtime, selfcheck
+from comfyui_sage_rdna4.kernels.backends.hip import prologue as hip_prologue
 from comfyui_sage_rdna4.kernels.reference import attention_from_quantized
 
 
@@ -390,7 +390,7 @@ def test_launch_wrapper_uses_the_same_rule():
 
 
 def test_missing_triton_prologue_is_a_refusal(monkeypatch):
-    monkeypatch.setitem(__import__("sys").modules, "comfyui_sage_rdna4.kernels.triton.prologue", None)
+    monkeypatch.setitem(__import__("sys").modules, "comfyui_sage_rdna4.kernels.backends.triton.prologue", None)
     reason = hip_backend.prologue_refusal(_call(prologue="triton"))
     assert reason and "Triton prologue is unavailable" in reason
 
@@ -502,7 +502,7 @@ def test_nvrtc_builds_the_whole_kernel_module_with_the_loader_flags(tmp_path, mo
     reason = compiler.compiler_unavailable_reason("nvrtc")
     if reason:
         pytest.skip(reason)
-    abi = pytest.importorskip("comfyui_sage_rdna4.kernels.hip.kernel_abi")
+    abi = pytest.importorskip("comfyui_sage_rdna4.kernels.backends.hip.kernel_abi")
     monkeypatch.setattr(torch.version, "hip", None, raising=False)
     monkeypatch.setattr(runtime, "_BUNDLES", {})
     bundle = runtime.kernel_bundle()

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from comfyui_sage_rdna4.kernels.hip import cache as kcache
-from comfyui_sage_rdna4.kernels.hip import compiler, runtime
+from comfyui_sage_rdna4.kernels.backends.hip import cache as kcache
+from comfyui_sage_rdna4.kernels.backends.hip import compiler, runtime
 
 pytestmark = pytest.mark.gpu
 
@@ -159,10 +159,10 @@ def test_launch_error_is_reported(tmp_path):
 def _backend_or_skip(pv, monkeypatch):
     monkeypatch.setenv(runtime.EMULATE_ENV, "1")
     try:
-        from comfyui_sage_rdna4.kernels.hip import kernel_abi  # noqa: F401  (the kernels' contract)
+        from comfyui_sage_rdna4.kernels.backends.hip import kernel_abi  # noqa: F401  (the kernels' contract)
     except ImportError as exc:
         pytest.skip(f"kernel sources not present: {exc}")
-    from comfyui_sage_rdna4.kernels.hip.backend import make_backend
+    from comfyui_sage_rdna4.kernels.backends.hip.backend import make_backend
     backend = make_backend(pv)
     reason = backend.unavailable("cuda", torch.cuda.current_device())
     if reason:
@@ -229,7 +229,7 @@ def test_first_use_compile_then_cache_timing(tmp_path, monkeypatch):
     """Cold: the whole kernel module compiled at first use; warm: read from the disk cache. Prints both."""
     monkeypatch.setenv(runtime.EMULATE_ENV, "1")
     try:
-        from comfyui_sage_rdna4.kernels.hip import kernel_abi
+        from comfyui_sage_rdna4.kernels.backends.hip import kernel_abi
     except ImportError as exc:
         pytest.skip(f"kernel sources not present: {exc}")
     loader = _loader(tmp_path)

@@ -8,11 +8,11 @@ import pytest
 
 pytest.importorskip("triton")
 
-from comfyui_sage_rdna4.kernels.triton import aot  # noqa: E402
-from comfyui_sage_rdna4.kernels.triton.configs import (  # noqa: E402
+from comfyui_sage_rdna4.kernels.verify import triton_aot  # noqa: E402
+from comfyui_sage_rdna4.kernels.backends.triton.configs import (  # noqa: E402
     RDNA4_ARCHS, attention_config, padded_head_dim, shipped_rdna4_configs)
 
-_missing = aot.amd_backend_missing()
+_missing = triton_aot.amd_backend_missing()
 pytestmark = pytest.mark.skipif(_missing is not None, reason=f"AOT for gfx12 impossible here: {_missing}")
 
 
@@ -25,14 +25,14 @@ def _to_summary(summary_lines):
     summary_lines.extend(SUMMARY)
 
 
-def check(report: aot.KernelReport, pv: str):
+def check(report: triton_aot.KernelReport, pv: str):
     print(report.line())
     SUMMARY.append(report.line())
     assert report.vgprs > 0, "no .vgpr_count in the ISA metadata"
     assert report.vgpr_spills == 0 and report.scratch_bytes == 0, "VGPRs spilled to scratch"
-    assert report.lds_bytes <= aot.LDS_LIMIT
-    assert report.isa_ops[aot.WMMA_INT8] > 0, "Q.K^T is not on the INT8 WMMA"
-    pv_op = aot.WMMA_FP8 if pv == "fp8" else aot.WMMA_F16
+    assert report.lds_bytes <= triton_aot.LDS_LIMIT
+    assert report.isa_ops[triton_aot.WMMA_INT8] > 0, "Q.K^T is not on the INT8 WMMA"
+    pv_op = triton_aot.WMMA_FP8 if pv == "fp8" else triton_aot.WMMA_F16
     assert report.isa_ops[pv_op] > 0, f"P.V is not on {pv_op}"
 
 
@@ -48,27 +48,27 @@ def test_shipped_configs_use_one_stage():
 @pytest.mark.parametrize("d,pv,cfg", shipped_rdna4_configs(),
                          ids=[f"D{d}-{pv}" for d, pv, _ in shipped_rdna4_configs()])
 def test_attention_compiles_for_gfx12(arch, d, pv, cfg):
-    check(aot.compile_attention(arch, d, pv, cfg), pv)
+    check(triton_aot.compile_attention(arch, d, pv, cfg), pv)
     if arch == "gfx1201":  # the causal + LSE + fp16-output variant, and an SD1.5 padded head dim
-        check(aot.compile_attention(arch, d, pv, cfg, is_causal=True, return_lse=True, out_dtype="fp16",
+        check(triton_aot.compile_attention(arch, d, pv, cfg, is_causal=True, return_lse=True, out_dtype="fp16",
                                     kv_group=4), pv)
         odd = {32: 24, 64: 40, 128: 80, 256: 160}[d]
         assert padded_head_dim(odd) == d
-        check(aot.compile_attention(arch, odd, pv, cfg), pv)
+        check(triton_aot.compile_attention(arch, odd, pv, cfg), pv)
 
 
 @pytest.mark.parametrize("pv", ["fp8", "fp16"])
 def test_prologue_compiles_for_gfx1201(pv):
-    for r in aot.compile_prologue("gfx1201", 128, pv):
+    for r in triton_aot.compile_prologue("gfx1201", 128, pv):
         print(r.line())
-        assert r.vgpr_spills == 0 and r.scratch_bytes == 0 and r.lds_bytes <= aot.LDS_LIMIT
+        assert r.vgpr_spills == 0 and r.scratch_bytes == 0 and r.lds_bytes <= triton_aot.LDS_LIMIT
 
 
 def test_value_head_dim_may_differ_from_query_head_dim():
     """A model whose V is narrower than Q/K (found by the GPU fuzz: D192/DV3 failed to compile, because the
     prologue's if/else branches gave one variable two widths)."""
-    for r in aot.compile_prologue("gfx1201", 192, "fp8", v_head_dim=3):
+    for r in triton_aot.compile_prologue("gfx1201", 192, "fp8", v_head_dim=3):
         assert r.vgpr_spills == 0
     cfg = attention_config("gfx1201", 192, "fp8")
-    report = aot.compile_attention("gfx1201", 192, "fp8", cfg, v_head_dim=3)
-    assert report.isa_ops[aot.WMMA_INT8] > 0
+    report = triton_aot.compile_attention("gfx1201", 192, "fp8", cfg, v_head_dim=3)
+    assert report.isa_ops[triton_aot.WMMA_INT8] > 0

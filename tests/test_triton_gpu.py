@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 
 from comfyui_sage_rdna4.kernels import metrics, quant, reference  # noqa: E402
 from comfyui_sage_rdna4.kernels.api import sage_attention  # noqa: E402
-from comfyui_sage_rdna4.kernels.backend_sdpa import sdpa_hnd  # noqa: E402
+from comfyui_sage_rdna4.kernels.backends.sdpa import sdpa_hnd  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 KERNELS = ("triton_int8_fp8", "triton_int8_fp16")
@@ -31,7 +31,7 @@ def inputs(b, hq, hkv, nq, nk, d, dtype=torch.bfloat16, seed=0, fused=False):
 
 
 def test_prologue_matches_torch_spec_on_fused_qkv_views():
-    from comfyui_sage_rdna4.kernels.triton.prologue import triton_quantize_qkv
+    from comfyui_sage_rdna4.kernels.backends.triton.prologue import triton_quantize_qkv
     q, k, v = inputs(1, 24, 24, 4608, 4608, 128, fused=True)
     for pv in ("fp8", "fp16"):
         got = triton_quantize_qkv(q, k, v, sm_scale=128 ** -0.5, smooth_k=True, pv=pv)

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 if not CHILD:
     def test_cpu_without_interpreter_is_refused_with_reason():
-        from comfyui_sage_rdna4.kernels.triton.backend import CPU_REASON
+        from comfyui_sage_rdna4.kernels.backends.triton.backend import CPU_REASON
         q = torch.randn(1, 1, 8, 64)
         call = describe_call(q, q, q)
         for name in ("triton_int8_fp8", "triton_int8_fp16"):
@@ -52,9 +52,9 @@ if not CHILD:
         assert " passed" in r.stdout and " failed" not in r.stdout
 
 else:
-    from comfyui_sage_rdna4.kernels.triton.attention import attention_from_quantized_triton
-    from comfyui_sage_rdna4.kernels.triton.configs import attention_config
-    from comfyui_sage_rdna4.kernels.triton.prologue import triton_quantize_qkv
+    from comfyui_sage_rdna4.kernels.backends.triton.attention import attention_from_quantized_triton
+    from comfyui_sage_rdna4.kernels.backends.triton.configs import attention_config
+    from comfyui_sage_rdna4.kernels.backends.triton.prologue import triton_quantize_qkv
 
     def make_qkv(b, hq, hkv, nq, nk, d, dtype=torch.float32, dv=None, seed=0, k_offset=3.0):
         g = torch.Generator().manual_seed(seed)
@@ -94,7 +94,7 @@ else:
     def test_prologue_long_sequence_path_with_separate_finalize(pv, monkeypatch):
         # Long sequences reduce the stats partials in their own launch, CH chunks per step; shrink CH
         # so 200 keys (4 chunks on the CPU) take that path and its loop runs twice.
-        from comfyui_sage_rdna4.kernels.triton import prologue
+        from comfyui_sage_rdna4.kernels.backends.triton import prologue
         monkeypatch.setattr(prologue, "STATS_CH", 2)
         q, k, v = make_qkv(1, 2, 2, 50, 200, 64)
         got = triton_quantize_qkv(q, k, v, sm_scale=0.125, smooth_k=True, pv=pv)

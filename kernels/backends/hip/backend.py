@@ -1,0 +1,177 @@
+"""`hip_int8_fp8` / `hip_int8_fp16`: the gfx12 HIP kernels as registered backends.
+
+Acceptance, stated once:
+  * environment (`runtime.environment_refusal`): ROCm gfx1200/gfx1201 with the HIP runtime and hiprtc;
+    on NVIDIA only the gfx12 emulation, only when SAGE_RDNA4_HIP_EMULATE=1 (never a speed path, and
+    the registry's `auto` order never lists HIP outside gfx12 anyway);
+  * the call (`attention_refusal`): the one shape rule that `refuse` and the launch wrapper
+    `hip_attention` both apply;
+  * the prologue the call asks for: 'auto'/'hip' -> the HIP prologue, 'triton' -> the Triton one;
+  * the first-use self-check (`selfcheck.py`), folded into `why_not` so `auto` falls back past a
+    kernel that failed it and an explicit request gets the reason.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+
+from ... import quant
+from ...call_spec import AttentionCall
+from ...registry import Backend, KernelRefused
+from . import prologue as hip_prologue
+from .runtime import environment_refusal, kernel_bundle, run_launches
+from .selfcheck import Case, SelfCheck
+
+PV_MODES = ("fp8", "fp16")
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def kernel_abi():
+    """The kernel author's description of the kernels; imported lazily (its absence is a refusal reason)."""
+    from . import kernel_abi as abi
+    return abi
+
+
+def attention_refusal(call: AttentionCall, pv: str) -> Optional[str]:
+    """The shape rule of the HIP attention kernels (not the prologue's, not the device's)."""
+    if pv not in PV_MODES:
+        return f"P.V mode must be one of {PV_MODES}, got {pv!r}"
+    if call.dtype not in DTYPES:
+        return f"dtype {call.dtype} is not fp16 or bf16"
+    try:
+        dims = tuple(kernel_abi().HEAD_DIMS)
+    except Exception as exc:
+        return f"kernel descriptions (kernel_abi) failed to load: {type(exc).__name__}: {exc}"
+    if call.head_dim not in dims:
+        return f"head_dim {call.head_dim} is not one of {dims}"
+    if call.v_head_dim != call.head_dim:
+        return f"v head_dim {call.v_head_dim} differs from q/k head_dim {call.head_dim}"
+    if call.mask != "none":
+        return f"attention masks ({call.mask}) are not supported by the HIP kernels"
+    if call.has_zero_size:
+        return "a zero-size q, k or v"
+    # The kernels' own geometry rule (grid limits, 32-bit offsets inside one kv head), stated in kernel_abi.
+    return kernel_abi().attention_shape_refusal(call.batch, call.q_heads, call.kv_heads, call.q_len, call.kv_len,
+                                                call.head_dim, call.v_head_dim, pv)
+
+
+def prologue_refusal(call: AttentionCall) -> Optional[str]:
+    """Why the prologue the call asks for cannot quantize it, or None."""
+    if call.prologue == "triton":
+        try:
+            from ..triton.prologue import triton_prologue_refusal
+        except Exception as exc:
+            return f"the Triton prologue is unavailable: {type(exc).__name__}: {exc}"
+        reason = triton_prologue_refusal(call)
+        return f"Triton prologue: {reason}" if reason else None
+    reason = hip_prologue.hip_prologue_refusal(call)
+    return f"HIP prologue: {reason}" if reason else None
+
+
+def quantize(q, k, v, call: AttentionCall, sm_scale: float, pv: str) -> quant.QuantizedQKV:
+    kw = dict(sm_scale=sm_scale, smooth_k=call.smooth_k, pv=pv, qk_group=call.qk_group)
+    if call.prologue == "triton":
+        from ..triton.prologue import triton_quantize_qkv
+        return triton_quantize_qkv(q, k, v, **kw)
+    return hip_prologue.hip_quantize_qkv(q, k, v, **kw)
+
+
+def hip_attention(qq: quant.QuantizedQKV, call: AttentionCall, pv: str, sm_scale: float,
+                  q: Optional[torch.Tensor] = None):
+    """Launch wrapper of the attention kernel; applies the same rule as `refuse`."""
+    reason = attention_refusal(call, pv)
+    if reason:
+        raise KernelRefused(f"hip_int8_{pv}", reason)
+    return launch_attention(qq, pv=pv, is_causal=call.is_causal, return_lse=call.return_lse,
+                            sm_scale=sm_scale, q=q, out_dtype=call.dtype)
+
+
+def launch_attention(qq, *, pv, is_causal, return_lse, sm_scale, q, out_dtype):
+    out, lse, launches = kernel_abi().attention_plan(qq, pv=pv, is_causal=is_causal, out_dtype=out_dtype,
+                                                      return_lse=return_lse, q=q, sm_scale=sm_scale)
+    run_launches(qq.q8.device.index, kernel_bundle(), launches)
+    return out, lse
+
+
+class HipBackend(Backend):
+    quantized = True
+
+    def __init__(self, pv: str):
+        super().__init__()
+        if pv not in PV_MODES:
+            raise ValueError(f"pv must be one of {PV_MODES}, got {pv!r}")
+        self.pv = pv
+        self.name = f"hip_int8_{pv}"
+        self.description = (f"HIP gfx12 kernels: INT8 Q.K, {pv.upper()} P.V, FP32 accumulation "
+                            f"(compiled at first use with hiprtc; emulated on NVIDIA)")
+        self.selfcheck = SelfCheck()
+        # The kernel path after quantization; a test replaces it with a broken one to exercise the self-check.
+        self.attention_impl: Callable = hip_attention
+
+    # -- acceptance -----------------------------------------------------------------------------
+    def _unavailable(self, device_type, index):
+        reason = environment_refusal(device_type, index)
+        if reason:
+            return reason
+        try:
+            kernel_abi()
+        except Exception as exc:
+            return f"kernel descriptions (kernel_abi) failed to load: {type(exc).__name__}: {exc}"
+        return None
+
+    def refuse(self, call: AttentionCall) -> Optional[str]:
+        return attention_refusal(call, self.pv) or prologue_refusal(call)
+
+    def why_not(self, call: AttentionCall) -> Optional[str]:
+        reason = super().why_not(call)
+        if reason:
+            return reason
+        # First real call on this device: prove the kernels (HIP prologue + attention) before they serve it.
+        checked, verdict = self.selfcheck.verdict(call.device_type, call.device_index)
+        return verdict if checked else self.ensure_selfcheck(call.device_type, call.device_index)
+
+    def ensure_selfcheck(self, device_type: str, index: Optional[int], prologue: str = "hip") -> Optional[str]:
+        def accepts(case: Case) -> bool:
+            return self.refuse(self._case_call(case, device_type, index, prologue)) is None
+
+        def run(q, k, v, is_causal, sm_scale, return_lse):
+            call = self._case_call(None, device_type, index, prologue, tensors=(q, k, v), is_causal=is_causal,
+                                   return_lse=return_lse)
+            return self.launch(q, k, v, call, sm_scale, None)
+
+        return self.selfcheck.ensure(self, device_type, index, run, accepts)
+
+    @staticmethod
+    def _case_call(case, device_type, index, prologue, tensors=None, is_causal=None, return_lse=None):
+        from ...call_spec import describe_call
+        if tensors is None:  # describe the case without allocating it on the device
+            meta = torch.device("meta")
+            tensors = (torch.empty(1, case.q_heads, case.q_len, case.head_dim, dtype=case.dtype, device=meta),
+                       torch.empty(1, case.kv_heads, case.kv_len, case.head_dim, dtype=case.dtype, device=meta),
+                       torch.empty(1, case.kv_heads, case.kv_len, case.head_dim, dtype=case.dtype, device=meta))
+            is_causal, return_lse = case.is_causal, case.return_lse
+        call = describe_call(*tensors, is_causal=is_causal, return_lse=return_lse, smooth_k=True, prologue=prologue)
+        if call.device_type != device_type or call.device_index != index:
+            call = _replace_device(call, device_type, index)
+        return call
+
+    # -- running --------------------------------------------------------------------------------
+    def launch(self, q, k, v, call: AttentionCall, sm_scale: float, attn_mask):
+        if sm_scale is None or not math.isfinite(sm_scale):
+            sm_scale = quant.default_sm_scale(call.head_dim)
+        qq = quantize(q, k, v, call, sm_scale, self.pv)
+        return self.attention_impl(qq, call, self.pv, sm_scale, q)
+
+
+def _replace_device(call: AttentionCall, device_type: str, index: Optional[int]) -> AttentionCall:
+    import dataclasses
+    from ...call_spec import device_arch, is_rocm
+    arch = device_arch(device_type, index) if device_type == "cuda" else device_type
+    return dataclasses.replace(call, device_type=device_type, device_index=index, arch=arch,
+                               rocm=device_type == "cuda" and is_rocm())
+
+
+def make_backend(pv: str) -> HipBackend:
+    return HipBackend(pv)

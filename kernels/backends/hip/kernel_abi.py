@@ -1,0 +1,306 @@
+"""The single description of the HIP kernels: sources, entry points, arguments, launch geometry.
+
+The runtime loader (kernels/backends/hip/runtime.py, compiler.py, prologue.py, backend.py) compiles
+`module_source(target)` once per device and launches what `prologue_plan` / `attention_plan` return;
+the static checks and the GPU harness (kernels/verify/) use the same functions, so nothing about a
+launch is stated twice.
+
+A plan is a list of `Launch`: kernel name, grid, block, dynamic shared bytes (always 0: the kernels
+use static LDS) and the argument list as (ctype, value) pairs with ctype one of
+'ptr' (a device address, int; 0 = NULL), 'i32', 'i64', 'f32'. All launches of a plan go on one
+stream, in order.
+
+Layout contract (see quant.QuantizedQKV): q8/k8 int8 (B,H,N,D) contiguous, per-token fp32 scales
+(B,H,N), v e4m3 or fp16 (B,Hkv,Nk,Dv) contiguous, v_scale (B,Hkv,Dv), k_mean (B,Hkv,D) or None.
+Raw inputs q, k, v are fp16/bf16 HND views with any element strides (the last one included).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from ... import quant
+
+SRC_DIR = Path(__file__).resolve().parent / "src"
+# Concatenated in this order into one translation unit (the .hip files include nothing).
+SOURCE_FILES = ("gfx12_prelude.h", "sage_prologue.hip", "sage_attention.hip")
+
+HEAD_DIMS = (64, 128)
+DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+QK_GROUP_SIZES = {"token": 1, "block32": 32, "block64": 64, "block128": 128}
+
+# Geometry constants, mirrored from the sources (checked by tests/test_hip_static_check.py).
+PRO_THREADS = 256
+STAT_CHUNK = 512
+ATT_THREADS = 256
+ATT_BLOCK_M = 128
+ATT_BLOCK_N = 64
+PROBE_THREADS = 32
+
+
+def module_source(target: str = "hip") -> str:
+    """The translation unit for 'hip' (hiprtc/clang AMDGPU) or 'cuda' (nvrtc/nvcc): the same text, the prelude
+    picks its branch from the compiler's macros. The CPU simulator (kernels/verify/host_sim.py) puts its own
+    runtime header in front of this text."""
+    if target not in ("hip", "cuda"):
+        raise ValueError(f"unknown target {target!r}")
+    return "\n".join((SRC_DIR / name).read_text() for name in SOURCE_FILES)
+
+
+def source_hash() -> str:
+    """Hash of every source file (for code-object caches)."""
+    h = hashlib.sha256()
+    for name in SOURCE_FILES:
+        h.update(name.encode())
+        h.update((SRC_DIR / name).read_bytes())
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------ names
+def attention_kernel(pv: str, head_dim: int, dtype: torch.dtype) -> str:
+    return f"sage_attn_i8{'f8' if pv == 'fp8' else 'f16'}_d{head_dim}_{DTYPES[dtype]}"
+
+
+def quant_qk_kernel(head_dim: int, group: int, dtype: torch.dtype) -> str:
+    return f"sage_quant_qk_d{head_dim}_g{group}_{DTYPES[dtype]}"
+
+
+def quant_v_kernel(pv: str, dtype: torch.dtype) -> str:
+    return f"sage_quant_v_{pv}_{DTYPES[dtype]}"
+
+
+def colstats_kernel(dtype: torch.dtype) -> str:
+    return f"sage_colstats_{DTYPES[dtype]}"
+
+
+def all_kernel_names() -> List[str]:
+    names = []
+    for dt in DTYPES:
+        names.append(colstats_kernel(dt))
+        for pv in ("fp8", "fp16"):
+            names.append(quant_v_kernel(pv, dt))
+            for d in HEAD_DIMS:
+                names.append(attention_kernel(pv, d, dt))
+        for d in HEAD_DIMS:
+            for g in QK_GROUP_SIZES.values():
+                names.append(quant_qk_kernel(d, g, dt))
+    names += ["sage_colstats_finalize", "sage_qk_scores_d64", "sage_qk_scores_d128", "sage_wmma_probe"]
+    return names
+
+
+# ------------------------------------------------------------------------------------------ launches
+@dataclass(frozen=True)
+class Launch:
+    kernel: str
+    grid: Tuple[int, int, int]
+    block: Tuple[int, int, int]
+    args: Tuple[Tuple[str, object], ...]
+    shared_bytes: int = 0
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Tuple[str, int]:
+    return ("ptr", 0 if t is None else int(t.data_ptr()))
+
+
+def _i64(x) -> Tuple[str, int]:
+    return ("i64", int(x))
+
+
+def _i32(x) -> Tuple[str, int]:
+    x = int(x)
+    if not -(1 << 31) <= x < (1 << 31):
+        raise ValueError(f"{x} does not fit a 32-bit kernel argument")
+    return ("i32", x)
+
+
+def _f32(x) -> Tuple[str, float]:
+    return ("f32", float(torch.tensor(float(x), dtype=torch.float32)))
+
+
+def _strides(t: torch.Tensor):
+    return tuple(_i64(s) for s in t.stride())
+
+
+def raw_input_refusal(q, k, v) -> Optional[str]:
+    """Why the HIP prologue cannot read these inputs, or None."""
+    if q.dtype not in DTYPES or not (q.dtype == k.dtype == v.dtype):
+        return f"HIP prologue takes fp16/bf16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.shape[3] not in HEAD_DIMS or k.shape[3] != q.shape[3]:
+        return f"head_dim must be 64 or 128, got {q.shape[3]}"
+    if v.shape[3] not in HEAD_DIMS:
+        return f"v head_dim must be 64 or 128, got {v.shape[3]}"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[2] >= (1 << 31) or t.shape[1] > 65535 or t.shape[0] > 65535:
+            return f"{name} shape {tuple(t.shape)} exceeds the launch grid"
+    return None
+
+
+def prologue_plan(q, k, v, *, sm_scale: float, smooth_k: bool, pv: str, qk_group: str = "token"):
+    """Allocate a QuantizedQKV (plus workspace) and return (qq, workspace, launches) for the HIP prologue.
+
+    Keep `workspace` alive until the launches have run."""
+    reason = raw_input_refusal(q, k, v)
+    if reason:
+        raise ValueError(reason)
+    if pv not in ("fp8", "fp16"):
+        raise ValueError(f"pv must be 'fp8' or 'fp16', got {pv!r}")
+    group = QK_GROUP_SIZES[qk_group]
+    dev, dt = q.device, q.dtype
+    b, hq, nq, d = q.shape
+    _, hkv, nk, _ = k.shape
+    dv = v.shape[3]
+    q8 = torch.empty((b, hq, nq, d), dtype=torch.int8, device=dev)
+    k8 = torch.empty((b, hkv, nk, d), dtype=torch.int8, device=dev)
+    q_scale = torch.empty((b, hq, nq), dtype=torch.float32, device=dev)
+    k_scale = torch.empty((b, hkv, nk), dtype=torch.float32, device=dev)
+    v_q = torch.empty((b, hkv, nk, dv), dtype=torch.float8_e4m3fn if pv == "fp8" else torch.float16, device=dev)
+    v_scale = torch.empty((b, hkv, dv), dtype=torch.float32, device=dev)
+    k_mean = torch.empty((b, hkv, d), dtype=torch.float32, device=dev) if smooth_k else None
+    chunks = max(1, math.ceil(nk / STAT_CHUNK))
+    ws = torch.empty((2, b * hkv * chunks * max(d, dv)), dtype=torch.float64, device=dev)
+    ws_k, ws_v = ws[0], ws[1]
+    block = (PRO_THREADS, 1, 1)
+    launches: List[Launch] = []
+
+    def stats(x, width, mode, wsp, out):
+        launches.append(Launch(colstats_kernel(dt), (chunks, x.shape[1], b), block,
+                               (_ptr(x), *_strides(x), _i32(x.shape[1]), _i32(nk), _i32(width), _i32(chunks),
+                                _i32(0 if mode == 0 else 1), _ptr(wsp))))
+        rows = b * x.shape[1]
+        launches.append(Launch("sage_colstats_finalize", (math.ceil(rows * width / PRO_THREADS), 1, 1), block,
+                               (_ptr(wsp), _i32(chunks), _i64(rows), _i32(width), _i32(nk), _i32(mode), _ptr(out))))
+
+    if smooth_k:
+        stats(k, d, 0, ws_k, k_mean)
+    stats(v, dv, 1 if pv == "fp8" else 2, ws_v, v_scale)
+    tb = 32 if group == 1 else group
+
+    def quant_qk(x, n, mult, mean, out, scale):
+        launches.append(Launch(quant_qk_kernel(d, group, dt), (math.ceil(n / tb), x.shape[1], b), block,
+                               (_ptr(x), *_strides(x), _i32(x.shape[1]), _i32(n), _f32(mult), _ptr(mean),
+                                _ptr(out), _ptr(scale))))
+
+    quant_qk(q, nq, quant.qk_multiplier(sm_scale), None, q8, q_scale)
+    quant_qk(k, nk, 1.0, k_mean, k8, k_scale)
+    launches.append(Launch(quant_v_kernel(pv, dt), (math.ceil(nk * (dv // 4) / PRO_THREADS), hkv, b), block,
+                           (_ptr(v), *_strides(v), _i32(hkv), _i32(nk), _i32(dv), _ptr(v_scale), _ptr(v_q))))
+    qq = quant.QuantizedQKV(q8, q_scale, k8, k_scale, v_q, v_scale, k_mean)
+    return qq, ws, launches
+
+
+def attention_shape_refusal(b: int, hq: int, hkv: int, nq: int, nk: int, d: int, dv: int, pv: str) -> Optional[str]:
+    """The attention kernels' own shape rule (the backend's refusal should include it), or None."""
+    if d not in HEAD_DIMS or dv != d:
+        return f"attention kernels take head_dim == v_head_dim in {HEAD_DIMS}, got {d} and {dv}"
+    if nk == 0 or nq == 0:
+        return "empty sequence"
+    if hkv == 0 or hq % hkv:
+        return f"q heads {hq} not a multiple of kv heads {hkv}"
+    if hq > 65535 or b > 65535 or nq >= (1 << 31):
+        return "shape exceeds the launch grid"
+    # Offsets inside one (batch, kv head) are 32-bit in the key loop (the 64-bit head base stays scalar).
+    if nk * dv * (1 if pv == "fp8" else 2) >= (1 << 31):
+        return f"kv_len {nk} x head_dim {dv} exceeds 2 GiB of {pv} V per head"
+    return None
+
+
+def quantized_refusal(qq: quant.QuantizedQKV, pv: str) -> Optional[str]:
+    """Why the attention kernels cannot consume this QuantizedQKV, or None."""
+    b, hq, nq, d = qq.q8.shape
+    _, hkv, nk, dv = qq.v.shape
+    reason = attention_shape_refusal(b, hq, hkv, nq, nk, d, dv, pv)
+    if reason:
+        return reason
+    want_v = torch.float8_e4m3fn if pv == "fp8" else torch.float16
+    if qq.v.dtype != want_v:
+        return f"pv={pv} needs v as {want_v}, got {qq.v.dtype}"
+    for name in ("q8", "q_scale", "k8", "k_scale", "v", "v_scale"):
+        if not getattr(qq, name).is_contiguous():
+            return f"{name} must be contiguous"
+    if qq.k_mean is not None and not qq.k_mean.is_contiguous():
+        return "k_mean must be contiguous"
+    return None
+
+
+def attention_plan(qq: quant.QuantizedQKV, *, pv: str, is_causal: bool, out_dtype: torch.dtype,
+                   return_lse: bool = False, q: Optional[torch.Tensor] = None, sm_scale: float = 1.0,
+                   out: Optional[torch.Tensor] = None):
+    """Return (out (B,Hq,Nq,Dv) in out_dtype, lse (B,Hq,Nq) fp32 or None, launches).
+
+    `out` may be passed as any view whose last dim is contiguous with rows 16-byte aligned (e.g. an
+    HND view of an NHD buffer). `q` (the raw fp16/bf16 query) is needed for the LSE's smooth_k term."""
+    reason = quantized_refusal(qq, pv)
+    if reason:
+        raise ValueError(reason)
+    if out_dtype not in DTYPES:
+        raise ValueError(f"output dtype must be fp16 or bf16, got {out_dtype}")
+    b, hq, nq, d = qq.q8.shape
+    hkv, nk = qq.k8.shape[1], qq.k8.shape[2]
+    dev = qq.q8.device
+    if out is None:
+        out = torch.empty((b, hq, nq, d), dtype=out_dtype, device=dev)
+    if out.stride(3) != 1 or out.dtype != out_dtype or any(s % 8 for s in out.stride()[:3]) or out.data_ptr() % 16:
+        raise ValueError("out needs a contiguous last dim and 16-byte aligned rows")
+    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=dev) if return_lse else None
+    use_q = return_lse and qq.k_mean is not None
+    if use_q and (q is None or q.dtype != out_dtype):
+        raise ValueError("the LSE with smooth_k needs the raw q (same dtype as the output)")
+    qs = _strides(q) if use_q else (_i64(0),) * 4
+    launch = Launch(attention_kernel(pv, d, out_dtype), (math.ceil(nq / ATT_BLOCK_M), hq, b), (ATT_THREADS, 1, 1),
+                    (_ptr(qq.q8), _ptr(qq.q_scale), _ptr(qq.k8), _ptr(qq.k_scale), _ptr(qq.v), _ptr(qq.v_scale),
+                     _i32(hq), _i32(hkv), _i32(nq), _i32(nk), _i32(1 if is_causal else 0),
+                     _ptr(out), _i64(out.stride(0)), _i64(out.stride(1)), _i64(out.stride(2)),
+                     _ptr(lse), _ptr(q if use_q else None), *qs,
+                     _ptr(qq.k_mean if use_q else None), _f32(sm_scale)))
+    return out, lse, [launch]
+
+
+def qk_scores_plan(q8: torch.Tensor, k8: torch.Tensor):
+    """Verification only: int32 Q.K^T (B,Hq,Nq,Nk) through the attention kernel's staging and WMMA path."""
+    b, hq, nq, d = q8.shape
+    hkv, nk = k8.shape[1], k8.shape[2]
+    scores = torch.zeros((b, hq, nq, nk), dtype=torch.int32, device=q8.device)
+    launch = Launch(f"sage_qk_scores_d{d}", (math.ceil(nq / ATT_BLOCK_M), hq, b), (ATT_THREADS, 1, 1),
+                    (_ptr(q8), _ptr(k8), _i32(hq), _i32(hkv), _i32(nq), _i32(nk), _ptr(scores)))
+    return scores, [launch]
+
+
+WMMA_KINDS = {"iu8": 0, "fp8": 1, "f16": 2}
+
+
+def wmma_probe_plan(kind: str, a_lanes: torch.Tensor, b_lanes: torch.Tensor, c_lanes: torch.Tensor):
+    """Verification only: one WMMA on per-lane fragments (int32 words, lane-major). Returns (d_lanes, launches)."""
+    d = torch.zeros((32, 8), dtype=torch.int32, device=a_lanes.device)
+    launch = Launch("sage_wmma_probe", (1, 1, 1), (PROBE_THREADS, 1, 1),
+                    (_i32(WMMA_KINDS[kind]), _ptr(a_lanes), _ptr(b_lanes), _ptr(c_lanes), _ptr(d)))
+    return d, [launch]
+
+
+# ------------------------------------------------------------------------------------------ layouts
+def lanes_from_a(a: torch.Tensor) -> torch.Tensor:
+    """A (16 x 16) -> per-lane gfx12 fragments (32, 8): lane t holds A[t % 16][8 (t // 16) + e]."""
+    t = torch.arange(32)
+    return a[(t % 16)[:, None], (8 * (t // 16))[:, None] + torch.arange(8)[None, :]]
+
+
+def lanes_from_b(b: torch.Tensor) -> torch.Tensor:
+    """B (16 x 16) -> (32, 8): lane t holds B[8 (t // 16) + e][t % 16]."""
+    return lanes_from_a(b.t())
+
+
+def d_from_lanes(d_lanes: torch.Tensor) -> torch.Tensor:
+    """(32, 8) accumulator fragments -> D (16 x 16): lane t, element e is D[8 (t // 16) + e][t % 16]."""
+    t = torch.arange(32)
+    d = torch.empty((16, 16), dtype=d_lanes.dtype)
+    d[(8 * (t // 16))[:, None] + torch.arange(8)[None, :], (t % 16)[:, None].expand(32, 8)] = d_lanes
+    return d
+
+
+def lanes_from_d(d: torch.Tensor) -> torch.Tensor:
+    t = torch.arange(32)
+    return d[(8 * (t // 16))[:, None] + torch.arange(8)[None, :], (t % 16)[:, None].expand(32, 8)]

@@ -1,0 +1,474 @@
+"""ctypes over the GPU runtime PyTorch already loaded: load a code object, find a kernel, launch it.
+
+Two drivers share one small interface so the same kernels run on ROCm (the HIP module API in
+libamdhip64 / amdhip64_N.dll) and, for verification, on NVIDIA (the CUDA driver API in libcuda /
+nvcuda.dll). Nothing here compiles; `compiler.py` turns sources into code objects and `cache.py`
+keeps them on disk. `KernelLoader` joins the three: (device, kernel) -> a launchable function.
+Where the libraries are and what the GPU is called come from `platform.py`, shared with the compiler.
+
+Launches go on `torch.cuda.current_stream(device).cuda_stream`, so they order with PyTorch's work.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+import threading
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .cache import CodeObjectCache
+from .compiler import SourceBundle, compiler_unavailable_reason, get_compiler
+from .platform import loaded_library_paths, parse_gcn_arch, rocm_wheel_dirs, torch_lib_dir, windows_loaded_module
+
+# Argument kinds a kernel signature may use, and their C types. 'ptr' takes a tensor, an int or None.
+ARG_CTYPES = {
+    "ptr": ctypes.c_void_p,
+    "i32": ctypes.c_int32,
+    "u32": ctypes.c_uint32,
+    "i64": ctypes.c_int64,
+    "u64": ctypes.c_uint64,
+    "f32": ctypes.c_float,
+}
+
+# CUDA refuses more than 48 KiB of dynamic shared memory unless the function opts in.
+CUDA_DEFAULT_SMEM = 48 * 1024
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+class RuntimeUnavailable(RuntimeError):
+    """The GPU runtime library cannot be found or lacks an entry point; the message says which."""
+
+
+class LaunchError(RuntimeError):
+    """A runtime call failed; the message names the call and the runtime's own error text."""
+
+
+def pack_args(signature: Sequence[str], values: Sequence) -> Tuple[list, ctypes.Array]:
+    """Kernel arguments as ctypes values plus the `void**` array the launch APIs take.
+
+    The values list is returned too: it must stay alive until the launch call returns."""
+    if len(signature) != len(values):
+        raise ValueError(f"kernel takes {len(signature)} arguments, got {len(values)}")
+    held = []
+    for kind, value in zip(signature, values):
+        ctype = ARG_CTYPES.get(kind)
+        if ctype is None:
+            raise ValueError(f"unknown argument kind {kind!r}; use one of {sorted(ARG_CTYPES)}")
+        if kind == "ptr":
+            value = value.data_ptr() if isinstance(value, torch.Tensor) else (value or 0)
+        elif kind in ("i32", "u32", "i64", "u64"):
+            value = int(value)
+            bits = 32 if kind in ("i32", "u32") else 64
+            lo, hi = (0, 1 << bits) if kind.startswith("u") else (-(1 << (bits - 1)), 1 << (bits - 1))
+            if not lo <= value < hi:
+                raise ValueError(f"argument {value} does not fit {kind}")
+        else:
+            value = float(value)
+        held.append(ctype(value))
+    array = (ctypes.c_void_p * max(1, len(held)))(*[ctypes.addressof(h) for h in held])
+    return held, array
+
+
+# -- finding the libraries ------------------------------------------------------------------------
+
+def hip_library_candidates() -> List[str]:
+    """Where the HIP runtime may be, best first: the copy torch loaded, torch's own lib folder, ROCm."""
+    if sys.platform == "win32":
+        dll_names = ["amdhip64_7.dll", "amdhip64_6.dll", "amdhip64.dll"]
+        names = windows_loaded_module(dll_names)
+        for folder in [torch_lib_dir()] + rocm_wheel_dirs() + [os.path.join(os.environ.get("HIP_PATH", ""), "bin")]:
+            names += sorted(glob.glob(os.path.join(folder, "amdhip64*.dll")), reverse=True)
+        return names + dll_names
+    names = loaded_library_paths("libamdhip64.so")
+    for folder in [torch_lib_dir()] + rocm_wheel_dirs():
+        names += sorted(glob.glob(os.path.join(folder, "libamdhip64.so*")), reverse=True)
+    for root in (os.environ.get("ROCM_PATH", ""), os.environ.get("HIP_PATH", ""), "/opt/rocm"):
+        if root:
+            names += sorted(glob.glob(os.path.join(root, "lib", "libamdhip64.so*")), reverse=True)
+    return names + ["libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6"]
+
+
+def cuda_driver_candidates() -> List[str]:
+    if sys.platform == "win32":
+        return ["nvcuda.dll"]
+    return loaded_library_paths("libcuda.so") + ["libcuda.so.1", "libcuda.so"]
+
+
+def open_first(candidates: Sequence[str], what: str) -> Tuple[ctypes.CDLL, str]:
+    tried = []
+    for name in dict.fromkeys(candidates):  # keeps order, drops repeats
+        try:
+            return ctypes.CDLL(name, mode=getattr(os, "RTLD_GLOBAL", 0)), name
+        except OSError as exc:
+            tried.append(f"{name} ({exc})" if os.path.sep in name else name)
+    raise RuntimeUnavailable(f"{what} not found; tried: {', '.join(tried) or 'nothing'}")
+
+
+def bind(lib: ctypes.CDLL, name: str, restype, argtypes, what: str):
+    try:
+        fn = getattr(lib, name)
+    except AttributeError:
+        raise RuntimeUnavailable(f"{what} has no {name}") from None
+    fn.restype, fn.argtypes = restype, argtypes
+    return fn
+
+
+# -- the two drivers ------------------------------------------------------------------------------
+
+class GpuRuntime:
+    """The module API of one GPU runtime. Subclasses set `kind` ('hip' or 'cuda') and the entry points."""
+
+    kind = ""
+    library = ""
+
+    def version(self) -> str:
+        raise NotImplementedError
+
+    def load_module(self, image: bytes, device_index: int):
+        raise NotImplementedError
+
+    def get_function(self, module, name: str):
+        raise NotImplementedError
+
+    def set_max_dynamic_shared(self, function, nbytes: int, device_index: int) -> None:
+        """Let `function` use `nbytes` of dynamic shared memory (needed above 48 KiB on CUDA)."""
+
+    def launch(self, function, grid, block, shared_bytes: int, stream: int, arg_array, device_index: int) -> None:
+        raise NotImplementedError
+
+
+def _grid3(dims) -> Tuple[int, int, int]:
+    dims = tuple(int(d) for d in dims) + (1, 1, 1)
+    if any(d <= 0 for d in dims[:3]):
+        raise ValueError(f"grid/block dimensions must be positive, got {dims[:3]}")
+    return dims[:3]
+
+
+class HipRuntime(GpuRuntime):
+    kind = "hip"
+
+    def __init__(self, candidates: Optional[Sequence[str]] = None):
+        lib, self.library = open_first(candidates or hip_library_candidates(), "the HIP runtime (libamdhip64 / amdhip64_N.dll)")
+        what = self.library
+        vp, u32, i32 = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
+        self._error_string = bind(lib, "hipGetErrorString", ctypes.c_char_p, [i32], what)
+        self._runtime_version = bind(lib, "hipRuntimeGetVersion", i32, [ctypes.POINTER(i32)], what)
+        self._load = bind(lib, "hipModuleLoadData", i32, [ctypes.POINTER(vp), vp], what)
+        self._get_function = bind(lib, "hipModuleGetFunction", i32, [ctypes.POINTER(vp), vp, ctypes.c_char_p], what)
+        self._launch = bind(lib, "hipModuleLaunchKernel", i32,
+                            [vp, u32, u32, u32, u32, u32, u32, u32, vp, ctypes.POINTER(vp), ctypes.POINTER(vp)], what)
+        self._get_last_error = bind(lib, "hipGetLastError", i32, [], what)
+
+    def check(self, status: int, call: str) -> None:
+        if status != 0:
+            text = self._error_string(status)
+            self._get_last_error()  # clear the sticky copy so torch does not report ours later
+            raise LaunchError(f"{call} failed: {text.decode(errors='replace') if text else 'error'} ({status})")
+
+    def version(self) -> str:
+        v = ctypes.c_int(0)
+        self.check(self._runtime_version(ctypes.byref(v)), "hipRuntimeGetVersion")
+        return f"hip-{v.value}"
+
+    def load_module(self, image: bytes, device_index: int):
+        module = ctypes.c_void_p()
+        buf = ctypes.create_string_buffer(image, len(image))
+        with torch.cuda.device(device_index):  # modules load onto the current device
+            self.check(self._load(ctypes.byref(module), ctypes.cast(buf, ctypes.c_void_p)), "hipModuleLoadData")
+        return module
+
+    def get_function(self, module, name: str):
+        fn = ctypes.c_void_p()
+        self.check(self._get_function(ctypes.byref(fn), module, name.encode()), f"hipModuleGetFunction({name})")
+        return fn
+
+    def launch(self, function, grid, block, shared_bytes, stream, arg_array, device_index):
+        g, b = _grid3(grid), _grid3(block)
+        self.check(self._launch(function, *g, *b, int(shared_bytes), ctypes.c_void_p(stream or None),
+                                ctypes.cast(arg_array, ctypes.POINTER(ctypes.c_void_p)), None), "hipModuleLaunchKernel")
+
+
+class CudaRuntime(GpuRuntime):
+    """CUDA driver API. Modules live in the device's primary context, the one PyTorch's runtime uses."""
+
+    kind = "cuda"
+
+    def __init__(self, candidates: Optional[Sequence[str]] = None):
+        lib, self.library = open_first(candidates or cuda_driver_candidates(), "the CUDA driver (libcuda / nvcuda.dll)")
+        what = self.library
+        vp, u32, i32 = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
+        self._error_string = bind(lib, "cuGetErrorString", i32, [i32, ctypes.POINTER(ctypes.c_char_p)], what)
+        self._driver_version = bind(lib, "cuDriverGetVersion", i32, [ctypes.POINTER(i32)], what)
+        self._init = bind(lib, "cuInit", i32, [u32], what)
+        self._device_get = bind(lib, "cuDeviceGet", i32, [ctypes.POINTER(i32), i32], what)
+        self._retain = bind(lib, "cuDevicePrimaryCtxRetain", i32, [ctypes.POINTER(vp), i32], what)
+        self._ctx_get = bind(lib, "cuCtxGetCurrent", i32, [ctypes.POINTER(vp)], what)
+        self._ctx_push = bind(lib, "cuCtxPushCurrent_v2", i32, [vp], what)
+        self._ctx_pop = bind(lib, "cuCtxPopCurrent_v2", i32, [ctypes.POINTER(vp)], what)
+        self._load = bind(lib, "cuModuleLoadData", i32, [ctypes.POINTER(vp), vp], what)
+        self._get_function = bind(lib, "cuModuleGetFunction", i32, [ctypes.POINTER(vp), vp, ctypes.c_char_p], what)
+        self._set_attribute = bind(lib, "cuFuncSetAttribute", i32, [vp, i32, i32], what)
+        self._launch = bind(lib, "cuLaunchKernel", i32,
+                            [vp, u32, u32, u32, u32, u32, u32, u32, vp, ctypes.POINTER(vp), ctypes.POINTER(vp)], what)
+        self._contexts: Dict[int, ctypes.c_void_p] = {}
+        self._lock = threading.Lock()
+        self.check(self._init(0), "cuInit")
+
+    def check(self, status: int, call: str) -> None:
+        if status != 0:
+            text = ctypes.c_char_p()
+            self._error_string(status, ctypes.byref(text))
+            raise LaunchError(f"{call} failed: {text.value.decode(errors='replace') if text.value else 'error'} ({status})")
+
+    def version(self) -> str:
+        v = ctypes.c_int(0)
+        self.check(self._driver_version(ctypes.byref(v)), "cuDriverGetVersion")
+        return f"cuda-driver-{v.value}"
+
+    def primary_context(self, device_index: int) -> ctypes.c_void_p:
+        with self._lock:
+            if device_index not in self._contexts:
+                dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+                self.check(self._device_get(ctypes.byref(dev), device_index), "cuDeviceGet")
+                self.check(self._retain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+                self._contexts[device_index] = ctx
+            return self._contexts[device_index]
+
+    def in_context(self, device_index: int, fn):
+        """Run fn() with the device's primary context current, restoring the caller's context after."""
+        ctx = self.primary_context(device_index)
+        current = ctypes.c_void_p()
+        self.check(self._ctx_get(ctypes.byref(current)), "cuCtxGetCurrent")
+        if current.value == ctx.value:
+            return fn()
+        self.check(self._ctx_push(ctx), "cuCtxPushCurrent")
+        try:
+            return fn()
+        finally:
+            self._ctx_pop(ctypes.byref(ctypes.c_void_p()))
+
+    def load_module(self, image: bytes, device_index: int):
+        module = ctypes.c_void_p()
+        buf = ctypes.create_string_buffer(image, len(image))  # PTX must end in NUL; the buffer adds one
+        self.in_context(device_index, lambda: self.check(
+            self._load(ctypes.byref(module), ctypes.cast(buf, ctypes.c_void_p)), "cuModuleLoadData"))
+        return module
+
+    def get_function(self, module, name: str):
+        fn = ctypes.c_void_p()
+        self.check(self._get_function(ctypes.byref(fn), module, name.encode()), f"cuModuleGetFunction({name})")
+        return fn
+
+    def set_max_dynamic_shared(self, function, nbytes, device_index):
+        if nbytes > CUDA_DEFAULT_SMEM:
+            self.in_context(device_index, lambda: self.check(
+                self._set_attribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes)),
+                "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)"))
+
+    def launch(self, function, grid, block, shared_bytes, stream, arg_array, device_index):
+        g, b = _grid3(grid), _grid3(block)
+        self.in_context(device_index, lambda: self.check(
+            self._launch(function, *g, *b, int(shared_bytes), ctypes.c_void_p(stream or None),
+                         ctypes.cast(arg_array, ctypes.POINTER(ctypes.c_void_p)), None), "cuLaunchKernel"))
+
+
+_RUNTIMES: Dict[str, GpuRuntime] = {}
+_RUNTIME_ERRORS: Dict[str, str] = {}
+_RUNTIME_LOCK = threading.Lock()
+
+
+def runtime_kind() -> str:
+    """'hip' under ROCm PyTorch, 'cuda' under CUDA PyTorch."""
+    return "hip" if getattr(torch.version, "hip", None) else "cuda"
+
+
+def get_runtime(kind: Optional[str] = None) -> GpuRuntime:
+    """The process-wide runtime of that kind; raises RuntimeUnavailable (same reason every time) when absent."""
+    kind = kind or runtime_kind()
+    with _RUNTIME_LOCK:
+        if kind in _RUNTIMES:
+            return _RUNTIMES[kind]
+        if kind in _RUNTIME_ERRORS:
+            raise RuntimeUnavailable(_RUNTIME_ERRORS[kind])
+        try:
+            rt = HipRuntime() if kind == "hip" else CudaRuntime()
+        except (RuntimeUnavailable, LaunchError) as exc:
+            _RUNTIME_ERRORS[kind] = str(exc)
+            raise RuntimeUnavailable(str(exc)) from None
+        _RUNTIMES[kind] = rt
+        return rt
+
+
+def runtime_unavailable_reason(kind: Optional[str] = None) -> Optional[str]:
+    try:
+        get_runtime(kind)
+        return None
+    except RuntimeUnavailable as exc:
+        return str(exc)
+
+
+# -- kernels ready to launch ----------------------------------------------------------------------
+
+class LoadedKernel:
+    """One kernel function in a module loaded on one device."""
+
+    def __init__(self, runtime: GpuRuntime, module, function, name: str, device_index: int, signature: Sequence[str]):
+        self.runtime, self.module, self.function = runtime, module, function
+        self.name, self.device_index, self.signature = name, device_index, tuple(signature)
+        self._smem_allowed = CUDA_DEFAULT_SMEM
+        self._lock = threading.Lock()
+
+    def __call__(self, grid, block, args: Sequence, shared_bytes: int = 0, stream: Optional[int] = None,
+                 signature: Optional[Sequence[str]] = None) -> None:
+        """Launch on `stream` (default: PyTorch's current stream on this device).
+
+        `signature` overrides the argument kinds given at load time (plans carry their own)."""
+        if shared_bytes > self._smem_allowed:
+            with self._lock:
+                self.runtime.set_max_dynamic_shared(self.function, shared_bytes, self.device_index)
+                self._smem_allowed = max(self._smem_allowed, shared_bytes)
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device_index).cuda_stream
+        held, array = pack_args(self.signature if signature is None else signature, args)
+        self.runtime.launch(self.function, grid, block, shared_bytes, stream, array, self.device_index)
+        del held  # the values had to live through the launch call
+
+
+class KernelLoader:
+    """(device, source, entry) -> LoadedKernel, compiling through the disk cache on first use.
+
+    One loader per runtime kind; modules are loaded once per device and source, and kept.
+    A cached code object the driver rejects is dropped and rebuilt once.
+    """
+
+    def __init__(self, runtime: GpuRuntime, compiler, cache):
+        self.runtime, self.compiler, self.cache = runtime, compiler, cache
+        self._modules: Dict[Tuple[int, str, Tuple[str, ...]], object] = {}
+        self._kernels: Dict[Tuple[int, str, Tuple[str, ...], str], LoadedKernel] = {}
+        self._lock = threading.Lock()
+
+    def kernel(self, device_index: int, source: "object", entry: str, signature: Sequence[str],
+               extra_flags: Sequence[str] = ()) -> LoadedKernel:
+        """`source` is a compiler.SourceBundle; `entry` an extern "C" kernel name in it."""
+        flags = tuple(extra_flags)
+        key = (device_index, source.digest, flags, entry)
+        with self._lock:
+            found = self._kernels.get(key)
+            if found is not None:
+                return found
+            module = self._module(device_index, source, flags)
+            function = self.runtime.get_function(module, entry)
+            found = LoadedKernel(self.runtime, module, function, entry, device_index, signature)
+            self._kernels[key] = found
+            return found
+
+    def _module(self, device_index, source, flags):
+        mkey = (device_index, source.digest, flags)
+        if mkey in self._modules:
+            return self._modules[mkey]
+        target = self.compiler.target_for_device(device_index)
+        version = self.runtime.version()
+        built = self.compiler.build_cached(self.cache, source, target, flags, version)
+        try:
+            module = self.runtime.load_module(built.image, device_index)
+        except LaunchError:
+            if not built.from_cache:
+                raise  # freshly compiled and still rejected: a real error
+            self.cache.discard(built.path, built.key)  # stale entry the driver rejects: rebuild once
+            built = self.compiler.build_cached(self.cache, source, target, flags, version, force=True)
+            module = self.runtime.load_module(built.image, device_index)
+        self._modules[mkey] = module
+        return module
+
+
+# -- which machinery serves a device ----------------------------------------------------------------
+
+EMULATE_ENV = "SAGE_RDNA4_HIP_EMULATE"
+GFX12_ARCHS = ("gfx1200", "gfx1201")
+_LOADERS: Dict[str, KernelLoader] = {}
+
+
+def emulation_requested() -> bool:
+    return os.environ.get(EMULATE_ENV, "") == "1"
+
+
+def compiler_kind(rt_kind: str) -> str:
+    return "hiprtc" if rt_kind == "hip" else "nvrtc"
+
+
+def environment_refusal(device_type: str, index: Optional[int]) -> Optional[str]:
+    """Why the HIP kernels cannot run on this device at all, or None.
+
+    ROCm: gfx1200/gfx1201 only. NVIDIA: only as the gfx12 emulation, and only when asked for with
+    SAGE_RDNA4_HIP_EMULATE=1 (it exists to verify the kernels, it is never a speed path).
+    Answers are kept per device (and emulation setting): the prologue asks on every call."""
+    key = (device_type, index, emulation_requested(), runtime_kind())
+    if key not in _ENV_VERDICTS:
+        _ENV_VERDICTS[key] = _environment_refusal(device_type, index)
+    return _ENV_VERDICTS[key]
+
+
+_ENV_VERDICTS: Dict[tuple, Optional[str]] = {}
+
+
+def _environment_refusal(device_type: str, index: Optional[int]) -> Optional[str]:
+    if device_type != "cuda":
+        return f"HIP kernels need a ROCm gfx1200/gfx1201 GPU, not {device_type}"
+    if not torch.cuda.is_available():
+        return "torch.cuda is not available"
+    index = torch.cuda.current_device() if index is None else index
+    kind = runtime_kind()
+    if kind == "hip":
+        name = getattr(torch.cuda.get_device_properties(index), "gcnArchName", "")
+        arch = parse_gcn_arch(name)
+        if arch not in GFX12_ARCHS:
+            return f"HIP kernels are written for RDNA4 (gfx1200/gfx1201); this GPU is {arch}"
+    elif not emulation_requested():
+        return (f"HIP kernels target AMD RDNA4; on NVIDIA they run only as a gfx12 emulation for "
+                f"verification, when {EMULATE_ENV}=1")
+    reason = runtime_unavailable_reason(kind)
+    if reason:
+        return reason
+    return compiler_unavailable_reason(compiler_kind(kind))
+
+
+def get_loader() -> KernelLoader:
+    """The process-wide loader for this PyTorch's runtime (check environment_refusal first)."""
+    kind = runtime_kind()
+    with _RUNTIME_LOCK:
+        loader = _LOADERS.get(kind)
+    if loader is None:
+        loader = KernelLoader(get_runtime(kind), get_compiler(compiler_kind(kind)), CodeObjectCache())
+        with _RUNTIME_LOCK:
+            loader = _LOADERS.setdefault(kind, loader)
+    return loader
+
+
+def run_launches(device_index: int, source, launches: Sequence, stream: Optional[int] = None,
+                 loader: Optional[KernelLoader] = None) -> None:
+    """Run a kernel_abi plan: each Launch (kernel, grid, block, args as (kind, value), shared_bytes), in order,
+    on one stream (default: PyTorch's current stream on the device)."""
+    loader = loader or get_loader()
+    if stream is None:
+        stream = torch.cuda.current_stream(device_index).cuda_stream
+    for item in launches:
+        kinds = [kind for kind, _ in item.args]
+        kern = loader.kernel(device_index, source, item.kernel, kinds)
+        kern(item.grid, item.block, [value for _, value in item.args], item.shared_bytes, stream, signature=kinds)
+
+
+_BUNDLES: Dict[str, object] = {}
+
+
+def kernel_bundle():
+    """The kernels' translation unit for this runtime (kernel_abi.module_source), read once per process."""
+    kind = runtime_kind()
+    bundle = _BUNDLES.get(kind)
+    if bundle is None:
+        from . import kernel_abi
+        text = kernel_abi.module_source("hip" if kind == "hip" else "cuda")
+        bundle = _BUNDLES.setdefault(kind, SourceBundle("sage_kernels.hip", text))
+    return bundle

@@ -1,0 +1,411 @@
+// gfx12_prelude.h: the only "runtime header" of the kernels. No HIP/CUDA/std headers are included,
+// so the same text compiles with clang/hiprtc for gfx1200/gfx1201, with nvrtc/nvcc as CUDA, and
+// (SAGE_HOST_SIM) as plain C++ on the CPU with one OS thread per GPU thread.
+//
+// Three targets:
+//   SG_AMD   clang AMDGPU device compile (__AMDGCN__): real gfx12 builtins (v_wmma_*, v_permlanex16,
+//            ds_swizzle, v_perm_b32, v_cvt_pk_fp8_f32, v_exp_f32).
+//   SG_CUDA  nvrtc / nvcc: a wave32 is one CUDA warp; every gfx12 WMMA builtin is EMULATED lane by
+//            lane: each lane stores the fragment it holds in the gfx12 layout to shared memory, the
+//            warp syncs, and each lane computes exactly the 8 accumulator elements gfx12 gives it.
+//   SG_SIM   host C++ for CPU tests: same emulation, barriers from the simulator (kernels/verify/sim_runtime.h).
+//
+// gfx12 wave32 16x16x16 WMMA layout (lane t, r = t % 16, h = t / 16, element e = 0..7):
+//   A (16 x K=16):  lane holds A[r][8h + e]      (8-bit: 8 bytes in 2 dwords; f16: 8 halves in 4)
+//   B (K=16 x 16):  lane holds B[8h + e][r]
+//   C/D (16 x 16):  lane holds D[8h + e][r]      (8 x i32 or 8 x f32)
+// Sources: DESIGN.md section 5 (the seed's hardware layout probe for fp8,
+// IxMxAMAR/SageAttention-RDNA4 sk1_layout_probe.hip); for iu8 and f16 the same mapping is used by
+// public gfx12 samples that check it against a CPU GEMM on RDNA4 hardware (a gfx1201 iu8 WMMA sample:
+// lanes 0-15 take K 0..7 and lanes 16-31 K 8..15 of their row, accumulator row (lane/16)*8 + e,
+// column lane%16), and by clang's builtins-amdgcn-gfx12-wmma-w32.cl for the operand types
+// (iu8/fp8: <2 x i32>, f16: <8 x half>, D: <8 x i32/float>). Unlike gfx11 there are no duplicated
+// halves. Bytes within a dword are little-endian: element e sits in byte e % 4 of dword e / 4.
+#ifndef SAGE_GFX12_PRELUDE_H
+#define SAGE_GFX12_PRELUDE_H
+
+#if defined(__AMDGCN__)
+#define SG_AMD 1
+#elif defined(__CUDACC__)
+#define SG_CUDA 1
+#elif defined(SAGE_HOST_SIM)
+#define SG_SIM 1
+#else
+#error "gfx12_prelude.h: compile for AMDGPU (clang/hiprtc), CUDA (nvrtc/nvcc) or with SAGE_HOST_SIM"
+#endif
+
+#if defined(SG_AMD)
+#ifndef __global__
+#define __global__ __attribute__((global))
+#endif
+#ifndef __device__
+#define __device__ __attribute__((device))
+#endif
+#ifndef __shared__
+#define __shared__ __attribute__((shared))
+#endif
+#define SG_INLINE __device__ inline __attribute__((always_inline))
+#define SG_EMU_FN SG_INLINE
+#define SG_LAUNCH_BOUNDS(n) __attribute__((amdgpu_flat_work_group_size(1, n)))
+#define SG_SHARED __shared__
+#elif defined(SG_CUDA)
+#define SG_INLINE __device__ __forceinline__
+#define SG_EMU_FN __device__ __noinline__  // one emulated WMMA body, called (keeps nvrtc fast)
+#define SG_LAUNCH_BOUNDS(n) __launch_bounds__(n)
+#define SG_SHARED __shared__
+#else
+#define SG_INLINE inline
+#define SG_EMU_FN __attribute__((noinline))
+#define SG_LAUNCH_BOUNDS(n)
+#define SG_SHARED static
+#define __global__
+#define __device__
+#endif
+
+namespace sg {
+
+typedef signed char i8;
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+constexpr int WAVE = 32;
+constexpr float F32_TINY = 1.17549435e-38f;  // torch.finfo(float32).tiny, the quantizers' clamp
+constexpr float LOG2_FP8_MAX = 8.807354922057604f;  // log2(448)
+constexpr float LN2 = 0.6931471805599453f;
+
+// ---------------------------------------------------------------- vector types
+#if defined(SG_AMD)
+typedef int i32x2 __attribute__((ext_vector_type(2)));
+typedef int i32x8 __attribute__((ext_vector_type(8)));
+typedef float f32x8 __attribute__((ext_vector_type(8)));
+typedef _Float16 h16;
+typedef _Float16 f16x8 __attribute__((ext_vector_type(8)));
+typedef u32 u32x2 __attribute__((ext_vector_type(2)));
+typedef u32 u32x4 __attribute__((ext_vector_type(4)));
+template <class To, class From> SG_INLINE To bit_cast(From f) { return __builtin_bit_cast(To, f); }
+#else
+template <class T, int N> struct vec {
+  T v[N];
+  SG_INLINE T& operator[](int i) { return v[i]; }
+  SG_INLINE const T& operator[](int i) const { return v[i]; }
+};
+typedef vec<int, 2> i32x2;
+typedef vec<int, 8> i32x8;
+typedef vec<float, 8> f32x8;
+typedef u16 h16;  // fp16 bits
+typedef vec<u16, 8> f16x8;
+struct __attribute__((aligned(8))) u32x2 { u32 x, y; };
+struct __attribute__((aligned(16))) u32x4 { u32 x, y, z, w; };
+template <class To, class From> SG_INLINE To bit_cast(From f) {
+  union { From f; To t; } u;
+  u.f = f;
+  return u.t;
+}
+#endif
+
+// ---------------------------------------------------------------- thread indices, barriers
+#if defined(SG_AMD)
+SG_INLINE int tid_x() { return (int)__builtin_amdgcn_workitem_id_x(); }
+SG_INLINE int bid_x() { return (int)__builtin_amdgcn_workgroup_id_x(); }
+SG_INLINE int bid_y() { return (int)__builtin_amdgcn_workgroup_id_y(); }
+SG_INLINE int bid_z() { return (int)__builtin_amdgcn_workgroup_id_z(); }
+// The kernels only exchange data through LDS inside a block, so the fences are restricted to the
+// local address space (no global_wb / global_inv at every barrier).
+// (The address-space argument of the fence needs clang >= 19; older hiprtc gets full fences.)
+SG_INLINE void block_sync() {
+#if __clang_major__ >= 19
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup", "local");
+  __builtin_amdgcn_s_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup", "local");
+#else
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+  __builtin_amdgcn_s_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+#endif
+}
+#elif defined(SG_CUDA)
+SG_INLINE int tid_x() { return (int)threadIdx.x; }
+SG_INLINE int bid_x() { return (int)blockIdx.x; }
+SG_INLINE int bid_y() { return (int)blockIdx.y; }
+SG_INLINE int bid_z() { return (int)blockIdx.z; }
+SG_INLINE void block_sync() { __syncthreads(); }
+SG_INLINE void warp_sync() { __syncwarp(); }
+#else
+// sim_runtime.h (host only) defines these before including the kernels.
+SG_INLINE int tid_x() { return sim_tid(); }
+SG_INLINE int bid_x() { return sim_bid(0); }
+SG_INLINE int bid_y() { return sim_bid(1); }
+SG_INLINE int bid_z() { return sim_bid(2); }
+SG_INLINE void block_sync() { sim_block_sync(); }
+SG_INLINE void warp_sync() { sim_warp_sync(); }
+#endif
+// Keeps the AMDGPU scheduler from hoisting one phase's LDS loads into another (register pressure).
+#if defined(SG_AMD)
+SG_INLINE void sched_fence() { __builtin_amdgcn_sched_barrier(0); }
+#else
+SG_INLINE void sched_fence() {}
+#endif
+SG_INLINE int lane_id() { return tid_x() & (WAVE - 1); }
+SG_INLINE int wave_id() { return tid_x() / WAVE; }
+
+// ---------------------------------------------------------------- float helpers
+#if defined(SG_AMD)
+#if __has_builtin(__builtin_amdgcn_exp2f)
+SG_INLINE float fast_exp2(float x) { return __builtin_amdgcn_exp2f(x); }  // v_exp_f32
+SG_INLINE float fast_log2(float x) { return __builtin_amdgcn_logf(x); }   // v_log_f32
+#else
+SG_INLINE float fast_exp2(float x) { return __builtin_exp2f(x); }
+SG_INLINE float fast_log2(float x) { return __builtin_log2f(x); }
+#endif
+SG_INLINE float round_even(float x) { return __builtin_rintf(x); }
+SG_INLINE float fmax_(float a, float b) { return __builtin_fmaxf(a, b); }
+SG_INLINE float fmin_(float a, float b) { return __builtin_fminf(a, b); }
+SG_INLINE float fabs_(float a) { return __builtin_fabsf(a); }
+SG_INLINE float fma_(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+#elif defined(SG_CUDA)
+SG_INLINE float fast_exp2(float x) { return exp2f(x); }
+SG_INLINE float fast_log2(float x) { return log2f(x); }
+SG_INLINE float round_even(float x) { return rintf(x); }
+SG_INLINE float fmax_(float a, float b) { return fmaxf(a, b); }
+SG_INLINE float fmin_(float a, float b) { return fminf(a, b); }
+SG_INLINE float fabs_(float a) { return fabsf(a); }
+SG_INLINE float fma_(float a, float b, float c) { return fmaf(a, b, c); }
+#else
+SG_INLINE float fast_exp2(float x) { return std::exp2(x); }
+SG_INLINE float fast_log2(float x) { return std::log2(x); }
+SG_INLINE float round_even(float x) { return std::nearbyint(x); }
+SG_INLINE float fmax_(float a, float b) { return std::fmax(a, b); }
+SG_INLINE float fmin_(float a, float b) { return std::fmin(a, b); }
+SG_INLINE float fabs_(float a) { return std::fabs(a); }
+SG_INLINE float fma_(float a, float b, float c) { return std::fma(a, b, c); }
+#endif
+SG_INLINE float neg_inf() { return bit_cast<float>(0xff800000u); }
+
+// ---------------------------------------------------------------- NaN-keeping max and clamp
+// The spec's torch amax and clamp propagate NaN; fmaxf/fminf drop it, which would give a NaN token a
+// finite scale and finite garbage. These keep it.
+// Max of two values that are >= 0 or NaN (absolute values, amaxes): such floats order like their bit
+// patterns read as unsigned integers, with +Inf above every finite value and every NaN above +Inf, so
+// one integer max (v_max_u32) propagates NaN and lets it win over Inf, as torch.amax does.
+SG_INLINE float abs_max(float a, float b) {
+  const u32 x = bit_cast<u32>(a), y = bit_cast<u32>(b);
+  return bit_cast<float>(x > y ? x : y);
+}
+SG_INLINE double abs_max(double a, double b) { return (b > a || b != b) ? b : a; }
+// Clamp to [-big, big] (big > 0); NaN stays NaN (a comparison with NaN is false). One compare on |x| and a
+// sign copy: 3 instructions on gfx12 where two compares and selects take 4.
+SG_INLINE float clamp_keep_nan(float x, float big) {
+  return fabs_(x) > big ? bit_cast<float>((bit_cast<u32>(x) & 0x80000000u) | bit_cast<u32>(big)) : x;
+}
+
+// ---------------------------------------------------------------- 16-bit floats
+SG_INLINE float bf16_to_f32(u16 b) { return bit_cast<float>((u32)b << 16); }
+SG_INLINE u16 f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet (as torch)
+  u32 u = bit_cast<u32>(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
+  return (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+#if defined(SG_AMD)
+SG_INLINE float f16_to_f32(u16 b) { return (float)bit_cast<_Float16>(b); }
+SG_INLINE h16 f32_to_h16(float f) { return (_Float16)f; }
+SG_INLINE u16 f32_to_f16(float f) { return bit_cast<u16>((_Float16)f); }
+#elif defined(SG_CUDA)
+SG_INLINE float f16_to_f32(u16 b) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b)); return f; }
+SG_INLINE u16 f32_to_f16(float f) { u16 b; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(b) : "f"(f)); return b; }
+SG_INLINE h16 f32_to_h16(float f) { return f32_to_f16(f); }
+#else
+SG_INLINE float f16_to_f32(u16 b) { return sim_f16_to_f32(b); }
+SG_INLINE u16 f32_to_f16(float f) { return sim_f32_to_f16(f); }
+SG_INLINE h16 f32_to_h16(float f) { return f32_to_f16(f); }
+#endif
+
+// Input element types: a tag type per storage format, all read as float.
+// store_sat: the spec's saturating output cast (reference.saturating_cast): finite overflow and +-Inf
+// clamp to the format's largest finite value, NaN stays NaN.
+struct F16 { typedef u16 storage; static SG_INLINE float load(u16 b) { return f16_to_f32(b); }
+             static SG_INLINE u16 store(float f) { return f32_to_f16(f); }
+             static SG_INLINE u16 store_sat(float f) { return f32_to_f16(clamp_keep_nan(f, 65504.0f)); } };
+struct BF16 { typedef u16 storage; static SG_INLINE float load(u16 b) { return bf16_to_f32(b); }
+              static SG_INLINE u16 store(float f) { return f32_to_bf16(f); }
+              // 0x7f7f0000: the largest finite bf16 (3.3895e38), exact in fp32 and kept by f32_to_bf16
+              static SG_INLINE u16 store_sat(float f) { return f32_to_bf16(clamp_keep_nan(f, 3.3895313892515355e38f)); } };
+
+// ---------------------------------------------------------------- fp8 e4m3 (OCP, max 448)
+// Exact decode, and a software RNE encoder with saturation for the emulation targets.
+SG_INLINE float e4m3_to_f32(u32 code) {
+  u32 s = (code >> 7) & 1u, e = (code >> 3) & 15u, m = code & 7u;
+  float mag = e == 0 ? (float)m * 0.001953125f  // subnormal: m * 2^-9
+                     : bit_cast<float>(((e + 120u) << 23) | (m << 20));
+  if (e == 15u && m == 7u) mag = bit_cast<float>(0x7fc00000u);
+  return s ? -mag : mag;
+}
+SG_INLINE u32 f32_to_e4m3_soft(float x) {
+  u32 u = bit_cast<u32>(x), sign = (u >> 24) & 0x80u;
+  float a = fabs_(x);
+  u32 code;
+  if (a != a) return 0x7fu;
+  if (a < 0.015625f) {  // below 2^-6: subnormal grid of 2^-9 (the 8th step is the smallest normal)
+    code = (u32)round_even(a * 512.0f);
+  } else {
+    u32 b = bit_cast<u32>(a);
+    b = b + 0x7ffffu + ((b >> 20) & 1u);  // round the mantissa to 3 bits, ties to even
+    code = (((b >> 23) - 120u) << 3) | ((b >> 20) & 7u);
+  }
+  if (code > 0x7eu) code = 0x7eu;  // saturate to 448
+  return code | sign;
+}
+// Two floats to two e4m3 bytes in the low 16 bits (lo in byte 0).
+#if defined(SG_AMD)
+SG_INLINE u32 pack_e4m3x2(float lo, float hi) { return (u32)__builtin_amdgcn_cvt_pk_fp8_f32(lo, hi, 0, false) & 0xffffu; }
+SG_INLINE u32 pack_e4m3x4(float a, float b, float c, float d) {
+  int w = __builtin_amdgcn_cvt_pk_fp8_f32(a, b, 0, false);
+  return (u32)__builtin_amdgcn_cvt_pk_fp8_f32(c, d, w, true);
+}
+#elif defined(SG_CUDA)
+SG_INLINE u32 pack_e4m3x2(float lo, float hi) {
+  u16 r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return (u32)r;
+}
+SG_INLINE u32 pack_e4m3x4(float a, float b, float c, float d) { return pack_e4m3x2(a, b) | (pack_e4m3x2(c, d) << 16); }
+#else
+SG_INLINE u32 pack_e4m3x2(float lo, float hi) { return f32_to_e4m3_soft(lo) | (f32_to_e4m3_soft(hi) << 8); }
+SG_INLINE u32 pack_e4m3x4(float a, float b, float c, float d) { return pack_e4m3x2(a, b) | (pack_e4m3x2(c, d) << 16); }
+#endif
+
+// ---------------------------------------------------------------- byte permute
+// Result byte i = byte sel_i of the 8-byte value {hi:lo} (selectors 0..7 only).
+SG_INLINE u32 byte_perm(u32 lo, u32 hi, u32 sel) {
+#if defined(SG_AMD)
+  return __builtin_amdgcn_perm(hi, lo, sel);
+#elif defined(SG_CUDA)
+  return __byte_perm(lo, hi, sel);
+#else
+  u64 v = ((u64)hi << 32) | lo;
+  u32 r = 0;
+  for (int i = 0; i < 4; ++i) r |= (u32)((v >> (8 * ((sel >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+  return r;
+#endif
+}
+
+// ---------------------------------------------------------------- cross-lane
+#if !defined(SG_AMD)
+// Emulation scratch: one slot per wave of up to 8 waves (256-thread blocks) for lane exchange and
+// for the WMMA operands (A and B, 16x16 of up to 2 bytes each).
+struct WaveScratch { u32 lanes[WAVE]; u8 a[16 * 16 * 2]; u8 b[16 * 16 * 2]; };
+SG_INLINE WaveScratch& wave_scratch() {
+  SG_SHARED WaveScratch scratch[8];
+  return scratch[wave_id()];
+}
+SG_INLINE u32 emu_shfl_xor(u32 v, int mask) {
+#if defined(SG_CUDA)
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+#else
+  WaveScratch& s = wave_scratch();
+  s.lanes[lane_id()] = v;
+  warp_sync();
+  u32 r = s.lanes[lane_id() ^ mask];
+  warp_sync();
+  return r;
+#endif
+}
+#endif
+
+// Value of lane (lane ^ MASK), MASK in {1, 2, 4, 8, 16}.
+template <int MASK> SG_INLINE float lane_xor(float v) {
+#if defined(SG_AMD)
+  if (MASK == 16)  // VALU cross-row permute: lane i reads lane i ^ 16
+    return bit_cast<float>(__builtin_amdgcn_permlanex16(bit_cast<u32>(v), bit_cast<u32>(v), 0x76543210u, 0xfedcba98u, false, false));
+  // ds_swizzle bit-mask mode within 32 lanes: and_mask 0x1f, or_mask 0, xor_mask MASK.
+  return bit_cast<float>(__builtin_amdgcn_ds_swizzle(bit_cast<int>(v), (MASK << 10) | 0x1f));
+#else
+  return bit_cast<float>(emu_shfl_xor(bit_cast<u32>(v), MASK));
+#endif
+}
+// Wave-wide abs_max of values >= 0 or NaN (NaN in any lane gives NaN in every lane).
+SG_INLINE float wave_abs_max(float v) {
+  v = abs_max(v, lane_xor<16>(v)); v = abs_max(v, lane_xor<8>(v)); v = abs_max(v, lane_xor<4>(v));
+  v = abs_max(v, lane_xor<2>(v)); v = abs_max(v, lane_xor<1>(v));
+  return v;
+}
+
+// ---------------------------------------------------------------- WMMA 16x16x16, wave32
+#if !defined(SG_AMD)
+// Each lane publishes its A row slice and B column slice (gfx12 layout), then computes its own
+// D[8h + e][r]. ESZ is the element size in bytes; `dot` reads the two K=16 vectors.
+template <int ESZ> SG_INLINE void emu_publish(const u8* a, const u8* b) {
+  WaveScratch& s = wave_scratch();
+  int l = lane_id(), r = l & 15, h = l >> 4;
+  for (int i = 0; i < 8 * ESZ; ++i) {
+    s.a[(r * 16 + 8 * h) * ESZ + i] = a[i];  // A[r][8h .. 8h+7]
+    s.b[(r * 16 + 8 * h) * ESZ + i] = b[i];  // B[8h .. 8h+7][r], stored column-major
+  }
+  warp_sync();
+}
+#endif
+
+SG_EMU_FN i32x8 wmma_iu8(i32x2 a, i32x2 b, i32x8 c) {
+#if defined(SG_AMD)
+  return __builtin_amdgcn_wmma_i32_16x16x16_iu8_w32_gfx12(true, a, true, b, c, false);
+#else
+  emu_publish<1>((const u8*)&a, (const u8*)&b);
+  WaveScratch& s = wave_scratch();
+  int l = lane_id(), r = l & 15, h = l >> 4;
+  i32x8 d;
+  for (int e = 0; e < 8; ++e) {
+    int m = 8 * h + e, acc = c[e];
+    for (int k = 0; k < 16; ++k) acc += (int)(i8)s.a[m * 16 + k] * (int)(i8)s.b[r * 16 + k];
+    d[e] = acc;
+  }
+  warp_sync();
+  return d;
+#endif
+}
+
+// fp8 e4m3 x fp8 e4m3 -> f32. Products are exact in f32; the emulation sums them in K order and
+// then adds C (the hardware's internal summation order is not documented: last-bit differences).
+SG_EMU_FN f32x8 wmma_fp8(i32x2 a, i32x2 b, f32x8 c) {
+#if defined(SG_AMD)
+  return __builtin_amdgcn_wmma_f32_16x16x16_fp8_fp8_w32_gfx12(a, b, c);
+#else
+  emu_publish<1>((const u8*)&a, (const u8*)&b);
+  WaveScratch& s = wave_scratch();
+  int l = lane_id(), r = l & 15, h = l >> 4;
+  f32x8 d;
+  for (int e = 0; e < 8; ++e) {
+    int m = 8 * h + e;
+    float acc = 0.0f;
+    for (int k = 0; k < 16; ++k) acc = fma_(e4m3_to_f32(s.a[m * 16 + k]), e4m3_to_f32(s.b[r * 16 + k]), acc);
+    d[e] = acc + c[e];
+  }
+  warp_sync();
+  return d;
+#endif
+}
+
+SG_EMU_FN f32x8 wmma_f16(f16x8 a, f16x8 b, f32x8 c) {
+#if defined(SG_AMD)
+  return __builtin_amdgcn_wmma_f32_16x16x16_f16_w32_gfx12(a, b, c);
+#else
+  emu_publish<2>((const u8*)&a, (const u8*)&b);
+  WaveScratch& s = wave_scratch();
+  int l = lane_id(), r = l & 15, h = l >> 4;
+  const u16* sa = (const u16*)s.a;
+  const u16* sb = (const u16*)s.b;
+  f32x8 d;
+  for (int e = 0; e < 8; ++e) {
+    int m = 8 * h + e;
+    float acc = 0.0f;
+    for (int k = 0; k < 16; ++k) acc = fma_(f16_to_f32(sa[m * 16 + k]), f16_to_f32(sb[r * 16 + k]), acc);
+    d[e] = acc + c[e];
+  }
+  warp_sync();
+  return d;
+#endif
+}
+
+}  // namespace sg
+#endif  // SAGE_GFX12_PRELUDE_H

@@ -1,0 +1,430 @@
+// sage_attention.hip: INT8 Q.K^T + FP8 (hip_int8_fp8) or FP16 (hip_int8_fp16) P.V attention for
+// gfx12 wave32, consuming a quant.QuantizedQKV. Launch geometry lives in kernels/backends/hip/kernel_abi.py.
+//
+// Work split: a block of 8 waves owns BM = 128 query rows (16 per wave) and walks the keys in tiles
+// of BN = 64. Each wave computes S^T = K Q^T (A = K tile rows, B = its 16 queries), so in the gfx12
+// accumulator layout lane (r, h) holds query r and keys 8h + e: the row max and row sum stay in the
+// lane plus one lane^16 exchange, and the probabilities are already the B operand of
+// O^T = V^T P^T (B[8h + e][r] = P[query r][key 8h + e]) with no data movement at all.
+// One softmax rescale per key tile (online softmax in base 2, FP32 max/sum), exp2 only.
+// Tiles every row sees completely run in a loop without masking code; the causal diagonal and the
+// key tail run in a second loop with per-element masks (workgroup-uniform split, no padding copies:
+// out-of-range rows are clamped to a valid row and masked).
+namespace sg {
+
+constexpr int ATT_THREADS = 256, ATT_WAVES = 8, BM = 16 * ATT_WAVES, BN = 64;
+
+template <int D, bool FP8PV> struct __attribute__((aligned(16))) AttnSmem {
+  static constexpr int K_STRIDE = D + 16;                          // bytes per key row (bank spread)
+  static constexpr int VT_STRIDE = FP8PV ? BN + 16 : 2 * BN + 16;  // bytes per V^T channel row
+  // One LDS buffer: the next tile's global loads overlap the current tile's math in registers.
+  // (A double-buffered LDS variant made clang-19 keep ~90 more VGPRs live and spill on gfx1201.)
+  u8 k[BN * K_STRIDE];
+  u8 vt[D * VT_STRIDE];
+  float ks[BN];
+};
+
+SG_INLINE i32x2 mk_i32x2(u32 x, u32 y) { i32x2 a = {(int)x, (int)y}; return a; }
+SG_INLINE int imin(int a, int b) { return a < b ? a : b; }
+
+// Words of one thread's staged tile, held in registers between the global load and the LDS store.
+template <int D, bool FP8PV> struct Stage {
+  static constexpr int KB = BN * D / ATT_THREADS;      // K bytes per thread (32 or 16)
+  static constexpr int CPT = D / 16;                    // V channels per thread (4 keys each)
+  static constexpr int VW = CPT * (FP8PV ? 1 : 2) / 4;  // V words per key row
+  u32x4 k[KB / 16];
+  u32 v[4][VW];
+  float ks;
+};
+
+// Global -> registers for key tile starting at kt0. Rows past Nk are clamped (masked later).
+template <int D, bool FP8PV, bool K_ONLY = false>
+SG_INLINE void stage_load(Stage<D, FP8PV>& st, const i8* kbase, const u8* vbase, const float* ksbase, int kt0, int Nk) {
+  typedef Stage<D, FP8PV> S;
+  const int t = tid_x();
+  {
+    // Offsets inside one head are 32-bit (kernel_abi refuses heads of 2^31 bytes or more): the
+    // 64-bit (b, h) base stays uniform in SGPRs and the address is base + zext(offset).
+    const int row = imin(kt0 + t / 4, Nk - 1), col = (t % 4) * S::KB;
+    const u32x4* src = (const u32x4*)(kbase + (u32)(row * D + col));
+    #pragma unroll
+    for (int i = 0; i < S::KB / 16; ++i) st.k[i] = src[i];
+  }
+  if (K_ONLY) return;
+  {
+    const int kg = t / 16, cg = t % 16;
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int row = imin(kt0 + 4 * kg + j, Nk - 1);
+      const u8* src = vbase + (u32)((row * D + cg * S::CPT) * (FP8PV ? 1 : 2));
+      if (S::VW == 4) { u32x4 x = *(const u32x4*)src; st.v[j][0] = x.x; st.v[j][1] = x.y; st.v[j][2] = x.z; st.v[j][3] = x.w; }
+      else if (S::VW == 2) { u32x2 x = *(const u32x2*)src; st.v[j][0] = x.x; st.v[j][1] = x.y; }
+      else st.v[j][0] = *(const u32*)src;
+    }
+  }
+  // Every thread loads a k_scale (4 threads per key) so that no lane-divergent branch is needed.
+  st.ks = ksbase[(u32)imin(kt0 + (t & (BN - 1)), Nk - 1)];
+}
+
+// fp8 V^T keeps keys in an order with bits 3 and 4 swapped, so that one 16-byte LDS read gives a
+// lane its A operand for two consecutive 16-key steps (see pv_step).
+SG_INLINE int vt_pos(int key) { return (key & ~24) | ((key & 8) << 1) | ((key & 16) >> 1); }
+
+// Registers -> LDS: K rows as they are, V transposed (4 keys x CPT channels per thread, v_perm).
+template <int D, bool FP8PV>
+SG_INLINE void stage_store(const Stage<D, FP8PV>& st, AttnSmem<D, FP8PV>& sm) {
+  typedef Stage<D, FP8PV> S;
+  typedef AttnSmem<D, FP8PV> M;
+  const int t = tid_x();
+  {
+    u32x4* dst = (u32x4*)(sm.k + (t / 4) * M::K_STRIDE + (t % 4) * S::KB);
+    #pragma unroll
+    for (int i = 0; i < S::KB / 16; ++i) dst[i] = st.k[i];
+  }
+  const int kg = t / 16, cg = t % 16, k0 = 4 * kg;
+  #pragma unroll
+  for (int w = 0; w < S::VW; ++w) {
+    const u32 r0 = st.v[0][w], r1 = st.v[1][w], r2 = st.v[2][w], r3 = st.v[3][w];
+    if (FP8PV) {
+      const u32 lo01 = byte_perm(r0, r1, 0x5140u), hi01 = byte_perm(r0, r1, 0x7362u);
+      const u32 lo23 = byte_perm(r2, r3, 0x5140u), hi23 = byte_perm(r2, r3, 0x7362u);
+      const u32 ch[4] = {byte_perm(lo01, lo23, 0x5410u), byte_perm(lo01, lo23, 0x7632u),
+                         byte_perm(hi01, hi23, 0x5410u), byte_perm(hi01, hi23, 0x7632u)};
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int c = cg * S::CPT + 4 * w + i;
+        *(u32*)(sm.vt + c * M::VT_STRIDE + vt_pos(k0)) = ch[i];
+      }
+    } else {
+      #pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int c = cg * S::CPT + 2 * w + i;
+        const u32 sel = i ? 0x7632u : 0x5410u;
+        u32x2 p;
+        p.x = byte_perm(r0, r1, sel);
+        p.y = byte_perm(r2, r3, sel);
+        *(u32x2*)(sm.vt + c * M::VT_STRIDE + 2 * k0) = p;
+      }
+    }
+  }
+  sm.ks[t & (BN - 1)] = st.ks;  // 4 identical writes per slot, no branch
+}
+
+// Q fragments, the B operand of S^T = K Q^T. The contraction order over d is ours to choose as long
+// as A and B agree: step s = 2c + u, lane half h, element e <-> d = 32c + 16h + 8u + e, so each lane
+// reads 16 contiguous bytes of its row for two steps (one ds_read_b128 of K per two v_wmma).
+template <int D> struct QFrag { u32x4 w[D / 32]; };
+template <int D> SG_INLINE void load_q(QFrag<D>& qf, const i8* qrow_ptr) {
+  const u32x4* src = (const u32x4*)(qrow_ptr + 16 * (lane_id() >> 4));
+  #pragma unroll
+  for (int c = 0; c < D / 32; ++c) qf.w[c] = src[2 * c];
+}
+
+// INT32 S^T for key rows 16j .. 16j+15 of the LDS tile: lane (r, h), element e <-> key 16j + 8h + e.
+template <int D>
+SG_INLINE i32x8 qk_subtile(const QFrag<D>& qf, const u8* ktile, int k_stride, int j) {
+  const int l = lane_id();
+  const u8* krow = ktile + (16 * j + (l & 15)) * k_stride + 16 * (l >> 4);
+  i32x8 acc = {};
+  #pragma unroll
+  for (int c = 0; c < D / 32; ++c) {
+    const u32x4 kv = *(const u32x4*)(krow + 32 * c);
+    acc = wmma_iu8(mk_i32x2(kv.x, kv.y), mk_i32x2(qf.w[c].x, qf.w[c].y), acc);
+    acc = wmma_iu8(mk_i32x2(kv.z, kv.w), mk_i32x2(qf.w[c].z, qf.w[c].w), acc);
+  }
+  return acc;
+}
+
+template <int D, bool FP8PV> struct PFrag;
+template <int D> struct PFrag<D, true> { i32x2 p[4]; };
+template <int D> struct PFrag<D, false> { f16x8 p[4]; };
+
+// O^T[16tt + 8h + e][query r] += V^T P^T over the 64 keys of the tile.
+template <int D>
+SG_INLINE void pv_tile(f32x8* o, const PFrag<D, true>& pf, const u8* vt, int vt_stride) {
+  const int l = lane_id();
+  const u8* base = vt + (l & 15) * vt_stride + 16 * (l >> 4);
+  #pragma unroll
+  for (int tt = 0; tt < D / 16; ++tt) {
+    #pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const u32x4 a = *(const u32x4*)(base + 16 * tt * vt_stride + 32 * m);
+      o[tt] = wmma_fp8(mk_i32x2(a.x, a.y), pf.p[2 * m], o[tt]);
+      o[tt] = wmma_fp8(mk_i32x2(a.z, a.w), pf.p[2 * m + 1], o[tt]);
+    }
+  }
+}
+template <int D>
+SG_INLINE void pv_tile(f32x8* o, const PFrag<D, false>& pf, const u8* vt, int vt_stride) {
+  const int l = lane_id();
+  const u8* base = vt + (l & 15) * vt_stride + 16 * (l >> 4);
+  #pragma unroll
+  for (int tt = 0; tt < D / 16; ++tt) {
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const f16x8 a = bit_cast<f16x8>(*(const u32x4*)(base + 16 * tt * vt_stride + 32 * j));
+      o[tt] = wmma_f16(a, pf.p[j], o[tt]);
+    }
+  }
+}
+
+// Probabilities of key step j into the B operand (element e in byte/half e of the fragment).
+template <int D> SG_INLINE void pack_p(PFrag<D, true>& pf, int j, const float* p) {
+  pf.p[j] = mk_i32x2(pack_e4m3x4(p[0], p[1], p[2], p[3]), pack_e4m3x4(p[4], p[5], p[6], p[7]));
+}
+template <int D> SG_INLINE void pack_p(PFrag<D, false>& pf, int j, const float* p) {
+  #pragma unroll
+  for (int e = 0; e < 8; ++e) pf.p[j][e] = f32_to_h16(p[e]);
+}
+
+// Per-lane online-softmax state: this lane's query row, half of its keys.
+template <int D, bool FP8PV> struct RowState {
+  f32x8 o[D / 16];
+  float m;     // running max of the row in units of int-dot * k_scale (base-2 score = m * qscale)
+  float l;     // this lane's share of the running row sum (x448 for FP8 P)
+  float qscale;
+  int qrow;
+};
+
+template <int D, bool FP8PV, bool MASK>
+SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const AttnSmem<D, FP8PV>& sm,
+                           int kt0, int Nk, int causal) {
+  typedef AttnSmem<D, FP8PV> M;
+  const int h = lane_id() >> 4;
+  float s[4][8];
+  // Masked tiles: key visible iff key <= last (tail: Nk - 1; causal: also the query row).
+  const int last = causal ? imin(Nk - 1, rs.qrow) : Nk - 1;
+  #pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const i32x8 acc = qk_subtile<D>(qf, sm.k, M::K_STRIDE, j);
+    const u32x4 ka = *(const u32x4*)(sm.ks + 16 * j + 8 * h);
+    const u32x4 kb = *(const u32x4*)(sm.ks + 16 * j + 8 * h + 4);
+    const float ksc[8] = {bit_cast<float>(ka.x), bit_cast<float>(ka.y), bit_cast<float>(ka.z), bit_cast<float>(ka.w),
+                          bit_cast<float>(kb.x), bit_cast<float>(kb.y), bit_cast<float>(kb.z), bit_cast<float>(kb.w)};
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      float v = (float)acc[e] * ksc[e];
+      if (MASK) v = kt0 + 16 * j + 8 * h + e <= last ? v : neg_inf();
+      s[j][e] = v;
+    }
+  }
+  sched_fence();
+  float mj[4];
+  #pragma unroll
+  for (int j = 0; j < 4; ++j)
+    mj[j] = fmax_(fmax_(fmax_(s[j][0], s[j][1]), fmax_(s[j][2], s[j][3])), fmax_(fmax_(s[j][4], s[j][5]), fmax_(s[j][6], s[j][7])));
+  float mx = fmax_(fmax_(mj[0], mj[1]), fmax_(mj[2], mj[3]));
+  mx = fmax_(mx, lane_xor<16>(mx));
+  const float m_new = fmax_(rs.m, mx);
+  // A row that has seen no key yet keeps m = -inf: use 0 so exp2 gives exact zeros, alpha 1.
+  const float m_use = MASK && m_new == neg_inf() ? 0.0f : m_new;
+  const float alpha = fast_exp2((rs.m - m_use) * rs.qscale);
+  const float bias = m_use * rs.qscale - (FP8PV ? LOG2_FP8_MAX : 0.0f);  // FP8: P lands in [0, 448]
+  PFrag<D, FP8PV> pf;
+  float part[4];  // independent partial sums: short dependency chains
+  #pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float p[8];
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) p[e] = fast_exp2(fma_(s[j][e], rs.qscale, -bias));
+    part[j] = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+    pack_p(pf, j, p);
+  }
+  rs.l = fma_(rs.l, alpha, (part[0] + part[1]) + (part[2] + part[3]));
+  rs.m = m_new;
+  #pragma unroll
+  for (int tt = 0; tt < D / 16; ++tt)
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) rs.o[tt][e] *= alpha;
+  sched_fence();
+  pv_tile<D>(rs.o, pf, sm.vt, M::VT_STRIDE);
+  sched_fence();
+}
+
+
+// The whole attention for one block of BM query rows of one (batch, q head).
+template <int D, bool FP8PV, class T>
+SG_INLINE void attention(const i8* q8, const float* q_scale, const i8* k8, const float* k_scale, const u8* v,
+                         const float* v_scale, int Hq, int Hkv, int Nq, int Nk, int causal,
+                         u16* out, i64 osb, i64 osh, i64 osn, float* lse,
+                         const u16* q, i64 qsb, i64 qsh, i64 qsn, i64 qsd, const float* k_mean, float sm_scale) {
+  typedef AttnSmem<D, FP8PV> M;
+  SG_SHARED M sm;
+  const int hq = bid_y(), b = bid_z(), hk = hq / (Hq / Hkv);
+  const int lane = lane_id(), h = lane >> 4;
+  const int q0 = bid_x() * BM;
+  const i64 bhq = (i64)b * Hq + hq, bhk = (i64)b * Hkv + hk;
+  const i8* kbase = k8 + bhk * Nk * D;
+  const u8* vbase = v + bhk * Nk * D * (FP8PV ? 1 : 2);
+  const float* ksbase = k_scale + bhk * Nk;
+
+  RowState<D, FP8PV> rs;
+  rs.qrow = q0 + 16 * wave_id() + (lane & 15);
+  const int qr = imin(rs.qrow, Nq - 1);
+  QFrag<D> qf;
+  load_q<D>(qf, q8 + (bhq * Nq + qr) * D);
+  rs.qscale = q_scale[bhq * Nq + qr];
+  rs.m = neg_inf();
+  rs.l = 0.0f;
+  #pragma unroll
+  for (int tt = 0; tt < D / 16; ++tt)
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) rs.o[tt][e] = 0.0f;
+
+  // Key tiles: [0, n_full) are fully visible to every row of the block, [n_full, n_tiles) need masks.
+  const int kv_end = causal ? imin(Nk, q0 + BM) : Nk;
+  const int n_tiles = (kv_end + BN - 1) / BN;
+  const int n_full = imin(Nk / BN, causal ? (q0 + 1) / BN : Nk / BN);
+  // One LDS buffer: store tile i, barrier, issue tile i+1's global loads, compute tile i, barrier.
+  Stage<D, FP8PV> st;
+  if (n_tiles > 0) stage_load<D, FP8PV>(st, kbase, vbase, ksbase, 0, Nk);
+  for (int i = 0; i < n_full; ++i) {
+    stage_store<D, FP8PV>(st, sm);
+    block_sync();
+    if (i + 1 < n_tiles) stage_load<D, FP8PV>(st, kbase, vbase, ksbase, (i + 1) * BN, Nk);
+    attend_tile<D, FP8PV, false>(rs, qf, sm, i * BN, Nk, causal);
+    block_sync();
+  }
+  for (int i = n_full; i < n_tiles; ++i) {
+    stage_store<D, FP8PV>(st, sm);
+    block_sync();
+    if (i + 1 < n_tiles) stage_load<D, FP8PV>(st, kbase, vbase, ksbase, (i + 1) * BN, Nk);
+    attend_tile<D, FP8PV, true>(rs, qf, sm, i * BN, Nk, causal);
+    block_sync();
+  }
+
+  // Epilogue: out = acc / row_sum * v_scale (the x448 of FP8 P cancels between acc and sum). Dividing
+  // first keeps acc * v_scale from overflowing FP32 (V near the bf16 max); the cast saturates (FP8
+  // rounding of P lifts a convex combination of V up to ~6 % above max|V|: fp16 V at 65504 would be Inf)
+  // and keeps NaN. Only a row that saw no key has l_tot == 0 (zeros out); a NaN row sum (NaN or Inf in
+  // q or k) must stay NaN, so it is not tested with `> 0`.
+  const float l_tot = rs.l + lane_xor<16>(rs.l);
+  const float inv = l_tot == 0.0f ? 0.0f : 1.0f / l_tot;
+  if (rs.qrow < Nq) {
+    u16* orow = out + (i64)b * osb + (i64)hq * osh + (i64)rs.qrow * osn;
+    const float* vs = v_scale + bhk * D;
+    #pragma unroll
+    for (int tt = 0; tt < D / 16; ++tt) {
+      const int c0 = 16 * tt + 8 * h;
+      u32 w[4];
+      #pragma unroll
+      for (int e = 0; e < 8; e += 2) {
+        const u32 lo = T::store_sat(rs.o[tt][e] * inv * vs[c0 + e]);
+        const u32 hi = T::store_sat(rs.o[tt][e + 1] * inv * vs[c0 + e + 1]);
+        w[e / 2] = lo | (hi << 16);
+      }
+      u32x4 pk;
+      pk.x = w[0]; pk.y = w[1]; pk.z = w[2]; pk.w = w[3];
+      *(u32x4*)(orow + c0) = pk;
+    }
+  }
+  if (lse) {
+    // Natural-log LSE; with smooth_k, add back q . k_mean * sm_scale (each half-wave sums half of d).
+    float corr = 0.0f;
+    if (k_mean) {
+      const u16* qrow_ptr = q + (i64)b * qsb + (i64)hq * qsh + (i64)qr * qsn;
+      const float* km = k_mean + bhk * D;
+      for (int d = h * (D / 2); d < (h + 1) * (D / 2); ++d) corr = fma_(T::load(qrow_ptr[(i64)d * qsd]), km[d], corr);
+      corr = (corr + lane_xor<16>(corr)) * sm_scale;
+    }
+    const float base2 = rs.m * rs.qscale + fast_log2(l_tot) - (FP8PV ? LOG2_FP8_MAX : 0.0f);
+    const float val = l_tot == 0.0f ? neg_inf() : base2 * LN2 + corr;  // NaN row sum: NaN LSE
+    if (h == 0 && rs.qrow < Nq) lse[bhq * Nq + rs.qrow] = val;
+  }
+}
+
+// Debug/verification kernel: the INT32 Q.K^T products through the same LDS staging and WMMA
+// fragments as attention (scores[b, hq, q, key], row-major, Nq x Nk per head).
+template <int D>
+SG_INLINE void qk_scores(const i8* q8, const i8* k8, int Hq, int Hkv, int Nq, int Nk, int* scores) {
+  typedef AttnSmem<D, true> M;
+  SG_SHARED M sm;
+  const int hq = bid_y(), b = bid_z(), hk = hq / (Hq / Hkv);
+  const int lane = lane_id(), h = lane >> 4;
+  const i64 bhq = (i64)b * Hq + hq, bhk = (i64)b * Hkv + hk;
+  const int qrow = bid_x() * BM + 16 * wave_id() + (lane & 15);
+  QFrag<D> qf;
+  load_q<D>(qf, q8 + (bhq * Nq + imin(qrow, Nq - 1)) * D);
+  Stage<D, true> st;
+  for (int kt0 = 0; kt0 < Nk; kt0 += BN) {
+    stage_load<D, true, true>(st, k8 + bhk * Nk * D, nullptr, nullptr, kt0, Nk);
+    stage_store<D, true>(st, sm);  // V^T and k_scale slots get stale registers: unused here
+    block_sync();
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const i32x8 acc = qk_subtile<D>(qf, sm.k, M::K_STRIDE, j);
+      #pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int key = kt0 + 16 * j + 8 * h + e;
+        if (qrow < Nq && key < Nk) scores[(bhq * Nq + qrow) * Nk + key] = acc[e];
+      }
+    }
+    block_sync();
+  }
+}
+
+// One 16x16x16 product per builtin, operands given in the gfx12 per-lane layout (32 lanes x 8
+// elements, lane-major) and D returned per lane: tests compare it with a plain matrix product.
+SG_INLINE void wmma_probe(int kind, const u32* a, const u32* b, const u32* c, u32* d) {
+  const int l = lane_id();
+  if (kind == 2) {
+    u32x4 aw = *(const u32x4*)(a + 4 * l), bw = *(const u32x4*)(b + 4 * l);
+    f32x8 cv;
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) cv[e] = bit_cast<float>(c[8 * l + e]);
+    const f32x8 r = wmma_f16(bit_cast<f16x8>(aw), bit_cast<f16x8>(bw), cv);
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) d[8 * l + e] = bit_cast<u32>(r[e]);
+    return;
+  }
+  const i32x2 av = mk_i32x2(a[2 * l], a[2 * l + 1]), bv = mk_i32x2(b[2 * l], b[2 * l + 1]);
+  if (kind == 0) {
+    i32x8 cv;
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) cv[e] = (int)c[8 * l + e];
+    const i32x8 r = wmma_iu8(av, bv, cv);
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) d[8 * l + e] = (u32)r[e];
+  } else {
+    f32x8 cv;
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) cv[e] = bit_cast<float>(c[8 * l + e]);
+    const f32x8 r = wmma_fp8(av, bv, cv);
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) d[8 * l + e] = bit_cast<u32>(r[e]);
+  }
+}
+
+}  // namespace sg
+
+// ---------------------------------------------------------------- entry points
+#define SG_ATTN(PV, FP8, D, SUF, T)                                                                          \
+  extern "C" __global__ SG_LAUNCH_BOUNDS(256) void sage_attn_i8##PV##_d##D##_##SUF(                          \
+      const sg::i8* q8, const float* q_scale, const sg::i8* k8, const float* k_scale, const sg::u8* v,        \
+      const float* v_scale, int Hq, int Hkv, int Nq, int Nk, int causal, sg::u16* out, sg::i64 osb,          \
+      sg::i64 osh, sg::i64 osn, float* lse, const sg::u16* q, sg::i64 qsb, sg::i64 qsh, sg::i64 qsn,         \
+      sg::i64 qsd, const float* k_mean, float sm_scale) {                                                     \
+    sg::attention<D, FP8, sg::T>(q8, q_scale, k8, k_scale, v, v_scale, Hq, Hkv, Nq, Nk, causal, out, osb,    \
+                                 osh, osn, lse, q, qsb, qsh, qsn, qsd, k_mean, sm_scale);                     \
+  }
+SG_ATTN(f8, true, 128, f16, F16)
+SG_ATTN(f8, true, 128, bf16, BF16)
+SG_ATTN(f8, true, 64, f16, F16)
+SG_ATTN(f8, true, 64, bf16, BF16)
+SG_ATTN(f16, false, 128, f16, F16)
+SG_ATTN(f16, false, 128, bf16, BF16)
+SG_ATTN(f16, false, 64, f16, F16)
+SG_ATTN(f16, false, 64, bf16, BF16)
+
+#define SG_QK_SCORES(D)                                                                                     \
+  extern "C" __global__ SG_LAUNCH_BOUNDS(256) void sage_qk_scores_d##D(                                      \
+      const sg::i8* q8, const sg::i8* k8, int Hq, int Hkv, int Nq, int Nk, int* scores) {                    \
+    sg::qk_scores<D>(q8, k8, Hq, Hkv, Nq, Nk, scores);                                                       \
+  }
+SG_QK_SCORES(64)
+SG_QK_SCORES(128)
+
+extern "C" __global__ SG_LAUNCH_BOUNDS(32) void sage_wmma_probe(int kind, const sg::u32* a, const sg::u32* b,
+                                                                const sg::u32* c, sg::u32* d) {
+  sg::wmma_probe(kind, a, b, c, d);
+}

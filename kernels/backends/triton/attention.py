@@ -1,0 +1,209 @@
+"""The Triton attention kernel: INT8 Q.K^T -> INT32, exp2 online softmax, FP8 or FP16 P.V, FP32 accumulate.
+
+Input is a `quant.QuantizedQKV` (any prologue's). Scores are base 2 already (sm_scale*log2e lives in
+q_scale). For FP8 P.V the running row max is lowered by P_SHIFT = log2(447.797), so P = exp2(s - m)
+lands in [0, 447.8] and goes to e4m3 without a multiply; the row sum carries the same factor, so it
+cancels in acc / l. Head dims are padded to a power of two inside the kernel (masked loads).
+Each program owns BLOCK_M query rows of one (batch, head); key tiles run in two stages: full tiles
+without masks, then the tail / causal-diagonal tiles with masks.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import quant
+from .configs import AttentionConfig, padded_head_dim
+from .prologue import round_to_e4m3
+
+# exp2(P_SHIFT) stays below 448 even with an approximate exp2, so P never saturates e4m3.
+P_SHIFT = tl.constexpr(8.8067)  # log2(447.797)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
+              offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
+              HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+              MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+              PV_FP8: tl.constexpr, V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr):
+    cols = start_n + offs_n
+    k_ptrs = k_base + cols[:, None] * skn + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=(cols[:, None] < Nk) & (offs_d[None, :] < HEAD_DIM), other=0)
+        ks = tl.load(ks_base + cols, mask=cols < Nk, other=0.0)
+    elif HEAD_DIM == D_PAD:
+        k = tl.load(k_ptrs)
+        ks = tl.load(ks_base + cols)
+    else:
+        k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0)
+        ks = tl.load(ks_base + cols)
+    s = tl.dot(q, tl.trans(k)).to(tl.float32) * (q_scale[:, None] * ks[None, :])
+    if MASKED:
+        keep = cols[None, :] < Nk
+        if IS_CAUSAL:
+            keep = keep & (cols[None, :] <= offs_m[:, None])
+        s = tl.where(keep, s, float("-inf"))
+    if PV_FP8:
+        m_new = tl.maximum(m_i, tl.max(s, 1) - P_SHIFT)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if V_T:
+        vt_ptrs = v_base + offs_dv[:, None] * svd + cols[None, :] * svn
+        if MASKED or DV != DV_PAD:
+            vt = tl.load(vt_ptrs, mask=(cols[None, :] < Nk) & (offs_dv[:, None] < DV), other=0.0)
+        else:
+            vt = tl.load(vt_ptrs)
+        v = tl.trans(vt)
+    else:
+        v_ptrs = v_base + cols[:, None] * svn + offs_dv[None, :] * svd
+        if MASKED or DV != DV_PAD:
+            v = tl.load(v_ptrs, mask=(cols[:, None] < Nk) & (offs_dv[None, :] < DV), other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+    if PV_FP8:
+        if EXACT_P_ROUND:
+            p = round_to_e4m3(p)
+        acc = tl.dot(p.to(tl.float8e4nv), v, acc)
+    else:
+        acc = tl.dot(p.to(tl.float16), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, lo, hi,
+               offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+               PV_FP8: tl.constexpr, V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr,
+               WHILE_LOOP: tl.constexpr):
+    if WHILE_LOOP:
+        # Interpreter only: Triton 3.6's interpreter cannot take runtime range() bounds with numpy 2.
+        start_n = lo
+        while start_n < hi:
+            acc, l_i, m_i = _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
+                                      offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
+                                      HEAD_DIM, D_PAD, DV, DV_PAD, MASKED, IS_CAUSAL, PV_FP8, V_T,
+                                      EXACT_P_ROUND)
+            start_n += BLOCK_N
+    else:
+        # A for loop, so the software pipeliner can overlap loads with compute (num_stages > 1).
+        for start_n in range(lo, hi, BLOCK_N):
+            acc, l_i, m_i = _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
+                                      offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
+                                      HEAD_DIM, D_PAD, DV, DV_PAD, MASKED, IS_CAUSAL, PV_FP8, V_T,
+                                      EXACT_P_ROUND)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, O, LSE,
+                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, svd, sob, soh, son,
+                   Hq, Hkv, Nq, Nk,
+                   KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                   DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   IS_CAUSAL: tl.constexpr, PV_FP8: tl.constexpr, STORE_LSE: tl.constexpr,
+                   V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr, INTERPRETER: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // KV_GROUP
+    b64, h64, hk64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64)
+    q_row0 = (b64 * Hq + h64) * Nq   # (B, Hq, Nq) scales / LSE
+    k_row0 = (b64 * Hkv + hk64) * Nk  # (B, Hkv, Nk) scales
+
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    m_live = offs_m < Nq
+
+    q = tl.load(Q8 + b64 * sqb + h64 * sqh + offs_m[:, None] * sqn + offs_d[None, :],
+                mask=m_live[:, None] & (offs_d[None, :] < HEAD_DIM), other=0)
+    q_scale = tl.load(QS + q_row0 + offs_m, mask=m_live, other=0.0)
+    k_base = K8 + b64 * skb + hk64 * skh
+    ks_base = KS + k_row0
+    v_base = V + b64 * svb + hk64 * svh
+
+    acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+
+    full_end = (Nk // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        # Tiles left of this block's first row need no mask (BLOCK_M is a multiple of BLOCK_N).
+        hi = tl.minimum(start_m + BLOCK_M, Nk)
+        full_end = tl.minimum(full_end, start_m)
+    else:
+        hi = Nk
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, 0, full_end,
+                               offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
+                               HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, False, IS_CAUSAL, PV_FP8, V_T,
+                               EXACT_P_ROUND, INTERPRETER)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, full_end, hi,
+                               offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
+                               HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, True, IS_CAUSAL, PV_FP8, V_T,
+                               EXACT_P_ROUND, INTERPRETER)
+
+    v_scale = tl.load(VS + (b64 * Hkv + hk64) * DV + offs_dv, mask=offs_dv < DV, other=0.0)
+    inv_l = 1.0 / l_i
+    out = acc * (inv_l[:, None] * v_scale[None, :])
+    if O.dtype.element_ty == tl.float16:
+        # Rounding P (FP8: up to 6%) can lift a convex combination of V just past max|V|; at 65504 that
+        # is Inf in FP16. Bring that small overshoot back to the largest FP16; real Inf/NaN stay as they are.
+        big = tl.abs(out)
+        out = tl.where((big > 65504.0) & (big < 73728.0), tl.where(out > 0, 65504.0, -65504.0), out)
+    tl.store(O + b64 * sob + h64 * soh + offs_m[:, None] * son + offs_dv[None, :], out.to(O.dtype.element_ty),
+             mask=m_live[:, None] & (offs_dv[None, :] < DV))
+    if STORE_LSE:
+        # Natural-log LSE of the base-2 scores; for FP8 the shift cancels between m_i and l_i.
+        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+        tl.store(LSE + q_row0 + offs_m, lse, mask=m_live)
+
+
+def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: AttentionConfig,
+                                    is_causal: bool = False, return_lse: bool = False,
+                                    out_dtype: torch.dtype = torch.float16,
+                                    out: Optional[torch.Tensor] = None):
+    """Attention on a prologue's output. Returns (out (B, Hq, Nq, Dv) in out_dtype, LSE of the
+    smoothed scores (B, Hq, Nq) fp32 or None). The caller adds the smooth_k term to the LSE."""
+    if pv not in ("fp8", "fp16"):
+        raise ValueError(f"pv must be 'fp8' or 'fp16', got {pv!r}")
+    b, hq, nq, d = qq.q8.shape
+    _, hkv, nk, dv = qq.v.shape
+    if config.block_m % config.block_n:
+        raise ValueError("block_m must be a multiple of block_n (causal tiling)")
+    for name in ("q8", "k8"):
+        if getattr(qq, name).stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim")
+    v = qq.v
+    v_t = v.stride(-2) == 1 and v.stride(-1) != 1  # the (Dv, Nk) storage the Hopper config asks for
+    if out is None:
+        out = torch.empty((b, hq, nq, dv), dtype=out_dtype, device=qq.q8.device)
+    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=qq.q8.device) if return_lse else None
+    grid = (triton.cdiv(nq, config.block_m), b * hq)
+    _sage_attn_fwd[grid](
+        qq.q8, qq.q_scale, qq.k8, qq.k_scale, v, qq.v_scale, out, lse if return_lse else qq.q_scale,
+        qq.q8.stride(0), qq.q8.stride(1), qq.q8.stride(2),
+        qq.k8.stride(0), qq.k8.stride(1), qq.k8.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), v.stride(3),
+        out.stride(0), out.stride(1), out.stride(2),
+        hq, hkv, nq, nk,
+        KV_GROUP=hq // hkv, HEAD_DIM=d, D_PAD=padded_head_dim(d), DV=dv, DV_PAD=padded_head_dim(dv),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_CAUSAL=bool(is_causal), PV_FP8=pv == "fp8",
+        STORE_LSE=bool(return_lse), V_T=v_t, EXACT_P_ROUND=interpreting(), INTERPRETER=interpreting(),
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return out, lse

@@ -1,0 +1,159 @@
+"""`triton_int8_fp8` and `triton_int8_fp16`: the Triton prologue (or the HIP one) + the Triton attention.
+
+The acceptance rule is stated once, in `refuse`; `_unavailable` judges the environment only.
+On ROCm the first use of a device runs the shared first-use self-check against SDPA; a failure takes
+the backend out of service there (the dispatcher then falls back with that reason).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ...registry import Backend
+from .configs import MAX_HEAD_DIM, attention_config
+
+CPU_REASON = "Triton needs a GPU; on CPU it runs only under TRITON_INTERPRET=1"
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# ROCm targets whose Triton backend lowers our dots: fp8e4nv (OCP e4m3) exists on gfx12 and gfx950 only.
+ROCM_FP8_ARCHS = ("gfx1200", "gfx1201", "gfx950")
+ROCM_INT8_ARCH_PREFIXES = ("gfx11", "gfx12", "gfx90a", "gfx94", "gfx95")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _triton_import_error() -> Optional[str]:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install raising anything else
+        return f"triton is not importable: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _hip_prologue():
+    """(refusal_fn, quantize_fn) of the HIP prologue, or a reason string when it is not there."""
+    try:
+        from ..hip.prologue import hip_prologue_refusal, hip_quantize_qkv
+    except Exception as exc:
+        return f"the HIP prologue is not available: {type(exc).__name__}: {exc}"
+    return hip_prologue_refusal, hip_quantize_qkv
+
+
+def lse_smooth_term(q: torch.Tensor, k_mean: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """q . mean(K) * sm_scale per query row (B, Hq, Nq) in FP32: what smooth_k took out of every score.
+
+    Computed a few heads at a time so an FP32 copy of a 75k-token q never exists whole."""
+    b, hq, nq, d = q.shape
+    group = hq // k_mean.shape[1]
+    mean = k_mean.repeat_interleave(group, dim=1).unsqueeze(-1)  # (B, Hq, D, 1)
+    out = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
+    step = max(1, (1 << 26) // max(1, b * nq * d))
+    for h0 in range(0, hq, step):
+        h1 = min(hq, h0 + step)
+        out[:, h0:h1] = torch.matmul(q[:, h0:h1].float(), mean[:, h0:h1]).squeeze(-1) * sm_scale
+    return out
+
+
+class TritonBackend(Backend):
+    def __init__(self, pv: str):
+        super().__init__()
+        if pv not in ("fp8", "fp16"):
+            raise ValueError(f"pv must be 'fp8' or 'fp16', got {pv!r}")
+        self.pv = pv
+        self.name = f"triton_int8_{pv}"
+        self.description = (f"Triton: INT8 Q.K, {pv.upper()} P.V, FP32 accumulation "
+                            f"(RDNA4 fallback, NVIDIA, interpreter)")
+        self._selfcheck = None
+
+    # -- environment ---------------------------------------------------------------------
+    def _unavailable(self, device_type, index):
+        missing = _triton_import_error()
+        if missing:
+            return missing
+        if device_type == "cpu":
+            return None if _interpreting() else CPU_REASON
+        if device_type != "cuda":
+            return f"device type {device_type!r} is not supported (CUDA or ROCm GPUs)"
+        if _interpreting():
+            return None
+        from ...call_spec import device_arch, is_rocm
+        arch = device_arch(device_type, index)
+        if is_rocm():
+            if self.pv == "fp8" and arch not in ROCM_FP8_ARCHS:
+                return f"{arch} has no OCP FP8 (e4m3fn) dot in Triton; FP8 P.V needs gfx1200/gfx1201/gfx950"
+            if not arch.startswith(ROCM_INT8_ARCH_PREFIXES):
+                return f"{arch} is not a target of these kernels (gfx11, gfx12, gfx90a, gfx94x, gfx950)"
+            return self._first_use_check(device_type, index)
+        major = int(arch.split("_")[1]) // 10 if arch.startswith("sm_") else 0
+        if major < 8:
+            return f"{arch}: needs sm_80 or newer (INT8 tensor-core dots)"
+        if self.pv == "fp8" and arch in ("sm_80", "sm_86", "sm_87"):
+            return f"{arch} has no FP8 tensor cores; use triton_int8_fp16"
+        return None
+
+    def _first_use_check(self, device_type, index) -> Optional[str]:
+        """Run the shared self-check once per ROCm device (nobody here could test gfx12 hardware)."""
+        from ..hip.selfcheck import SelfCheck
+        from ...call_spec import describe_call
+        if self._selfcheck is None:
+            self._selfcheck = SelfCheck()
+
+        def run(q, k, v, is_causal, sm_scale, return_lse):
+            call = describe_call(q, k, v, is_causal=is_causal, return_lse=return_lse, prologue="triton")
+            reason = self.refuse(call)
+            if reason:
+                raise RuntimeError(reason)
+            return self.launch(q, k, v, call, sm_scale, None)
+
+        # ensure() records a failure with Backend.disable, which unavailable() reports from then on.
+        return self._selfcheck.ensure(self, device_type, index, run)
+
+    # -- one call --------------------------------------------------------------------------
+    def refuse(self, call):
+        if call.dtype not in DTYPES:
+            return f"dtype {call.dtype} is not fp16, bf16 or fp32"
+        if call.has_zero_size:
+            return "a zero-size q, k or v"
+        if call.head_dim > MAX_HEAD_DIM or call.v_head_dim > MAX_HEAD_DIM:
+            return f"head_dim {call.head_dim} / v_head_dim {call.v_head_dim} above {MAX_HEAD_DIM}"
+        if call.mask != "none":
+            return f"{call.mask} attention masks are not implemented in the Triton kernels"
+        if call.prologue == "hip":
+            hip = _hip_prologue()
+            if isinstance(hip, str):
+                return hip
+            reason = hip[0](call)
+            if reason:
+                return f"HIP prologue: {reason}"
+            return None
+        from .prologue import triton_prologue_refusal
+        return triton_prologue_refusal(call)
+
+    def launch(self, q, k, v, call, sm_scale, attn_mask):
+        from .attention import attention_from_quantized_triton
+        cfg = attention_config(call.arch, max(call.head_dim, call.v_head_dim), self.pv)
+        if call.prologue == "hip":
+            qq = _hip_prologue()[1](q, k, v, sm_scale=sm_scale, smooth_k=call.smooth_k, pv=self.pv,
+                                    qk_group=call.qk_group)
+        else:
+            from .prologue import triton_quantize_qkv
+            qq = triton_quantize_qkv(q, k, v, sm_scale=sm_scale, smooth_k=call.smooth_k, pv=self.pv,
+                                     qk_group=call.qk_group, v_transposed=cfg.v_transposed)
+        out = None
+        if q.stride(1) < q.stride(2):
+            # q is an NHD tensor seen as HND: write the output NHD too, so the caller's reshape is free.
+            b, hq, nq, _ = q.shape
+            out = torch.empty((b, nq, hq, call.v_head_dim), dtype=q.dtype, device=q.device).transpose(1, 2)
+        out, lse = attention_from_quantized_triton(qq, pv=self.pv, config=cfg, is_causal=call.is_causal,
+                                                   return_lse=call.return_lse, out_dtype=q.dtype, out=out)
+        if lse is not None and qq.k_mean is not None:
+            lse += lse_smooth_term(q, qq.k_mean, sm_scale)
+        return out, lse
+
+
+def make_backend(pv: str) -> Backend:
+    return TritonBackend(pv)

@@ -1,0 +1,108 @@
+"""Launch configurations of the Triton kernels, per GPU architecture.
+
+Pure data (no triton import), so the backend's acceptance rule and the AOT checks can read it cheaply.
+RDNA4 (gfx12) must use num_stages=1: the AMD software pipeliner crashes on gfx12 with more stages
+(SageAttention #365, WanVideoWrapper #2007). Every shipped RDNA4 entry is compiled for gfx1200 and
+gfx1201 by `aot.py` and checked for spills and LDS there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+RDNA4_ARCHS = ("gfx1200", "gfx1201")
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_m: int      # query rows per program
+    block_n: int      # keys per tile (one softmax rescale per tile)
+    num_warps: int
+    num_stages: int
+    v_transposed: bool = False  # V stored (Dv, Nk): K-major for the P.V dot (Hopper fp8 wgmma needs it)
+
+
+@dataclass(frozen=True)
+class PrologueConfig:
+    block_n: int      # tokens per program in the quantize kernels (token groups)
+    stats_block_n: int  # tokens per program in the K-mean / V-amax pass
+    num_warps: int
+
+
+def padded_head_dim(d: int) -> int:
+    """Head dims are padded inside the kernels to a power of two >= 32 (the INT8 dot's K on NVIDIA)."""
+    p = 32
+    while p < d:
+        p *= 2
+    return p
+
+
+# Keyed by padded head dim. RDNA4: wave32, 64 KiB LDS, VGPRs decide occupancy; BM=128 with 8 waves
+# gives each wave 16 query rows (one WMMA tile high), like the seed's HIP kernel.
+# Chosen from the AOT reports (aot.py) with Triton 3.6 and 3.8: the largest tiles that spill no VGPR
+# on gfx1201 under both (BN=64 at D128 spilled 29 VGPRs with 3.6; D256 needs BN=16 and 8 waves).
+# Each wave owns 16 query rows (one WMMA tile high) at BM=128 with 8 waves.
+_RDNA4: Dict[int, AttentionConfig] = {
+    32: AttentionConfig(128, 32, 8, 1),
+    64: AttentionConfig(128, 32, 8, 1),
+    128: AttentionConfig(128, 32, 8, 1),
+    256: AttentionConfig(64, 16, 8, 1),
+}
+
+# Hopper (sm_90): Triton emits wgmma for the INT8 and FP8 dots; FP8 wgmma wants a K-major B, so V^T
+# (without it: 2.3x slower). Measured on an H200 (tools/triton_h200.py --sweep, attention alone,
+# time / cuDNN) at Wan 480p: BM128 BN64 w4 s3 0.96-0.97 (fp8) / 1.09-1.10 (fp16), s4 the same, s2
+# 1.19; BN128 w8 s3 1.07 / 1.21; BN64 w8 1.19 / 1.33; BN128 w4 1.56; BM64 BN64 1.12 / 1.35; BN32 1.26.
+# At Flux 1 MP s4 beats s3 (fp8 1.34 vs 1.37, fp16 1.70 vs 1.75); BM64 helps fp16 there (1.55) only.
+_HOPPER: Dict[Tuple[int, str], AttentionConfig] = {
+    (32, "fp8"): AttentionConfig(128, 64, 4, 4, True),
+    (64, "fp8"): AttentionConfig(128, 64, 4, 4, True),
+    (128, "fp8"): AttentionConfig(128, 64, 4, 4, True),
+    (256, "fp8"): AttentionConfig(64, 64, 4, 2, True),
+    (32, "fp16"): AttentionConfig(128, 64, 4, 4),
+    (64, "fp16"): AttentionConfig(128, 64, 4, 4),
+    (128, "fp16"): AttentionConfig(128, 64, 4, 4),
+    (256, "fp16"): AttentionConfig(64, 64, 4, 2),
+}
+
+# Other NVIDIA / other AMD GPUs: conservative, fits 100 KB of shared memory.
+_GENERIC: Dict[int, AttentionConfig] = {
+    32: AttentionConfig(128, 64, 4, 2),
+    64: AttentionConfig(128, 64, 4, 2),
+    128: AttentionConfig(128, 64, 8, 2),
+    256: AttentionConfig(64, 32, 4, 1),
+}
+
+# The interpreter (CPU): small tiles so tests with ~100 tokens still cross several tiles and tails.
+_INTERPRETER = AttentionConfig(32, 32, 4, 1)
+
+_PROLOGUE_GPU = PrologueConfig(block_n=64, stats_block_n=256, num_warps=4)
+_PROLOGUE_INTERPRETER = PrologueConfig(block_n=32, stats_block_n=64, num_warps=4)
+
+# Test/benchmark hook: (arch, padded_d, pv) -> config replacing the table entry.
+OVERRIDES: Dict[Tuple[str, int, str], AttentionConfig] = {}
+
+
+def attention_config(arch: str, head_dim: int, pv: str) -> AttentionConfig:
+    d = padded_head_dim(head_dim)
+    if (arch, d, pv) in OVERRIDES:
+        return OVERRIDES[(arch, d, pv)]
+    if arch == "cpu":
+        return _INTERPRETER
+    if arch in RDNA4_ARCHS:
+        return _RDNA4[d]
+    if arch == "sm_90":
+        return _HOPPER[(d, pv)]
+    if arch.startswith("gfx12"):  # unknown future gfx12: same pipeliner hazard
+        return _RDNA4[d]
+    return _GENERIC[d]
+
+
+def prologue_config(arch: str) -> PrologueConfig:
+    return _PROLOGUE_INTERPRETER if arch == "cpu" else _PROLOGUE_GPU
+
+
+def shipped_rdna4_configs():
+    """Every (padded head dim, pv, config) the RDNA4 path can launch: what the AOT check must compile."""
+    return [(d, pv, _RDNA4[d]) for d in sorted(_RDNA4) for pv in ("fp8", "fp16")]

@@ -1,0 +1,4 @@
+"""What only tests and developers run, never imported by a user's run (tests/test_package_layout.py checks it):
+the CPU simulator of the HIP kernels (host_sim.py, sim_runtime.h), the CUDA emulation runner (cupy_runner.py),
+the checks of the HIP kernels against the spec (hip_checks.py), and the static checks of the HIP kernels
+(hip_static_check.py, clang-19) and of the Triton kernels (triton_aot.py, Triton's AMD backend)."""

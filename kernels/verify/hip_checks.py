@@ -1,0 +1,255 @@
+"""Checks of the HIP kernels against the spec, shared by the CPU simulator tests and the GPU harness.
+
+Each check takes `run` (a function executing a list of kernel_abi.Launch: host_sim.run or
+cupy_runner.run) and tensors on the device `run` executes on. Bit-exact comparisons are made against
+quant.quantize_qkv_torch evaluated on the CPU: on CUDA, torch computes `tensor / python_scalar` as a
+multiplication by the reciprocal, so torch's own CUDA quantizers can differ from its CPU ones in the
+last bit of a scale; the CPU result is the spec.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .. import metrics, quant, reference
+from ..backends.hip import kernel_abi
+
+QQ_FIELDS = ("q8", "q_scale", "k8", "k_scale", "v", "v_scale", "k_mean")
+
+
+# ------------------------------------------------------------------------------------------ WMMA
+def wmma_case(kind: str, seed: int = 0):
+    """Integer-valued operands whose products and sums are exact in fp32: the emulated WMMA must match
+    the plain matrix product bit for bit. Returns (a_lanes, b_lanes, c_lanes as int32 words, expected D)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "iu8":
+        a = torch.randint(-128, 128, (16, 16), generator=g, dtype=torch.int32)
+        b = torch.randint(-128, 128, (16, 16), generator=g, dtype=torch.int32)
+        c = torch.randint(-10 ** 6, 10 ** 6, (16, 16), generator=g, dtype=torch.int32)
+        al, bl, cl = a.to(torch.int8), b.to(torch.int8), c
+        want = a @ b + c
+    else:
+        # A spans the format (e4m3: subnormal 2^-9 up to 448; f16: 2^-7 up to 1024), B holds small
+        # integers, so every partial sum fits fp32's 24 bits and any summation order is exact.
+        if kind == "fp8":
+            pool_a = torch.tensor([0.0, 1.0, -1.0, 2.5, -3.0, 0.125, 448.0, -448.0, 0.001953125, 14.0, -0.75, 96.0])
+            cast = torch.float8_e4m3fn
+        else:
+            pool_a = torch.tensor([0.0, 1.0, -1.5, 2.0, 0.25, -7.0, 1024.0, -0.0078125, 3.75, 65.0])
+            cast = torch.float16
+        pool_b = torch.tensor([0.0, 1.0, -1.0, 2.0, -3.0, 4.0])
+        a = pool_a[torch.randint(0, len(pool_a), (16, 16), generator=g)]
+        b = pool_b[torch.randint(0, len(pool_b), (16, 16), generator=g)]
+        c = torch.randint(-1000, 1000, (16, 16), generator=g).float()
+        al, bl, cl = a.to(cast), b.to(cast), c
+        want = (a.double() @ b.double() + c.double()).float()
+    a_l = kernel_abi.lanes_from_a(al).contiguous().view(torch.int32)
+    b_l = kernel_abi.lanes_from_b(bl).contiguous().view(torch.int32)
+    c_l = kernel_abi.lanes_from_d(cl).contiguous().view(torch.int32)
+    return a_l, b_l, c_l, want
+
+
+def run_wmma(run: Callable, kind: str, device, seed: int = 0):
+    a_l, b_l, c_l, want = wmma_case(kind, seed)
+    d_l, launches = kernel_abi.wmma_probe_plan(kind, a_l.to(device), b_l.to(device), c_l.to(device))
+    run(launches)
+    d_l = d_l.cpu()
+    got = kernel_abi.d_from_lanes(d_l if kind == "iu8" else d_l.view(torch.float32))
+    return got, want
+
+
+# ------------------------------------------------------------------------------------------ inputs
+def make_qkv(b, hq, hkv, nq, nk, d, dtype, device, layout: str = "hnd", seed: int = 0, k_offset: float = 3.0):
+    """q, k, v as HND views: 'hnd' contiguous, 'nhd' transposed views of (B, N, H, D) buffers, 'fused' views
+    of one (B, N, (Hq + 2 Hkv) D) projection (needs nq == nk). K gets a per-channel offset (smooth_k's case)."""
+    g = torch.Generator().manual_seed(seed)
+    offset = torch.randn(d, generator=g) * k_offset
+    if layout == "fused":
+        assert nq == nk
+        qkv = torch.randn(b, nq, (hq + 2 * hkv) * d, generator=g)
+        qkv[..., hq * d:(hq + hkv) * d] += offset.repeat(hkv)
+        qkv = qkv.to(dtype).to(device)
+        q = qkv[..., :hq * d].unflatten(-1, (hq, d)).transpose(1, 2)
+        k = qkv[..., hq * d:(hq + hkv) * d].unflatten(-1, (hkv, d)).transpose(1, 2)
+        v = qkv[..., (hq + hkv) * d:].unflatten(-1, (hkv, d)).transpose(1, 2)
+        return q, k, v
+    q = torch.randn(b, hq, nq, d, generator=g)
+    k = torch.randn(b, hkv, nk, d, generator=g) + offset
+    v = torch.randn(b, hkv, nk, d, generator=g)
+    q, k, v = (t.to(dtype).to(device) for t in (q, k, v))
+    if layout == "nhd":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    return q, k, v
+
+
+# ------------------------------------------------------------------------------------------ prologue
+def prologue(run: Callable, q, k, v, *, sm_scale, smooth_k=True, pv="fp8", qk_group="token") -> quant.QuantizedQKV:
+    qq, ws, launches = kernel_abi.prologue_plan(q, k, v, sm_scale=sm_scale, smooth_k=smooth_k, pv=pv, qk_group=qk_group)
+    run(launches)
+    del ws
+    return qq
+
+
+def _differing(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements of a and b (same shape and dtype, CPU) that differ; e4m3 compared by bits. Two NaNs count as
+    equal: the spec fixes where a NaN appears (a NaN or Inf input), not its sign or payload."""
+    if a.dtype == torch.float8_e4m3fn:
+        diff = a.view(torch.uint8) != b.view(torch.uint8)
+        a, b = a.float(), b.float()
+    else:
+        diff = a != b
+    if a.is_floating_point():
+        diff &= ~(torch.isnan(a) & torch.isnan(b))
+    return int(diff.sum())
+
+
+def prologue_mismatches(qq: quant.QuantizedQKV, q, k, v, *, sm_scale, smooth_k=True, pv="fp8",
+                        qk_group="token") -> Dict[str, int]:
+    """{field: number of elements that differ from the CPU torch prologue} (empty = bit-exact; for inputs
+    holding NaN/Inf, NaN must sit exactly where the spec puts it)."""
+    ref = quant.quantize_qkv_torch(q.cpu(), k.cpu(), v.cpu(), sm_scale=sm_scale, smooth_k=smooth_k, pv=pv,
+                                   qk_group=qk_group)
+    bad = {}
+    for name in QQ_FIELDS:
+        a, b = getattr(qq, name), getattr(ref, name)
+        if a is None or b is None:
+            if (a is None) != (b is None):
+                bad[name] = -1
+            continue
+        a = a.cpu()
+        if a.shape != b.shape or a.dtype != b.dtype:
+            bad[name] = -1
+        else:
+            n = _differing(a, b)
+            if n:
+                bad[name] = n
+    return bad
+
+
+# ------------------------------------------------------------------------------------------ attention
+def qk_scores(run: Callable, qq: quant.QuantizedQKV) -> torch.Tensor:
+    scores, launches = kernel_abi.qk_scores_plan(qq.q8, qq.k8)
+    run(launches)
+    return scores
+
+
+def qk_scores_expected(qq: quant.QuantizedQKV) -> torch.Tensor:
+    q8 = qq.q8.cpu().to(torch.int32)
+    k8 = reference.expand_kv_heads(qq.k8.cpu(), q8.shape[1]).to(torch.int32)
+    return torch.einsum("bhqd,bhkd->bhqk", q8, k8)
+
+
+def attention(run: Callable, qq: quant.QuantizedQKV, *, pv, is_causal, out_dtype, return_lse=False, q=None,
+              sm_scale=1.0, out=None):
+    out, lse, launches = kernel_abi.attention_plan(qq, pv=pv, is_causal=is_causal, out_dtype=out_dtype,
+                                                    return_lse=return_lse, q=q, sm_scale=sm_scale, out=out)
+    run(launches)
+    return out, lse
+
+
+def attention_report(out, lse, qq, q, k, v, *, pv, is_causal, sm_scale) -> Dict[str, float]:
+    """Kernel output against the spec's attention half (same QuantizedQKV) and against exact attention."""
+    ref_o, ref_l = reference.attention_from_quantized(qq, pv=pv, is_causal=is_causal, return_lse=lse is not None,
+                                                      q=q, sm_scale=sm_scale, out_dtype=out.dtype)
+    ex_o, ex_l = reference.exact_attention(q, k, v, is_causal=is_causal, sm_scale=sm_scale, return_lse=True)
+    o, r = out.float(), ref_o.float()
+    rep = {
+        "rel_l1_vs_ref": metrics.rel_l1(o, r),
+        "max_abs_vs_ref": float((o - r).abs().max()),
+        "cos_vs_exact": metrics.cosine(o, ex_o),
+        "rel_l1_vs_exact": metrics.rel_l1(o, ex_o),
+        "ref_rel_l1_vs_exact": metrics.rel_l1(r, ex_o),
+        "nonfinite": int((~torch.isfinite(o)).sum()),
+    }
+    if lse is not None:
+        rep["lse_max_abs_vs_ref"] = float((lse - ref_l).abs().max())
+        rep["lse_max_abs_vs_exact"] = float((lse - ex_l).abs().max())
+    return rep
+
+
+# Tolerances of the kernel against the spec's attention half. FP16 P.V: the two agree to ~1e-4
+# (summation order, exp2 rounding). FP8 P.V: the spec rounds P = exp2(s - final row max) to e4m3, the
+# kernel (one pass, online softmax) rounds exp2(s - running max) to e4m3 and rescales the accumulator,
+# so many P entries land on a neighbouring e4m3 value: the two results differ by 0.5-2.5 % (relative
+# L1), growing with the number of key tiles, while each is equally far from exact attention (checked
+# below: the kernel may not be worse than the spec against exact attention).
+TOL_REL_L1_VS_REF = {"fp8": 0.03, "fp16": 2e-3}
+TOL_LSE = 2e-3
+
+
+def assert_attention_ok(rep: Dict[str, float], pv: str) -> None:
+    assert rep["nonfinite"] == 0, rep
+    assert rep["rel_l1_vs_ref"] < TOL_REL_L1_VS_REF[pv], rep
+    assert rep["cos_vs_exact"] > 0.998, rep
+    assert rep["rel_l1_vs_exact"] < rep["ref_rel_l1_vs_exact"] * 1.1 + 2e-3, rep
+    if "lse_max_abs_vs_ref" in rep:
+        assert rep["lse_max_abs_vs_ref"] < TOL_LSE, rep
+
+
+# ------------------------------------------------------------------------------------------ NaN/Inf, overflow
+POISON_TOKEN, POISON_CHANNEL = 30, 5
+
+
+def poisoned_qkv(where: str, value: float, dtype, device, nq=40, nk=100, d=64):
+    """q, k, v (B1 H1, HND, on `device`) with one bad element at (POISON_TOKEN, POISON_CHANNEL) of `where`.
+    The token lies inside the first key tile, so under causal masking rows before it never see it."""
+    q, k, v = make_qkv(1, 1, 1, nq, nk, d, dtype, torch.device("cpu"), k_offset=1.0)
+    {"q": q, "k": k, "v": v}[where][0, 0, POISON_TOKEN, POISON_CHANNEL] = value
+    return tuple(t.to(device) for t in (q, k, v))
+
+
+def assert_nonfinite_like_spec(out, lse, qq, q, k, v, *, where, pv, is_causal, sm_scale, smooth_k):
+    """The NaN rule: outputs are non-finite exactly where the spec's attention half (same QuantizedQKV) is, and
+    those are NaN (not a saturated or overflowed value); nothing is finite where exact attention is not
+    (tests/test_fuzz.py's rule); the LSE is NaN where the spec's is; all other outputs match the spec."""
+    qq_cpu = quant.QuantizedQKV(*(None if getattr(qq, f) is None else getattr(qq, f).cpu() for f in QQ_FIELDS))
+    q, k, v, out = q.cpu(), k.cpu(), v.cpu(), out.cpu().float()
+    ref, ref_lse = reference.attention_from_quantized(qq_cpu, pv=pv, is_causal=is_causal, return_lse=True, q=q,
+                                                      sm_scale=sm_scale, out_dtype=q.dtype)
+    exact, _ = reference.exact_attention(q, k, v, is_causal=is_causal, sm_scale=sm_scale)
+    bad_out, bad_ref = ~torch.isfinite(out), ~torch.isfinite(ref.float())
+    assert torch.isnan(out[bad_out]).all(), "non-finite outputs must be NaN"
+    assert torch.equal(bad_out, bad_ref), f"{int(bad_out.sum())} non-finite outputs, spec has {int(bad_ref.sum())}"
+    assert not (torch.isfinite(out) & ~torch.isfinite(exact)).any(), "a NaN/Inf input came out finite"
+    if lse is not None:
+        assert torch.equal(torch.isnan(lse.cpu()), torch.isnan(ref_lse)), "LSE NaN pattern differs from the spec"
+    t, c = POISON_TOKEN, POISON_CHANNEL
+    if where == "q":
+        assert bad_out[0, 0, t].all(), "the bad query's row must be NaN"
+    elif where == "k":
+        assert bad_out[0, 0, t if is_causal else 0].all(), "a row that sees the bad key must be NaN"
+        if is_causal and not smooth_k:
+            assert not bad_out[0, 0, :t].any(), "rows before the bad key never see it"
+    else:
+        assert bad_out[0, 0, :, c].all() and not bad_out[0, 0, :, c + 1:].any(), "only the bad V channel is NaN"
+    good = ~bad_ref
+    if good.any():
+        o, r = out[good], ref.float()[good]
+        assert float((o - r).abs().sum() / r.abs().sum()) < TOL_REL_L1_VS_REF[pv]
+
+
+def overflow_qkv(dtype, v_max: float, device, nq=40, nk=100, d=64):
+    """V at the top of its range: channel POISON_CHANNEL holds +v_max everywhere, the next one -v_max."""
+    q, k, v = make_qkv(1, 1, 1, nq, nk, d, torch.float32, torch.device("cpu"), k_offset=1.0)
+    v = v / v.abs().amax() * v_max * 0.5
+    v[..., POISON_CHANNEL] = v_max
+    v[..., POISON_CHANNEL + 1] = -v_max
+    return tuple(t.to(dtype).to(device) for t in (q, k, v))
+
+
+def assert_overflow_safe(out, qq, v, *, pv, is_causal):
+    """Finite output; the constant channels come out as +-max|V| (FP8 rounding of P: within 7 %), never beyond
+    the dtype's finite range; everything matches the spec's attention half."""
+    qq_cpu = quant.QuantizedQKV(*(None if getattr(qq, f) is None else getattr(qq, f).cpu() for f in QQ_FIELDS))
+    ref, _ = reference.attention_from_quantized(qq_cpu, pv=pv, is_causal=is_causal, out_dtype=out.dtype)
+    o, c = out.cpu().float(), POISON_CHANNEL
+    assert torch.isfinite(o).all(), f"{int((~torch.isfinite(o)).sum())} non-finite outputs"
+    top = float(v.float().abs().max())
+    assert torch.allclose(o[..., c], torch.full_like(o[..., c], top), rtol=0.07)
+    assert torch.allclose(o[..., c + 1], torch.full_like(o[..., c + 1], -top), rtol=0.07)
+    assert float(o.abs().max()) <= torch.finfo(out.dtype).max
+    # In FP64: near 3e38 an FP32 sum of |ref| overflows to Inf and the ratio becomes NaN.
+    o64, r64 = o.double(), ref.double()
+    assert float((o64 - r64).abs().sum() / r64.abs().sum()) < TOL_REL_L1_VS_REF[pv]
