@@ -20,20 +20,21 @@ def to_hnd(t: torch.Tensor, layout: str) -> torch.Tensor:
 def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_layout: str = "HND",
                    is_causal: bool = False, sm_scale: Optional[float] = None, kernel: str = "auto",
                    smooth_k: bool = True, prologue: str = "auto", return_lse: bool = False,
-                   attn_mask: Optional[torch.Tensor] = None, qk_group: str = "token"):
+                   attn_mask: Optional[torch.Tensor] = None, qk_group: str = "token", smooth_v: bool = False):
     """Quantized attention. `tensor_layout` "HND" is (B, H, N, D); "NHD" is (B, N, H, D).
 
     k/v may have fewer heads than q (GQA). `attn_mask` broadcasts to (B, Hq, Nq, Nk): bool selects,
     float is added to the scores (natural-log units). `kernel="auto"` picks the best backend that
     accepts the call; an explicit name runs exactly that backend or raises KernelRefused with the
-    reason. Returns the output in q's layout and dtype, and with `return_lse` also the natural-log
+    reason. `smooth_v` takes V's per-channel mean out before quantizing and adds it back to the
+    output (exact; see README "smooth_v" for when it helps). Returns the output in q's layout and dtype, and with `return_lse` also the natural-log
     LSE (B, Hq, Nq) in FP32.
     """
     if tensor_layout not in LAYOUTS:
         raise ValueError(f"tensor_layout must be 'HND' or 'NHD', got {tensor_layout!r}")
     qh, kh, vh = (to_hnd(t, tensor_layout) for t in (q, k, v))
     call = describe_call(qh, kh, vh, attn_mask=attn_mask, is_causal=is_causal, return_lse=return_lse,
-                         smooth_k=smooth_k, prologue=prologue, qk_group=qk_group)
+                         smooth_k=smooth_k, prologue=prologue, qk_group=qk_group, smooth_v=smooth_v)
     if sm_scale is None:
         sm_scale = default_sm_scale(call.head_dim)
     backend, _ = choose_backend(call, kernel)

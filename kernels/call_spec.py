@@ -49,6 +49,7 @@ class AttentionCall:
     is_causal: bool
     return_lse: bool
     smooth_k: bool
+    smooth_v: bool
     prologue: str
     qk_group: str
     last_dim_contiguous: bool
@@ -97,7 +98,7 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
 
 
 def describe_call(q, k, v, *, attn_mask=None, is_causal=False, return_lse=False, smooth_k=True,
-                  prologue="auto", qk_group="token") -> AttentionCall:
+                  prologue="auto", qk_group="token", smooth_v=False) -> AttentionCall:
     check_shapes(q, k, v, attn_mask)
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
@@ -127,6 +128,7 @@ def describe_call(q, k, v, *, attn_mask=None, is_causal=False, return_lse=False,
         is_causal=bool(is_causal),
         return_lse=bool(return_lse),
         smooth_k=bool(smooth_k),
+        smooth_v=bool(smooth_v),
         prologue=prologue,
         qk_group=qk_group,
         last_dim_contiguous=all(t.stride(-1) == 1 or t.shape[-1] == 1 for t in (q, k, v)),

@@ -3,6 +3,9 @@
 All math is FP32 unless stated. Tensors are HND: (B, H, N, D).
 
 * smooth_k: mean over tokens per (batch, head, channel), summed in FP64, subtracted in FP32.
+* smooth_v (optional): the same mean taken out of V before its quantization and added back to the
+  output after normalising (exact: every softmax row sums to 1). It shrinks V's FP8 scale and keeps
+  the P.V accumulator small where V carries a per-channel offset.
 * INT8 Q and K: x = t.float() * mult (for Q, mult = sm_scale * log2(e), so scores are base 2);
   per group amax = max|x| (clamped to FP32 tiny); q8 = rint(x * (127 / amax)) clamped to [-127, 127];
   scale = amax / 127. Groups are single tokens ("token") or blocks of 32/64/128 tokens.
@@ -31,11 +34,23 @@ def group_size(qk_group: str) -> int:
     return 1 if qk_group == "token" else int(qk_group.replace("block", ""))
 
 
+def token_mean(x: torch.Tensor) -> torch.Tensor:
+    """FP32 mean over tokens (summed in FP64), shape (B, H, 1, D); zeros when there is no token."""
+    if not x.shape[2]:
+        return x.new_zeros((*x.shape[:2], 1, x.shape[3]), dtype=torch.float32)
+    return x.double().mean(dim=2, keepdim=True).float()
+
+
 def smooth_keys(k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Return (k - mean) in FP32 and the FP32 mean, shape (B, H, 1, D)."""
-    mean = k.double().mean(dim=2, keepdim=True).float() if k.shape[2] else k.new_zeros(
-        (*k.shape[:2], 1, k.shape[3]), dtype=torch.float32)
+    mean = token_mean(k)
     return k.float() - mean, mean
+
+
+def smooth_values(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Return (v - mean) in FP32 and the FP32 mean, shape (B, H, 1, Dv): smooth_v's prologue half."""
+    mean = token_mean(v)
+    return v.float() - mean, mean
 
 
 def quantize_int8(x: torch.Tensor, mult: float = 1.0, group: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -97,26 +112,32 @@ class QuantizedQKV:
     k8 int8 (B, Hkv, Nk, D) contiguous    k_scale fp32 (B, Hkv, Nk)
     v  e4m3 or fp16 (B, Hkv, Nk, Dv) contiguous   v_scale fp32 (B, Hkv, Dv)
     k_mean fp32 (B, Hkv, D) or None (smooth_k off)
+    v_mean fp32 (B, Hkv, Dv) or None (smooth_v off): added to the normalised output
     Scores in base 2 are (q8 . k8) * q_scale * k_scale; sm_scale*log2(e) is inside q_scale.
     """
 
-    __slots__ = ("q8", "q_scale", "k8", "k_scale", "v", "v_scale", "k_mean")
+    __slots__ = ("q8", "q_scale", "k8", "k_scale", "v", "v_scale", "k_mean", "v_mean")
 
-    def __init__(self, q8, q_scale, k8, k_scale, v, v_scale, k_mean):
+    def __init__(self, q8, q_scale, k8, k_scale, v, v_scale, k_mean, v_mean=None):
         self.q8, self.q_scale, self.k8, self.k_scale = q8, q_scale, k8, k_scale
-        self.v, self.v_scale, self.k_mean = v, v_scale, k_mean
+        self.v, self.v_scale, self.k_mean, self.v_mean = v, v_scale, k_mean, v_mean
 
 
 def quantize_qkv_torch(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: str = "fp8",
-                       qk_group: str = "token") -> QuantizedQKV:
+                       qk_group: str = "token", smooth_v: bool = False) -> QuantizedQKV:
     """The spec's prologue in torch (also the fallback prologue on any device)."""
     group = group_size(qk_group)
     if smooth_k:
         k_used, k_mean = smooth_keys(k)
     else:
         k_used, k_mean = k, None
+    if smooth_v:
+        v_used, v_mean = smooth_values(v)
+    else:
+        v_used, v_mean = v, None
     q8, sq = quantize_int8(q, qk_multiplier(sm_scale), group)
     k8, sk = quantize_int8(k_used, 1.0, group)
-    v_q, v_scale = quantize_v_fp8(v) if pv == "fp8" else quantize_v_fp16(v)
+    v_q, v_scale = quantize_v_fp8(v_used) if pv == "fp8" else quantize_v_fp16(v_used)
+    squeeze = lambda t: None if t is None else t.squeeze(2).contiguous()  # noqa: E731
     return QuantizedQKV(q8.contiguous(), sq.contiguous(), k8.contiguous(), sk.contiguous(), v_q.contiguous(),
-                        v_scale.squeeze(2).contiguous(), None if k_mean is None else k_mean.squeeze(2).contiguous())
+                        v_scale.squeeze(2).contiguous(), squeeze(k_mean), squeeze(v_mean))

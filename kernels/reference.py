@@ -33,13 +33,15 @@ def qk_scores_base2(q8, sq, k8, sk) -> torch.Tensor:
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
                         sm_scale: Optional[float] = None, smooth_k: bool = True, pv: str = "fp8",
                         qk_group: str = "token", attn_mask: Optional[torch.Tensor] = None,
-                        return_lse: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                        return_lse: bool = False, smooth_v: bool = False
+                        ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Quantized attention on HND tensors. Returns (out in q.dtype, natural-log LSE (B, Hq, Nq) or None)."""
     if pv not in ("fp8", "fp16"):
         raise ValueError(f"pv must be 'fp8' or 'fp16', got {pv!r}")
     if sm_scale is None:
         sm_scale = quant.default_sm_scale(q.shape[3])
-    qq = quant.quantize_qkv_torch(q, k, v, sm_scale=sm_scale, smooth_k=smooth_k, pv=pv, qk_group=qk_group)
+    qq = quant.quantize_qkv_torch(q, k, v, sm_scale=sm_scale, smooth_k=smooth_k, pv=pv, qk_group=qk_group,
+                                  smooth_v=smooth_v)
     return attention_from_quantized(qq, pv=pv, is_causal=is_causal, attn_mask=attn_mask, return_lse=return_lse,
                                     q=q, sm_scale=sm_scale, out_dtype=q.dtype)
 
@@ -57,6 +59,7 @@ def attention_from_quantized(qq: quant.QuantizedQKV, *, pv: str, is_causal: bool
     k8, sk = expand_kv_heads(qq.k8, hq), expand_kv_heads(qq.k_scale, hq)
     v_f = expand_kv_heads(qq.v, hq).float()
     v_scale = expand_kv_heads(qq.v_scale, hq).unsqueeze(2)
+    v_mean = None if qq.v_mean is None else expand_kv_heads(qq.v_mean, hq).unsqueeze(2)
 
     out = torch.empty((b, hq, nq, dv), dtype=torch.float32, device=device)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=device) if return_lse else None
@@ -88,6 +91,8 @@ def attention_from_quantized(qq: quant.QuantizedQKV, *, pv: str, is_causal: bool
         else:
             acc = torch.matmul(p.half().float(), v_f)
         o = acc / row_sum * v_scale  # divide first: acc * v_scale overflows FP32 for V near the bf16/fp32 max
+        if v_mean is not None:
+            o = o + v_mean  # smooth_v: the rows of P sum to 1, so the mean comes back whole
         out[:, :, r0:r1] = torch.where(alive, o, torch.zeros_like(o))
         if lse is not None:
             lse[:, :, r0:r1] = torch.where(alive, (row_max + torch.log2(row_sum)) * math.log(2.0),

@@ -18,11 +18,11 @@ KERNEL_TOOLTIP = (
 
 def config_from_inputs(kernel, smooth_k, prologue, on_unsupported, step_start=0.0, step_end=1.0,
                        exact_blocks="", min_seq_len=0, cross_attention="quantized",
-                       time_attention=False) -> PatchConfig:
+                       time_attention=False, smooth_v=False) -> PatchConfig:
     return PatchConfig(kernel=kernel, smooth_k=bool(smooth_k), prologue=prologue, on_unsupported=on_unsupported,
                        step_start=float(step_start), step_end=float(step_end), exact_blocks=exact_blocks.strip(),
                        min_seq_len=int(min_seq_len), cross_attention=cross_attention,
-                       time_attention=bool(time_attention))
+                       time_attention=bool(time_attention), smooth_v=bool(smooth_v))
 
 
 class PatchSageAttentionRDNA4(io.ComfyNode):
@@ -66,14 +66,21 @@ class PatchSageAttentionRDNA4(io.ComfyNode):
                 io.Boolean.Input("time_attention", default=False,
                                  tooltip="Also time the attention calls of each step with device events and "
                                          "print the attention share per sampling run. Off: no extra work."),
+                # Last, so workflows saved before it existed keep their widget values in place.
+                io.Boolean.Input("smooth_v", default=False,
+                                 tooltip="Subtract V's per-channel mean before quantizing and add it back to the "
+                                         "output (exact). Helps where V carries a large per-channel offset on "
+                                         "hardware whose FP8 accumulator truncates; costs accuracy on zero-mean V "
+                                         "at long sequences. Off by default (see the README)."),
             ],
             outputs=[io.Model.Output(tooltip="A patched clone of the model.")],
         )
 
     @classmethod
     def execute(cls, model, kernel, smooth_k, prologue, on_unsupported, step_start=0.0, step_end=1.0,
-                exact_blocks="", min_seq_len=0, cross_attention="quantized", time_attention=False) -> io.NodeOutput:
+                exact_blocks="", min_seq_len=0, cross_attention="quantized", time_attention=False,
+                smooth_v=False) -> io.NodeOutput:
         config = config_from_inputs(kernel, smooth_k, prologue, on_unsupported, step_start, step_end,
-                                    exact_blocks, min_seq_len, cross_attention, time_attention)
+                                    exact_blocks, min_seq_len, cross_attention, time_attention, smooth_v)
         patched, _ = patch_model(model, config)
         return io.NodeOutput(patched)

@@ -10,6 +10,7 @@ ON_UNSUPPORTED = ("fallback", "raise")
 class PatchConfig:
     kernel: str = "auto"            # "auto" or a backend name (kernels.BACKEND_NAMES)
     smooth_k: bool = True
+    smooth_v: bool = False          # take V's per-channel mean out before quantizing (exact)
     prologue: str = "auto"          # "auto" | "hip" | "triton"
     on_unsupported: str = "fallback"  # "fallback": the call site's own attention; "raise": stop with the reason
     qk_group: str = "token"

@@ -78,7 +78,8 @@ class SageAttentionOverride:
         mask = expand_mask(a["mask"])
         try:
             call = describe_call(q, k, v, attn_mask=mask, smooth_k=self.config.smooth_k,
-                                 prologue=self.config.prologue, qk_group=self.config.qk_group)
+                                 prologue=self.config.prologue, qk_group=self.config.qk_group,
+                                 smooth_v=self.config.smooth_v)
         except ValueError as exc:
             return self._fallback(func, args, kwargs, f"malformed call: {exc}", self.config.kernel)
         backend, skipped = choose_backend(call, self.config.kernel, quantized_only=True)

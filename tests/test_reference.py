@@ -171,3 +171,54 @@ def test_sm_scale_is_honoured():
     exact, _ = exact_attention(q, k, v, sm_scale=0.5 / math.sqrt(64))
     default, _ = exact_attention(q, k, v)
     assert cosine(out, exact) > cosine(out, default)
+
+
+# -- smooth_v ---------------------------------------------------------------------------------------------
+
+def test_smooth_v_is_exact_math():
+    """Without quantization error on V (FP16 P.V, FP16-exact V) smooth_v changes the result by rounding only."""
+    q, k, v = diffusion_like(seed=11, nq=96, nk=160)
+    v = v + 4.0
+    plain, _ = reference_attention(q, k, v, pv="fp16")
+    smooth, _ = reference_attention(q, k, v, pv="fp16", smooth_v=True)
+    exact, _ = exact_attention(q, k, v)
+    assert rel_l1(smooth, exact) < 0.01 and rel_l1(plain, exact) < 0.01
+    assert rel_l1(smooth, plain) < 0.01
+
+
+def test_smooth_v_mean_comes_back_and_lse_is_unchanged():
+    q, k, v = diffusion_like(seed=12, nq=64, nk=200)
+    v = v + torch.linspace(-5, 5, v.shape[-1])
+    qq = quant.quantize_qkv_torch(q, k, v, sm_scale=0.1, smooth_v=True)
+    assert qq.v_mean is not None and qq.v_mean.shape == (1, 2, 128)
+    torch.testing.assert_close(qq.v_mean, v.double().mean(dim=2).float())
+    # V's FP8 scale is taken after the mean is out: smaller than without
+    plain = quant.quantize_qkv_torch(q, k, v, sm_scale=0.1)
+    assert plain.v_mean is None
+    offset_channels = torch.linspace(-5, 5, v.shape[-1]).abs() > 2
+    assert (qq.v_scale[..., offset_channels] < plain.v_scale[..., offset_channels]).all()
+    _, lse_plain = reference_attention(q, k, v, return_lse=True)
+    _, lse_smooth = reference_attention(q, k, v, return_lse=True, smooth_v=True)
+    torch.testing.assert_close(lse_smooth, lse_plain)
+
+
+def test_smooth_v_shrinks_the_fp8_error_with_a_value_offset():
+    """A large per-channel V offset makes FP8 V coarse relative to the varying part; smooth_v removes it."""
+    g = torch.Generator().manual_seed(13)
+    q = 0.5 * torch.randn(1, 2, 128, 64, generator=g)
+    k = 0.5 * torch.randn(1, 2, 512, 64, generator=g)
+    v = torch.randn(1, 2, 512, 64, generator=g) + 20.0
+    exact, _ = exact_attention(q, k, v)
+    centred = exact - v.mean(dim=2, keepdim=True)  # the part of the output that attention decides
+    err_plain = rel_l1(reference_attention(q, k, v)[0] - v.mean(dim=2, keepdim=True), centred)
+    err_smooth = rel_l1(reference_attention(q, k, v, smooth_v=True)[0] - v.mean(dim=2, keepdim=True), centred)
+    assert err_smooth < 0.5 * err_plain
+
+
+def test_smooth_v_keeps_empty_rows_zero():
+    q, k, v = diffusion_like(seed=14, nq=8, nk=16)
+    mask = torch.ones(8, 16, dtype=torch.bool)
+    mask[3] = False
+    out, _ = reference_attention(q, k, v + 3.0, attn_mask=mask, smooth_v=True)
+    assert out[:, :, 3].abs().max() == 0
+    assert out[:, :, 2].abs().min() > 0

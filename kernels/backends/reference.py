@@ -20,4 +20,4 @@ class ReferenceBackend(Backend):
     def launch(self, q, k, v, call, sm_scale, attn_mask):
         return reference_attention(q, k, v, is_causal=call.is_causal, sm_scale=sm_scale, smooth_k=call.smooth_k,
                                    pv="fp8", qk_group=call.qk_group, attn_mask=attn_mask,
-                                   return_lse=call.return_lse)
+                                   return_lse=call.return_lse, smooth_v=call.smooth_v)

@@ -122,6 +122,8 @@ class HipBackend(Backend):
         return None
 
     def refuse(self, call: AttentionCall) -> Optional[str]:
+        if call.smooth_v:
+            return "smooth_v is not implemented in the HIP kernels yet"
         return attention_refusal(call, self.pv) or prologue_refusal(call)
 
     def why_not(self, call: AttentionCall) -> Optional[str]:

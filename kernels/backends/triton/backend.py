@@ -122,6 +122,8 @@ class TritonBackend(Backend):
             return f"head_dim {call.head_dim} / v_head_dim {call.v_head_dim} above {MAX_HEAD_DIM}"
         if call.mask != "none":
             return f"{call.mask} attention masks are not implemented in the Triton kernels"
+        if call.smooth_v:
+            return "smooth_v is not implemented in the Triton kernels yet"
         if call.prologue == "hip":
             hip = _hip_prologue()
             if isinstance(hip, str):
