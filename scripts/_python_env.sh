@@ -161,7 +161,7 @@ sage_install_torch() {
   # shellcheck disable=SC2086  # TORCH_SPEC may name several requirements
   "$PY" -m pip install ${SAGE_TORCH_ARGS[@]+"${SAGE_TORCH_ARGS[@]}"} ${TORCH_SPEC:-torch} ||
     sage_die "pip could not install ${TORCH_SPEC:-torch}: set TORCH_INDEX_URL or TORCH_SPEC, or PYTHON to a Python that has torch"
-  "$PY" - <<'EOF' >&2
+  "$PY" -W ignore - <<'EOF' >&2
 import torch
 hip, cuda = getattr(torch.version, "hip", None), torch.version.cuda
 build = f"ROCm {hip}" if hip else f"CUDA {cuda}" if cuda else "CPU"
