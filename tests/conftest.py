@@ -9,6 +9,11 @@ from pathlib import Path
 
 import pytest
 
+try:
+    import torch
+except ImportError:  # stop in pytest_configure with one line, not an INTERNALERROR at collection
+    torch = None
+
 ROOT = Path(__file__).resolve().parents[1]
 PACK = "comfyui_sage_rdna4"
 
@@ -27,6 +32,10 @@ load_pack()
 
 
 def pytest_configure(config):
+    if torch is None:
+        pytest.exit(f"torch is not installed for {sys.executable}. Run `bash scripts/setup_and_test.sh` (sets up "
+                    "torch and what the tests need in .venv, then runs them), or use a Python that has torch "
+                    "(.venv/bin/python -m pytest tests).", returncode=pytest.ExitCode.USAGE_ERROR)
     config.addinivalue_line("markers", "gpu: needs a CUDA/ROCm GPU; skipped without one")
     config.addinivalue_line("markers", "comfyui: needs a ComfyUI checkout in COMFYUI_PATH; skipped without one")
     config.addinivalue_line("markers", "hipcc: needs clang-19 with the AMDGPU target; skipped without it")
@@ -34,8 +43,6 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    import torch
-
     no_gpu = pytest.mark.skip(reason="no GPU: torch.cuda.is_available() is False")
     no_comfy = pytest.mark.skip(reason="COMFYUI_PATH is not set to a ComfyUI checkout")
     has_comfy = bool(os.environ.get("COMFYUI_PATH")) and (Path(os.environ.get("COMFYUI_PATH", "")) / "comfy").is_dir()
