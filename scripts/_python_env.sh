@@ -18,6 +18,8 @@
 SAGE_PYTORCH_WHL="https://download.pytorch.org/whl"
 # PyTorch's ROCm indexes, newest first; the first that answers is used.
 SAGE_ROCM_INDEXES="rocm7.2 rocm7.1 rocm7.0 rocm6.4"
+# The torch CI tests with (.ci/run): the CPU fallback when no index offers a CPU build of the newest one.
+SAGE_CI_TORCH="torch==2.13.0"
 SAGE_AMD_RDNA4_INDEX="https://rocm.nightlies.amd.com/v2/gfx120X-all/"
 
 sage_say() { printf 'setup: %s\n' "$*" >&2; }
@@ -116,6 +118,7 @@ EOF
 sage_torch_plan() {
   local spec="${TORCH_SPEC:-torch}" report probe name url=""
   SAGE_TORCH_ARGS=()
+  SAGE_TORCH_SPEC="$spec"
   if [ -n "${TORCH_INDEX_URL:-}" ]; then
     SAGE_TORCH_ARGS=(--index-url "$TORCH_INDEX_URL")
     sage_say "installing $spec from TORCH_INDEX_URL=$TORCH_INDEX_URL (a CPU build is about 200 MB to download, a CUDA or ROCm build several GB)"
@@ -145,6 +148,11 @@ sage_torch_plan() {
       elif sage_url_ok "$SAGE_PYTORCH_WHL/cpu/torch/"; then
         SAGE_TORCH_ARGS=(--index-url "$SAGE_PYTORCH_WHL/cpu")
         sage_say "no GPU found ($SAGE_GPU_SEEN): installing $spec, CPU build, from PyTorch's CPU index $SAGE_PYTORCH_WHL/cpu (about 200 MB to download, about 1 GB installed)"
+      elif [ -z "${TORCH_SPEC:-}" ] && "$PY" -m pip install --dry-run --quiet --no-deps --ignore-installed \
+          --report "$report" "$SAGE_CI_TORCH" >/dev/null 2>&1 && probe=$(sage_report_is_cpu_build "$report"); then
+        # No index with a CPU build of the newest torch: the version CI tests with, if pip has it as a CPU build.
+        SAGE_TORCH_SPEC="$SAGE_CI_TORCH"
+        sage_say "no GPU found ($SAGE_GPU_SEEN) and PyTorch's CPU index $SAGE_PYTORCH_WHL/cpu cannot be reached: pip offers a CPU build of $SAGE_CI_TORCH, the version CI tests with ($probe): installing it (about 200 MB to download, about 1 GB installed)"
       else
         rm -f "$report"
         sage_die "no GPU found and PyTorch's CPU wheel index $SAGE_PYTORCH_WHL/cpu cannot be reached (pip as configured offers only a CUDA build of $spec, several GB): set TORCH_INDEX_URL to a reachable wheel index, TORCH_SPEC to a version pip offers as a CPU build, or PYTHON to a Python that has torch"
@@ -159,8 +167,8 @@ sage_install_torch() {
   "$PY" -m pip install -q --upgrade pip || sage_die "could not upgrade pip in $VENV"
   sage_torch_plan
   # shellcheck disable=SC2086  # TORCH_SPEC may name several requirements
-  "$PY" -m pip install ${SAGE_TORCH_ARGS[@]+"${SAGE_TORCH_ARGS[@]}"} ${TORCH_SPEC:-torch} ||
-    sage_die "pip could not install ${TORCH_SPEC:-torch}: set TORCH_INDEX_URL or TORCH_SPEC, or PYTHON to a Python that has torch"
+  "$PY" -m pip install ${SAGE_TORCH_ARGS[@]+"${SAGE_TORCH_ARGS[@]}"} $SAGE_TORCH_SPEC ||
+    sage_die "pip could not install $SAGE_TORCH_SPEC: set TORCH_INDEX_URL or TORCH_SPEC, or PYTHON to a Python that has torch"
   "$PY" -W ignore - <<'EOF' >&2
 import torch
 hip, cuda = getattr(torch.version, "hip", None), torch.version.cuda

@@ -178,3 +178,28 @@ def test_pytest_without_torch_says_so_in_one_line(tmp_path):
     assert r.returncode == 4, out
     assert "INTERNALERROR" not in out and "Traceback" not in out
     assert "torch is not installed" in out and "scripts/setup_and_test.sh" in out
+
+
+def test_no_gpu_falls_back_to_the_ci_torch_when_only_it_is_a_cpu_build(tmp_path):
+    """Plain `torch` resolves to a CUDA build and the CPU index is down: the CI-tested pin, if pip has it as CPU."""
+    cuda, cpu = tmp_path / "cuda.json", tmp_path / "cpu.json"
+    cuda.write_text(json.dumps(CUDA_REPORT))
+    cpu.write_text(json.dumps(CPU_REPORT))
+    fake_py = write_exe(tmp_path / "py", f"""#!{BASH}
+if [ "$1 $2 $3" = "-m pip install" ]; then
+  src="{cuda}"; case " $* " in *" torch==2.13.0 "*) src="{cpu}";; esac
+  while [ $# -gt 0 ]; do if [ "$1" = --report ]; then cp "$src" "$2"; fi; shift; done
+  exit 0
+fi
+exec "{sys.executable}" "$@"
+""")
+    fake_base = write_exe(tmp_path / "base", f"#!{BASH}\nexit 1\n")
+    r = run_bash('sage_torch_plan; printf "args:%s spec:%s\\n" "${SAGE_TORCH_ARGS[*]-}" "$SAGE_TORCH_SPEC"',
+                 env={"PY": str(fake_py), "SAGE_BASE_PY": str(fake_base), "SAGE_GPU": "none"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "args: spec:torch==2.13.0"
+    assert "the version CI tests with" in r.stderr
+    # An explicit TORCH_SPEC is never replaced.
+    r = run_bash('sage_torch_plan', env={"PY": str(fake_py), "SAGE_BASE_PY": str(fake_base), "SAGE_GPU": "none",
+                                        "TORCH_SPEC": "torch==9.9"})
+    assert r.returncode == 1 and "cannot be reached" in r.stderr
