@@ -32,9 +32,14 @@ def patch_model(model, config: PatchConfig, stats: Optional[PatchStats] = None) 
     patched = model.clone()
     options = patched.model_options.setdefault("transformer_options", {})
     previous = options.get(OVERRIDE_KEY)
-    if previous is not None and not isinstance(previous, SageAttentionOverride):
-        log.warning("[sage_rdna4] replacing another attention override on this model (%r)", previous)
-    override = SageAttentionOverride(config, stats or PatchStats(f"sage_rdna4[{config.kernel}]"))
+    if isinstance(previous, SageAttentionOverride):
+        previous = previous.previous  # re-patching replaces our own patch, keeps what was under it
+    elif previous is not None:
+        # e.g. the core "Model Attention Backend" node (ModelPatcher.set_model_optimized_attention) or
+        # another pack: the calls this patch does not quantize keep going where they went before.
+        log.info("[sage_rdna4] another attention override is on this model (%r): calls this patch does not "
+                 "run go to it", getattr(previous, "__qualname__", previous))
+    override = SageAttentionOverride(config, stats or PatchStats(f"sage_rdna4[{config.kernel}]"), previous=previous)
     options[OVERRIDE_KEY] = override
     try:
         from .timing import attach_step_timer

@@ -9,16 +9,25 @@ import torch
 def to_hnd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, skip_reshape: bool):
     """Return HND views (no copy) of ComfyUI's q, k, v.
 
-    ComfyUI passes (b, n, heads*d) unless `skip_reshape`, in which case (b, h, n, d) already (k/v may
-    then have fewer heads: GQA)."""
+    ComfyUI passes (b, n, heads*d) unless `skip_reshape`, in which case (b, h, n, d) already. K and V may
+    carry fewer heads than Q (grouped-query attention, `enable_gqa=True` in ComfyUI 2026): their head
+    count is read from their own width, as ComfyUI's `_reshape_qkv_to_heads` does, never assumed to be
+    `heads`. A width that is not a whole number of heads raises ValueError."""
     if skip_reshape:
         return q, k, v
     b = q.shape[0]
+    if heads <= 0 or q.shape[-1] % heads:
+        raise ValueError(f"q width {q.shape[-1]} is not a multiple of heads={heads}")
     d = q.shape[-1] // heads
-    dv = v.shape[-1] // heads
+    if k.shape[-1] % d:
+        raise ValueError(f"k width {k.shape[-1]} is not a multiple of the head size {d}")
+    kv_heads = k.shape[-1] // d
+    if kv_heads <= 0 or v.shape[-1] % kv_heads:
+        raise ValueError(f"v width {v.shape[-1]} is not a multiple of the {kv_heads} k/v heads")
+    dv = v.shape[-1] // kv_heads
     return (q.view(b, -1, heads, d).transpose(1, 2),
-            k.view(b, -1, heads, d).transpose(1, 2),
-            v.view(b, -1, heads, dv).transpose(1, 2))
+            k.view(b, -1, kv_heads, d).transpose(1, 2),
+            v.view(b, -1, kv_heads, dv).transpose(1, 2))
 
 
 def from_hnd(out: torch.Tensor, skip_output_reshape: bool) -> torch.Tensor:

@@ -3,7 +3,21 @@
 ComfyUI's `wrap_attn` calls `override(func, *args, **kwargs)` where `func` is the attention the
 call site resolved (SDPA, sage, ...) and args/kwargs follow
 `f(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kwargs)`.
-Every call either runs the configured kernel or goes to `func` with the reason counted.
+Every call either runs the configured kernel or is passed on (to `func`, or to the override that was on
+the model before) with the reason counted.
+
+What newer ComfyUI versions add, read from their source (2026, up to 0.38):
+  * q/k/v wrapped in `AttentionTensorContainer` by Flux, Wan and others: wrap_attn unwraps them
+    before calling an override that has no `container_function` attribute, so this class must never
+    grow one (it would be handed the containers, without `func`);
+  * `enable_gqa=True` with k/v carrying fewer heads than q, in both layouts (`layouts.to_hnd`);
+  * `scale`, `low_precision_attention=False` (Wan's image cross attention), `preferred_attention`
+    (popped by wrap_attn; passed on untouched if a version leaves it in), and any other keyword:
+    all reach `func` unchanged when the call is not ours;
+  * `block_index`, `total_blocks` and `block_type` in transformer_options (Flux, Wan: `policies.py`);
+  * the core "Model Attention Backend" node writes the same transformer_options key through
+    `ModelPatcher.set_model_optimized_attention`. Patched after it, this override passes the calls it
+    does not take to that node's choice (`previous`); patched before it, it is replaced by it.
 """
 from __future__ import annotations
 
@@ -38,21 +52,31 @@ def bind_attention_args(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[s
 
 
 class SageAttentionOverride:
-    def __init__(self, config: PatchConfig, stats: Optional[PatchStats] = None):
+    def __init__(self, config: PatchConfig, stats: Optional[PatchStats] = None, previous=None):
+        """`previous`: the override that was on the model before this patch (the "Model Attention
+        Backend" node's, another pack's), called as `previous(func, *args, **kwargs)` for every call this
+        patch does not run, so those calls do what they did before the patch."""
         self.config = config
         self.stats = stats or PatchStats()
         self.policies = CallPolicies(config)
+        self.previous = previous
         self.attention_timer = None  # set by the step timer when attention time is measured
 
     def __deepcopy__(self, memo):
         # ModelPatcher.clone() deep-copies model_options; a clone of a patched model is the same patch.
         return self
 
+    def _pass_on(self, func, args, kwargs):
+        """What the call would have run without this patch: the previous override, or the call site's own."""
+        if self.previous is not None:
+            return self.previous(func, *args, **kwargs)
+        return func(*args, **kwargs)
+
     def _fallback(self, func, args, kwargs, reason: str, kernel: str):
         if self.config.on_unsupported == "raise":
             raise KernelRefused(kernel, reason)
         self.stats.record_fallback(reason)
-        return func(*args, **kwargs)
+        return self._pass_on(func, args, kwargs)
 
     def __call__(self, func, *args, **kwargs):
         try:
@@ -61,7 +85,7 @@ class SageAttentionOverride:
             return self._fallback(func, args, kwargs, f"unrecognised attention call: {exc}", self.config.kernel)
         if kwargs.get("low_precision_attention", True) is False:
             self.stats.record_routed("low_precision_attention=False")
-            return func(*args, **kwargs)
+            return self._pass_on(func, args, kwargs)
         try:
             q, k, v = to_hnd(a["q"], a["k"], a["v"], a["heads"], a["skip_reshape"])
         except (RuntimeError, ValueError, TypeError, AttributeError, IndexError, ZeroDivisionError) as exc:
@@ -69,12 +93,16 @@ class SageAttentionOverride:
             # the call site unchanged: it is ComfyUI's to accept or reject, never ours to crash on.
             return self._fallback(func, args, kwargs, f"malformed call: {type(exc).__name__}: {exc}",
                                   self.config.kernel)
+        if k.shape[1] != q.shape[1] and not kwargs.get("enable_gqa", False):
+            # ComfyUI only groups heads when the call says so; anything else is the call site's to judge.
+            return self._fallback(func, args, kwargs, f"malformed call: k/v have {k.shape[1]} heads, q {q.shape[1]}, "
+                                  "without enable_gqa", self.config.kernel)
         policy, inactive = self.policies.route_exact(kwargs.get("transformer_options"), q.shape[2], k.shape[2])
         if inactive:
             self.stats.note(inactive)
         if policy:
             self.stats.record_routed(policy)
-            return func(*args, **kwargs)
+            return self._pass_on(func, args, kwargs)
         mask = expand_mask(a["mask"])
         try:
             call = describe_call(q, k, v, attn_mask=mask, smooth_k=self.config.smooth_k,

@@ -23,7 +23,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .cache import cache_key
-from .platform import loaded_library_paths, parse_gcn_arch, rocm_wheel_dirs, torch_lib_dir, windows_loaded_module
+from .platform import (loaded_library_paths, parse_gcn_arch, prefer_torch_libraries, rocm_wheel_dirs, torch_lib_dir,
+                       windows_loaded_module)
 
 SOURCE_SUFFIXES = (".hip", ".h", ".hpp", ".cuh", ".inc")
 LOG_LIMIT = 6000  # characters of compiler log kept in an error
@@ -85,14 +86,16 @@ def _not_builtins(paths):
 
 
 def hiprtc_candidates() -> List[str]:
-    loaded = loaded_library_paths("amdhip64") + windows_loaded_module(["amdhip64_7.dll", "amdhip64_6.dll"])
+    # hiprtc beside the HIP runtime torch uses first (`prefer_torch_libraries`), when two are mapped
+    loaded = prefer_torch_libraries(loaded_library_paths("amdhip64")
+                                    + windows_loaded_module(["amdhip64_7.dll", "amdhip64_6.dll"]))
     hip_dirs = [os.path.dirname(p) for p in loaded] + rocm_wheel_dirs()
     roots = [os.environ.get("ROCM_PATH", ""), os.environ.get("HIP_PATH", ""), "/opt/rocm"]
     if sys.platform == "win32":
         folders = hip_dirs + [torch_lib_dir()] + [os.path.join(r, "bin") for r in roots if r]
         found = [p for f in folders for p in sorted(glob.glob(os.path.join(f, "hiprtc*.dll")), reverse=True)]
         return _not_builtins(found) + ["hiprtc0700.dll", "hiprtc0605.dll", "hiprtc0604.dll", "hiprtc0603.dll"]
-    found = _not_builtins(loaded_library_paths("libhiprtc.so"))
+    found = _not_builtins(prefer_torch_libraries(loaded_library_paths("libhiprtc.so")))
     folders = hip_dirs + [torch_lib_dir()] + [os.path.join(r, "lib") for r in roots if r]
     found += [p for f in folders for p in sorted(glob.glob(os.path.join(f, "libhiprtc.so*")), reverse=True)]
     return _not_builtins(found) + ["libhiprtc.so", "libhiprtc.so.7", "libhiprtc.so.6"]

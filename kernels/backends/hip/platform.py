@@ -17,14 +17,61 @@ def parse_gcn_arch(name: str) -> str:
     return base or "gfx_unknown"
 
 
-def loaded_library_paths(fragment: str) -> List[str]:
-    """Paths of shared objects already mapped into this process whose file name contains `fragment` (Linux)."""
+def mapped_paths(maps_file: str = "/proc/self/maps") -> List[str]:
+    """Files mapped into this process, in /proc/self/maps order, each once (Linux; [] elsewhere)."""
     try:
-        with open("/proc/self/maps", "r", encoding="utf-8", errors="replace") as maps:
-            paths = {line.split(None, 5)[5].strip() for line in maps if len(line.split(None, 5)) == 6}
+        with open(maps_file, "r", encoding="utf-8", errors="replace") as maps:
+            lines = maps.read().splitlines()
     except OSError:
         return []
-    return sorted(p for p in paths if fragment in os.path.basename(p) and os.path.isfile(p))
+    found = []
+    for line in lines:
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5].startswith("/") and not parts[5].endswith(" (deleted)"):
+            found.append(parts[5].strip())
+    return list(dict.fromkeys(found))
+
+
+def loaded_library_paths(fragment: str) -> List[str]:
+    """Paths of shared objects already mapped into this process whose file name contains `fragment` (Linux),
+    in mapping order (rank them with `prefer_torch_libraries` before choosing one)."""
+    return [p for p in mapped_paths() if fragment in os.path.basename(p) and os.path.isfile(p)]
+
+
+def _real(path: str) -> str:
+    try:
+        return os.path.normcase(os.path.realpath(path))
+    except (OSError, ValueError):
+        return os.path.normcase(os.path.abspath(path))
+
+
+def _in_folder(path: str, folder: str) -> bool:
+    """`path` is a file of `folder` (or below it), or a file there is a link to it (a torch/lib entry that
+    points into /opt/rocm maps under the /opt/rocm name)."""
+    if not folder or not os.path.isdir(folder):
+        return False
+    real, real_folder = _real(path), _real(folder)
+    if real.startswith(real_folder.rstrip(os.sep) + os.sep):
+        return True
+    stem = os.path.basename(path).split(".so")[0].split(".dll")[0]
+    return any(_real(p) == real for p in glob.glob(os.path.join(folder, stem + "*")))
+
+
+def prefer_torch_libraries(paths: Sequence[str]) -> List[str]:
+    """The same library found several times (two libamdhip64 mapped: torch's and one another extension or
+    /opt/rocm brought), ordered as torch resolves its own dependency: a copy in torch's lib folder first
+    (wheels that bundle ROCm), then one from the ROCm SDK wheels (`_rocm_sdk_core`, what ROCm 7 wheels
+    link against through their RPATH), then the rest in the order given. Repeats are dropped."""
+    torch_dir, wheel_dirs = torch_lib_dir(), rocm_wheel_dirs()
+
+    def rank(path: str) -> int:
+        if _in_folder(path, torch_dir):
+            return 0
+        if any(_in_folder(path, d) for d in wheel_dirs):
+            return 1
+        return 2
+
+    return sorted(dict.fromkeys(paths), key=rank)  # sorted() is stable: ties keep their order
 
 
 def windows_loaded_module(names: Sequence[str]) -> List[str]:

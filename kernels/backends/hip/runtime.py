@@ -7,21 +7,31 @@ keeps them on disk. `KernelLoader` joins the three: (device, kernel) -> a launch
 Where the libraries are and what the GPU is called come from `platform.py`, shared with the compiler.
 
 Launches go on `torch.cuda.current_stream(device).cuda_stream`, so they order with PyTorch's work.
+
+Every call that depends on the device (module load, function lookup, launch, function attributes) runs
+with the kernel's device current and puts the caller's device back after (`GpuRuntime.device_scope`):
+clr ties a module to the device current when it was loaded and aborts the process (`guarantee`) when
+`hipModuleGetFunction` or a launch runs with another device current, and the NULL stream (PyTorch's
+default stream) means "the current device's". So a worker thread sitting on device 0 or a machine with
+an iGPU beside the dGPU never reaches clr with the wrong device. Modules are loaded and kept per device,
+each with the buffer its code object was loaded from (clr registers that image without copying it).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import os
 import sys
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from .cache import CodeObjectCache
 from .compiler import SourceBundle, compiler_unavailable_reason, get_compiler
-from .platform import loaded_library_paths, parse_gcn_arch, rocm_wheel_dirs, torch_lib_dir, windows_loaded_module
+from .platform import (loaded_library_paths, parse_gcn_arch, prefer_torch_libraries, rocm_wheel_dirs, torch_lib_dir,
+                       windows_loaded_module)
 
 # Argument kinds a kernel signature may use, and their C types. 'ptr' takes a tensor, an int or None.
 ARG_CTYPES = {
@@ -75,14 +85,19 @@ def pack_args(signature: Sequence[str], values: Sequence) -> Tuple[list, ctypes.
 # -- finding the libraries ------------------------------------------------------------------------
 
 def hip_library_candidates() -> List[str]:
-    """Where the HIP runtime may be, best first: the copy torch loaded, torch's own lib folder, ROCm."""
+    """Where the HIP runtime may be, best first: the copy torch loaded, torch's own lib folder, ROCm.
+
+    With two HIP runtimes in the process (torch's and, say, /opt/rocm's pulled in by another extension)
+    the one under torch's lib folder comes first, then one from the ROCm SDK wheels torch depends on
+    (`platform.prefer_torch_libraries`): modules and streams belong to one runtime instance, and torch's
+    streams and device are the ones we launch on."""
     if sys.platform == "win32":
         dll_names = ["amdhip64_7.dll", "amdhip64_6.dll", "amdhip64.dll"]
-        names = windows_loaded_module(dll_names)
+        names = prefer_torch_libraries(windows_loaded_module(dll_names))
         for folder in [torch_lib_dir()] + rocm_wheel_dirs() + [os.path.join(os.environ.get("HIP_PATH", ""), "bin")]:
             names += sorted(glob.glob(os.path.join(folder, "amdhip64*.dll")), reverse=True)
         return names + dll_names
-    names = loaded_library_paths("libamdhip64.so")
+    names = prefer_torch_libraries(loaded_library_paths("libamdhip64.so"))
     for folder in [torch_lib_dir()] + rocm_wheel_dirs():
         names += sorted(glob.glob(os.path.join(folder, "libamdhip64.so*")), reverse=True)
     for root in (os.environ.get("ROCM_PATH", ""), os.environ.get("HIP_PATH", ""), "/opt/rocm"):
@@ -118,14 +133,37 @@ def bind(lib: ctypes.CDLL, name: str, restype, argtypes, what: str):
 
 # -- the two drivers ------------------------------------------------------------------------------
 
+class Module:
+    """A code object loaded on one device: the runtime's handle, the device, and the buffer it came from.
+
+    clr's hipModuleLoadData registers the image pointer without copying it (DynCO keeps it in its
+    FatBinaryInfo), so the buffer must live exactly as long as the handle: it lives here."""
+
+    __slots__ = ("handle", "device_index", "image")
+
+    def __init__(self, handle: ctypes.c_void_p, device_index: int, image):
+        self.handle, self.device_index, self.image = handle, device_index, image
+
+    def __repr__(self) -> str:
+        return f"Module(0x{self.handle.value or 0:x}, device {self.device_index}, {len(self.image)} bytes)"
+
+
 class GpuRuntime:
-    """The module API of one GPU runtime. Subclasses set `kind` ('hip' or 'cuda') and the entry points."""
+    """The module API of one GPU runtime. Subclasses set `kind` ('hip' or 'cuda') and the entry points.
+
+    `load_module` returns a `Module` (or anything a subclass's `get_function` understands); every
+    device-sensitive call runs inside `device_scope(device_index)`."""
 
     kind = ""
     library = ""
 
     def version(self) -> str:
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def device_scope(self, device_index: int) -> Iterator[None]:
+        """Make `device_index` current for the calls inside; the caller's device is current again after."""
+        yield
 
     def load_module(self, image: bytes, device_index: int):
         raise NotImplementedError
@@ -150,12 +188,19 @@ def _grid3(dims) -> Tuple[int, int, int]:
 class HipRuntime(GpuRuntime):
     kind = "hip"
 
-    def __init__(self, candidates: Optional[Sequence[str]] = None):
-        lib, self.library = open_first(candidates or hip_library_candidates(), "the HIP runtime (libamdhip64 / amdhip64_N.dll)")
+    def __init__(self, candidates: Optional[Sequence[str]] = None, lib=None):
+        """`lib`: an already opened library (tests pass a stand-in built from ctypes callbacks)."""
+        if lib is None:
+            lib, self.library = open_first(candidates or hip_library_candidates(),
+                                           "the HIP runtime (libamdhip64 / amdhip64_N.dll)")
+        else:
+            self.library = getattr(lib, "_name", type(lib).__name__)
         what = self.library
         vp, u32, i32 = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
         self._error_string = bind(lib, "hipGetErrorString", ctypes.c_char_p, [i32], what)
         self._runtime_version = bind(lib, "hipRuntimeGetVersion", i32, [ctypes.POINTER(i32)], what)
+        self._get_device = bind(lib, "hipGetDevice", i32, [ctypes.POINTER(i32)], what)
+        self._set_device = bind(lib, "hipSetDevice", i32, [i32], what)
         self._load = bind(lib, "hipModuleLoadData", i32, [ctypes.POINTER(vp), vp], what)
         self._get_function = bind(lib, "hipModuleGetFunction", i32, [ctypes.POINTER(vp), vp, ctypes.c_char_p], what)
         self._launch = bind(lib, "hipModuleLaunchKernel", i32,
@@ -173,22 +218,50 @@ class HipRuntime(GpuRuntime):
         self.check(self._runtime_version(ctypes.byref(v)), "hipRuntimeGetVersion")
         return f"hip-{v.value}"
 
-    def load_module(self, image: bytes, device_index: int):
-        module = ctypes.c_void_p()
-        buf = ctypes.create_string_buffer(image, len(image))
-        with torch.cuda.device(device_index):  # modules load onto the current device
-            self.check(self._load(ctypes.byref(module), ctypes.cast(buf, ctypes.c_void_p)), "hipModuleLoadData")
-        return module
+    def current_device(self) -> int:
+        dev = ctypes.c_int(-1)
+        self.check(self._get_device(ctypes.byref(dev)), "hipGetDevice")
+        return dev.value
 
-    def get_function(self, module, name: str):
+    @contextlib.contextmanager
+    def device_scope(self, device_index: int) -> Iterator[None]:
+        """hipSetDevice(device_index) for the body, then the caller's device again (current device is per thread).
+
+        Goes through this library's own hipGetDevice/hipSetDevice, so it holds for the runtime the
+        calls are made on even where torch.cuda.device would switch another copy."""
+        device_index = int(device_index)
+        previous = self.current_device()
+        if previous == device_index:
+            yield
+            return
+        self.check(self._set_device(device_index), f"hipSetDevice({device_index})")
+        try:
+            yield
+        except BaseException:
+            self._set_device(previous)  # the body's error is the one to report
+            raise
+        self.check(self._set_device(previous), f"hipSetDevice({previous}) (restoring the caller's device)")
+
+    def load_module(self, image: bytes, device_index: int) -> Module:
+        handle = ctypes.c_void_p()
+        buf = ctypes.create_string_buffer(bytes(image), len(image))  # kept by the Module: clr does not copy it
+        with self.device_scope(device_index):  # a module belongs to the device current when it is loaded
+            self.check(self._load(ctypes.byref(handle), ctypes.cast(buf, ctypes.c_void_p)), "hipModuleLoadData")
+        return Module(handle, device_index, buf)
+
+    def get_function(self, module: Module, name: str):
         fn = ctypes.c_void_p()
-        self.check(self._get_function(ctypes.byref(fn), module, name.encode()), f"hipModuleGetFunction({name})")
+        with self.device_scope(module.device_index):  # clr aborts when another device is current
+            self.check(self._get_function(ctypes.byref(fn), module.handle, name.encode()),
+                       f"hipModuleGetFunction({name})")
         return fn
 
     def launch(self, function, grid, block, shared_bytes, stream, arg_array, device_index):
         g, b = _grid3(grid), _grid3(block)
-        self.check(self._launch(function, *g, *b, int(shared_bytes), ctypes.c_void_p(stream or None),
-                                ctypes.cast(arg_array, ctypes.POINTER(ctypes.c_void_p)), None), "hipModuleLaunchKernel")
+        with self.device_scope(device_index):  # the NULL stream is the current device's
+            self.check(self._launch(function, *g, *b, int(shared_bytes), ctypes.c_void_p(stream or None),
+                                    ctypes.cast(arg_array, ctypes.POINTER(ctypes.c_void_p)), None),
+                       "hipModuleLaunchKernel")
 
 
 class CudaRuntime(GpuRuntime):
@@ -237,42 +310,46 @@ class CudaRuntime(GpuRuntime):
                 self._contexts[device_index] = ctx
             return self._contexts[device_index]
 
-    def in_context(self, device_index: int, fn):
-        """Run fn() with the device's primary context current, restoring the caller's context after."""
-        ctx = self.primary_context(device_index)
+    @contextlib.contextmanager
+    def device_scope(self, device_index: int) -> Iterator[None]:
+        """The device's primary context current for the body; the caller's context again after."""
+        ctx = self.primary_context(int(device_index))
         current = ctypes.c_void_p()
         self.check(self._ctx_get(ctypes.byref(current)), "cuCtxGetCurrent")
         if current.value == ctx.value:
-            return fn()
+            yield
+            return
         self.check(self._ctx_push(ctx), "cuCtxPushCurrent")
         try:
-            return fn()
+            yield
         finally:
             self._ctx_pop(ctypes.byref(ctypes.c_void_p()))
 
-    def load_module(self, image: bytes, device_index: int):
-        module = ctypes.c_void_p()
-        buf = ctypes.create_string_buffer(image, len(image))  # PTX must end in NUL; the buffer adds one
-        self.in_context(device_index, lambda: self.check(
-            self._load(ctypes.byref(module), ctypes.cast(buf, ctypes.c_void_p)), "cuModuleLoadData"))
-        return module
+    def load_module(self, image: bytes, device_index: int) -> Module:
+        handle = ctypes.c_void_p()
+        buf = ctypes.create_string_buffer(bytes(image), len(image))  # PTX must end in NUL; the buffer adds one
+        with self.device_scope(device_index):
+            self.check(self._load(ctypes.byref(handle), ctypes.cast(buf, ctypes.c_void_p)), "cuModuleLoadData")
+        return Module(handle, device_index, buf)
 
-    def get_function(self, module, name: str):
+    def get_function(self, module: Module, name: str):
         fn = ctypes.c_void_p()
-        self.check(self._get_function(ctypes.byref(fn), module, name.encode()), f"cuModuleGetFunction({name})")
+        with self.device_scope(module.device_index):
+            self.check(self._get_function(ctypes.byref(fn), module.handle, name.encode()),
+                       f"cuModuleGetFunction({name})")
         return fn
 
     def set_max_dynamic_shared(self, function, nbytes, device_index):
         if nbytes > CUDA_DEFAULT_SMEM:
-            self.in_context(device_index, lambda: self.check(
-                self._set_attribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes)),
-                "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)"))
+            with self.device_scope(device_index):
+                self.check(self._set_attribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes)),
+                           "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
 
     def launch(self, function, grid, block, shared_bytes, stream, arg_array, device_index):
         g, b = _grid3(grid), _grid3(block)
-        self.in_context(device_index, lambda: self.check(
-            self._launch(function, *g, *b, int(shared_bytes), ctypes.c_void_p(stream or None),
-                         ctypes.cast(arg_array, ctypes.POINTER(ctypes.c_void_p)), None), "cuLaunchKernel"))
+        with self.device_scope(device_index):
+            self.check(self._launch(function, *g, *b, int(shared_bytes), ctypes.c_void_p(stream or None),
+                                    ctypes.cast(arg_array, ctypes.POINTER(ctypes.c_void_p)), None), "cuLaunchKernel")
 
 
 _RUNTIMES: Dict[str, GpuRuntime] = {}
@@ -312,8 +389,21 @@ def runtime_unavailable_reason(kind: Optional[str] = None) -> Optional[str]:
 
 # -- kernels ready to launch ----------------------------------------------------------------------
 
+def current_stream(device_index: int) -> int:
+    """The handle of PyTorch's current stream on that device (0 for its default stream, which the runtime
+    reads as the NULL stream of the device current at launch: launches switch to `device_index`)."""
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+def resolve_device(device_index: Optional[int]) -> int:
+    """A tensor's `device.index`, or PyTorch's current device for a bare 'cuda' device."""
+    return torch.cuda.current_device() if device_index is None else int(device_index)
+
+
 class LoadedKernel:
-    """One kernel function in a module loaded on one device."""
+    """One kernel function in a module loaded on one device; launches on that device, whichever is current.
+
+    Holds its module (and with it the code object buffer the runtime may still read)."""
 
     def __init__(self, runtime: GpuRuntime, module, function, name: str, device_index: int, signature: Sequence[str]):
         self.runtime, self.module, self.function = runtime, module, function
@@ -331,7 +421,7 @@ class LoadedKernel:
                 self.runtime.set_max_dynamic_shared(self.function, shared_bytes, self.device_index)
                 self._smem_allowed = max(self._smem_allowed, shared_bytes)
         if stream is None:
-            stream = torch.cuda.current_stream(self.device_index).cuda_stream
+            stream = current_stream(self.device_index)
         held, array = pack_args(self.signature if signature is None else signature, args)
         self.runtime.launch(self.function, grid, block, shared_bytes, stream, array, self.device_index)
         del held  # the values had to live through the launch call
@@ -340,7 +430,8 @@ class LoadedKernel:
 class KernelLoader:
     """(device, source, entry) -> LoadedKernel, compiling through the disk cache on first use.
 
-    One loader per runtime kind; modules are loaded once per device and source, and kept.
+    One loader per runtime kind; modules are loaded once per device and source, and kept (a module
+    loaded on device 0 is not valid on device 1, so the device is part of every key).
     A cached code object the driver rejects is dropped and rebuilt once.
     """
 
@@ -353,6 +444,7 @@ class KernelLoader:
     def kernel(self, device_index: int, source: "object", entry: str, signature: Sequence[str],
                extra_flags: Sequence[str] = ()) -> LoadedKernel:
         """`source` is a compiler.SourceBundle; `entry` an extern "C" kernel name in it."""
+        device_index = int(device_index)
         flags = tuple(extra_flags)
         key = (device_index, source.digest, flags, entry)
         with self._lock:
@@ -450,10 +542,12 @@ def get_loader() -> KernelLoader:
 def run_launches(device_index: int, source, launches: Sequence, stream: Optional[int] = None,
                  loader: Optional[KernelLoader] = None) -> None:
     """Run a kernel_abi plan: each Launch (kernel, grid, block, args as (kind, value), shared_bytes), in order,
-    on one stream (default: PyTorch's current stream on the device)."""
+    on one stream (default: PyTorch's current stream on the device). The device is the tensors' device
+    (`tensor.device.index`), not the caller's current one: loads and launches switch to it."""
     loader = loader or get_loader()
+    device_index = resolve_device(device_index)
     if stream is None:
-        stream = torch.cuda.current_stream(device_index).cuda_stream
+        stream = current_stream(device_index)
     for item in launches:
         kinds = [kind for kind, _ in item.args]
         kern = loader.kernel(device_index, source, item.kernel, kinds)
