@@ -46,6 +46,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_comfy)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _torch_sdpa_precision_per_module():
+    """Keeps a process-wide torch flag that importing ComfyUI flips inside the module that imported it.
+
+    comfy.model_management calls torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True) when imported,
+    which makes exact SDPA in fp16/bf16 reduce in that precision (on the CPU too). Test modules that import
+    ComfyUI in-process run under ComfyUI's setting; the modules after them get torch's default back, so an
+    exact-attention accuracy check later in the run (tests/test_fuzz.py) does not depend on the order."""
+    import torch
+
+    cuda = torch.backends.cuda
+    if not hasattr(cuda, "fp16_bf16_reduction_math_sdp_allowed"):
+        yield
+        return
+    before = cuda.fp16_bf16_reduction_math_sdp_allowed()
+    yield
+    cuda.allow_fp16_bf16_reduction_math_sdp(before)
+
+
 _SUMMARY = pytest.StashKey[list]()
 
 
