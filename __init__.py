@@ -5,6 +5,8 @@ only node registration needs ComfyUI's `comfy_api`.
 """
 import importlib.util
 
+# The one registration of the frontend extension (web/sage_rdna4.js): pyproject.toml has no [tool.comfy] web,
+# which ComfyUI would register a second time under another name.
 WEB_DIRECTORY = "./web"
 
 if importlib.util.find_spec("comfy_api") is not None:

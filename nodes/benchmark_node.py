@@ -1,6 +1,8 @@
 """Node "Sage Attention Benchmark (RDNA4)": same seed, exact SDPA vs patched attention, timed and compared."""
 from __future__ import annotations
 
+import logging
+
 import comfy.samplers
 import comfy.utils
 from comfy_api.latest import io
@@ -9,6 +11,7 @@ from ..kernels.registry import BACKEND_NAMES
 from ..sage_patch.ab_benchmark import FROM_PATCH, run_ab
 from ..sage_patch.report import report_json
 
+log = logging.getLogger("sage_rdna4")
 KERNEL_CHOICES = [FROM_PATCH, "auto", *[n for n in BACKEND_NAMES if n != "sdpa"]]
 
 
@@ -56,5 +59,5 @@ class SageAttentionBenchmarkRDNA4(io.ComfyNode):
         out, report, text, plot, _ = run_ab(model, positive, negative, latent, seed, steps, cfg, sampler_name,
                                             scheduler, vae=vae, kernel=kernel,
                                             progress=lambda done, total: pbar.update_absolute(done, total))
-        print(text)
+        log.info("%s", text)
         return io.NodeOutput(out, plot, text, ui={"text": [text], "sage_rdna4_report": [report_json(report)]})

@@ -10,11 +10,13 @@ sync inside the run. On the CPU the host clock is exact. Attention time per step
 the patch asks for it (`PatchConfig.time_attention`): then `override.attention_timer` is set and the
 override brackets each kernel call with events. Otherwise `attention_timer` stays None and the override
 does no extra work at all.
-Once per run, a short summary and the patch's stats are printed to the console.
+Once per run, a short summary and the patch's stats go to the console through `logging` (logger
+"sage_rdna4", level INFO), so ComfyUI's log shows them in order with everything else.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import statistics
 import time
 import weakref
@@ -24,6 +26,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 WRAPPER_KEY = "sage_rdna4_step_timer"
+log = logging.getLogger("sage_rdna4")
 try:
     from comfy.patcher_extension import WrappersMP
 
@@ -145,15 +148,20 @@ def _delta(after: Dict[str, int], before: Dict[str, int]) -> Dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
 
 
+def log_summary(text: str) -> None:
+    """The default console output of a run's summary: one INFO record of the "sage_rdna4" logger."""
+    log.info("%s", text)
+
+
 class StepTimer:
     """Times the sampling runs of one patched model (shared by its clones, like the override)."""
 
-    def __init__(self, override, device, printer: Callable[[str], None] = print):
+    def __init__(self, override, device, printer: Optional[Callable[[str], None]] = None):
         # Weak: the patched model holds both the override and (through its wrappers) this timer; a strong
         # reference back would keep every override alive in the registry below after its model is gone.
         self._override = weakref.ref(override)
         self.device = device
-        self.printer = printer
+        self.printer = printer if printer is not None else log_summary
         self.runs: List[RunTiming] = []
         self.listeners: List[Callable[[RunTiming], None]] = []
         self._run: Optional[RunTiming] = None
@@ -242,7 +250,7 @@ def step_timer_of(override) -> Optional[StepTimer]:
     return _TIMERS.get(override)
 
 
-def attach_step_timer(patched_model, override, printer: Callable[[str], None] = print) -> StepTimer:
+def attach_step_timer(patched_model, override, printer: Optional[Callable[[str], None]] = None) -> StepTimer:
     """Install the timing wrappers on `patched_model` (a clone) for `override`; returns the timer.
 
     Wrappers a clone inherited from an earlier patch are replaced, so a model is never timed twice."""

@@ -4,6 +4,7 @@ The repo root is never put on sys.path: `kernels` is also a PyPI package name.
 """
 import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -38,6 +39,8 @@ def pytest_configure(config):
                     "(.venv/bin/python -m pytest tests).", returncode=pytest.ExitCode.USAGE_ERROR)
     config.addinivalue_line("markers", "gpu: needs a CUDA/ROCm GPU; skipped without one")
     config.addinivalue_line("markers", "comfyui: needs a ComfyUI checkout in COMFYUI_PATH; skipped without one")
+    config.addinivalue_line("markers", "browser: needs Chromium (chromium, chromium-browser or google-chrome on PATH); "
+                                       "skipped without it")
     config.addinivalue_line("markers", "hipcc: needs clang-19 with the AMDGPU target; skipped without it")
     config.addinivalue_line("markers", "slow: long-running")
 
@@ -46,11 +49,34 @@ def pytest_collection_modifyitems(config, items):
     no_gpu = pytest.mark.skip(reason="no GPU: torch.cuda.is_available() is False")
     no_comfy = pytest.mark.skip(reason="COMFYUI_PATH is not set to a ComfyUI checkout")
     has_comfy = bool(os.environ.get("COMFYUI_PATH")) and (Path(os.environ.get("COMFYUI_PATH", "")) / "comfy").is_dir()
+    no_browser = pytest.mark.skip(reason="no Chromium/Chrome on PATH")
+    has_browser = any(shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome", "chrome"))
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_gpu)
         if "comfyui" in item.keywords and not has_comfy:
             item.add_marker(no_comfy)
+        if "browser" in item.keywords and not has_browser:
+            item.add_marker(no_browser)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_sdpa_precision_per_module():
+    """Keeps a process-wide torch flag that importing ComfyUI flips inside the module that imported it.
+
+    comfy.model_management calls torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True) when imported,
+    which makes exact SDPA in fp16/bf16 reduce in that precision (on the CPU too). Test modules that import
+    ComfyUI in-process run under ComfyUI's setting; the modules after them get torch's default back, so an
+    exact-attention accuracy check later in the run (tests/test_fuzz.py) does not depend on the order."""
+    import torch
+
+    cuda = torch.backends.cuda
+    if not hasattr(cuda, "fp16_bf16_reduction_math_sdp_allowed"):
+        yield
+        return
+    before = cuda.fp16_bf16_reduction_math_sdp_allowed()
+    yield
+    cuda.allow_fp16_bf16_reduction_math_sdp(before)
 
 
 _SUMMARY = pytest.StashKey[list]()

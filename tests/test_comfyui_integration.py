@@ -9,6 +9,7 @@ import asyncio
 import importlib
 import importlib.util
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -101,8 +102,8 @@ def test_pack_loads_as_a_custom_node(env):
     assert env["loaded"] is True
     assert nodes.NODE_DISPLAY_NAME_MAPPINGS["PatchSageAttentionRDNA4"] == "Patch Sage Attention (RDNA4)"
     assert nodes.NODE_DISPLAY_NAME_MAPPINGS["SageAttentionBenchmarkRDNA4"] == "Sage Attention Benchmark (RDNA4)"
-    web_dirs = {os.path.realpath(p) for p in nodes.EXTENSION_WEB_DIRS.values()}
-    assert os.path.realpath(ROOT / "web") in web_dirs
+    web_dirs = [os.path.realpath(p) for p in nodes.EXTENSION_WEB_DIRS.values()]
+    assert web_dirs.count(os.path.realpath(ROOT / "web")) == 1  # registered once: the frontend loads it once
 
 
 def test_patch_node_returns_a_clone_and_leaves_the_model_alone(env):
@@ -147,15 +148,17 @@ def test_every_attention_call_runs_the_kernel_or_falls_back_with_a_reason(env, e
     assert "optimized_attention_override" not in model.model_options.get("transformer_options", {})
 
 
-def test_step_timer_reports_once_per_sampling_run(env, capsys):
+def test_step_timer_reports_once_per_sampling_run(env, caplog, capsys):
     model, pos, neg, latent, cfg = MODELS["flux"](env["harness"])
     patched = patch(env, model, "reference")
     override = patched.model_options["transformer_options"]["optimized_attention_override"]
     timer = pack_module(env, "sage_patch.timing").step_timer_of(override)
     capsys.readouterr()
-    sample(patched, pos, neg, latent, cfg)
-    printed = capsys.readouterr().out
-    assert printed.count(f"{STEPS} steps in") == 1 and "ran reference" in printed
+    with caplog.at_level(logging.INFO, logger="sage_rdna4"):
+        sample(patched, pos, neg, latent, cfg)
+    logged = "\n".join(r.getMessage() for r in caplog.records if r.name == "sage_rdna4" and r.levelno == logging.INFO)
+    assert logged.count(f"{STEPS} steps in") == 1 and "ran reference" in logged
+    assert "steps in" not in capsys.readouterr().out  # through logging, not print()
     run = timer.last_run
     assert len(run.steps) == STEPS  # euler: one model evaluation per step
     sigmas = [s.sigma for s in run.steps]
@@ -172,7 +175,7 @@ class StubVAE:
         return img.repeat_interleave(8, 1).repeat_interleave(8, 2)
 
 
-def test_benchmark_node_end_to_end(env):
+def test_benchmark_node_end_to_end(env, caplog, capsys):
     import comfy.utils
 
     nodes = env["nodes"]
@@ -180,13 +183,18 @@ def test_benchmark_node_end_to_end(env):
     patched = patch(env, model, "reference")
     progress = []
     comfy.utils.set_progress_bar_global_hook(lambda value, total, preview, node_id=None: progress.append((value, total)))
+    capsys.readouterr()
     try:
-        out = nodes.NODE_CLASS_MAPPINGS["SageAttentionBenchmarkRDNA4"].execute(
-            model=patched, positive=pos, negative=neg, latent=latent, seed=3, steps=STEPS, cfg=cfg,
-            sampler_name="euler", scheduler="simple", vae=StubVAE())
+        with caplog.at_level(logging.INFO, logger="sage_rdna4"):
+            out = nodes.NODE_CLASS_MAPPINGS["SageAttentionBenchmarkRDNA4"].execute(
+                model=patched, positive=pos, negative=neg, latent=latent, seed=3, steps=STEPS, cfg=cfg,
+                sampler_name="euler", scheduler="simple", vae=StubVAE())
     finally:
         comfy.utils.set_progress_bar_global_hook(None)
     latent_out, plot, text = out.result
+    # The report goes to the console through logging (in order, with ComfyUI's timestamps), not print().
+    assert text in [r.getMessage() for r in caplog.records if r.name == "sage_rdna4"]
+    assert "speed-up" not in capsys.readouterr().out
     assert latent_out["samples"].shape == latent["samples"].shape
     assert plot.shape == (1, 384, 768, 3)
     assert progress[-1] == (2 * STEPS, 2 * STEPS) and len(progress) == 2 * STEPS

@@ -1,4 +1,5 @@
 """The step timer: runs, steps, attention time on request, once-per-run console summary, no work when off."""
+import logging
 import time
 
 import pytest
@@ -64,6 +65,17 @@ def test_prints_once_per_run_with_the_stats():
     assert "ran reference: 4" in printed[0] and "ran reference: 8" in printed[1]  # the patch's running stats
     assert timer.last_run.calls == {"reference": 4}  # ... while the run keeps its own counts
     assert len(timer.runs) == 2
+
+
+def test_default_output_is_the_sage_rdna4_logger_not_stdout(caplog, capsys):
+    override = SageAttentionOverride(PatchConfig(kernel="reference"), PatchStats("test"))
+    timer = StepTimer(override, torch.device("cpu"))
+    with caplog.at_level(logging.INFO, logger="sage_rdna4"):
+        sample(timer, override, 2)
+    records = [r for r in caplog.records if r.name == "sage_rdna4"]
+    assert len(records) == 1 and records[0].levelno == logging.INFO
+    assert "2 steps in" in records[0].getMessage() and "ran reference: 4" in records[0].getMessage()
+    assert capsys.readouterr().out == ""
 
 
 def test_attention_timing_off_means_no_timer_at_all():

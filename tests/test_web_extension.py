@@ -1,15 +1,26 @@
-"""The frontend extension (web/sage_rdna4.js) in headless Chromium.
+"""The frontend extension (web/sage_rdna4.js) in headless Chromium: on a stub page, then in the real ComfyUI.
 
-The page serves the extension the way ComfyUI does (/extensions/<pack>/sage_rdna4.js, importing
-../../scripts/app.js) and stubs only what the extension touches of ComfyUI, each part being ComfyUI's
-documented contract rather than behaviour we invent: `app.registerExtension(ext)` records the extension;
-a node type is a constructor whose prototype has LiteGraph's `addDOMWidget(name, type, element, options)`;
-`onExecuted(message)` receives the node's UI output. The report fed to it is written by the pack's own
-Python (report_json), so a change of keys on either side fails here. Skipped when no Chromium is installed
-(CI: `apt-get install -y chromium`).
+Stub page (needs only Chromium): the page serves the extension the way ComfyUI does
+(/extensions/<pack>/sage_rdna4.js, importing ../../scripts/app.js) and stubs only what the extension touches
+of ComfyUI, each part being ComfyUI's documented contract rather than behaviour we invent:
+`app.registerExtension(ext)` records the extension and refuses a second one of the same name, as ComfyUI's
+extension store does; a node type is a constructor whose prototype has LiteGraph's
+`addDOMWidget(name, type, element, options)`; `onExecuted(message)` receives the node's UI output. The report
+fed to it is written by the pack's own Python (report_json), so a change of keys on either side fails here.
+
+Real ComfyUI (also needs COMFYUI_PATH): starts ComfyUI's server with this pack (tests/comfy_browser.py), opens
+its frontend, loads every example workflow and checks: no missing node types, the extension served and
+registered exactly once, no console error or warning about the pack, no overlapping nodes (boxes read from
+the page's app.graph, title bars included), every node at least as large as LiteGraph's computeSize, the
+template thumbnails served, and the report widget sized to its content without covering other nodes.
+
+Marked `browser` (skipped when no Chromium is installed; CI: `apt-get install -y chromium`) and, for the
+second part, `comfyui` (skipped without COMFYUI_PATH).
 """
+import asyncio
 import html
 import http.server
+import importlib.util
 import json
 import re
 import shutil
@@ -25,11 +36,15 @@ from comfyui_sage_rdna4.sage_patch.report import report_json, summarize_steps
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome", "chrome")) if p),
                 None)
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium/Chrome on PATH")
 
 APP_STUB = """export const app = {
   extensions: [],
-  registerExtension(ext) { this.extensions.push(ext); },
+  registerExtension(ext) {
+    if (this.extensions.some((e) => e.name === ext.name)) {
+      throw new Error(`Extension named '${ext.name}' already registered.`);
+    }
+    this.extensions.push(ext);
+  },
 };
 """
 
@@ -44,8 +59,11 @@ const out = document.getElementById("result");
 try {
   const { app } = await import("/scripts/app.js");
   await import("/extensions/sage_rdna4/sage_rdna4.js");
+  // A second copy under another pack name, as when ComfyUI registers the web folder twice: it must stay out.
+  await import("/extensions/second_copy/sage_rdna4.js");
   const ext = app.extensions[0];
-  function BenchmarkNode() { this.widgets = []; this.size = [300, 200]; }
+  const graph = { _nodes: [] };
+  function BenchmarkNode() { this.widgets = []; this.size = [300, 200]; this.pos = [0, 0]; this.graph = graph; }
   BenchmarkNode.prototype.addDOMWidget = function (name, type, element, options) {
     const w = { name, type, element, options };
     this.widgets.push(w);
@@ -57,15 +75,20 @@ try {
   await ext.beforeRegisterNodeDef(BenchmarkNode, { name: "SageAttentionBenchmarkRDNA4" }, app);
   await ext.beforeRegisterNodeDef(OtherNode, { name: "KSampler" }, app);
   const node = new BenchmarkNode();
+  // Neighbours: one to the right (its title bar starts 30 px above pos), one below.
+  const right = { pos: [420, 40], size: [200, 100] }, below = { pos: [0, 560], size: [300, 100] };
+  graph._nodes.push(node, right, below);
   const message = { text: ["plain text"], sage_rdna4_report: [REPORT] };
   node.onExecuted(message);
   node.onExecuted(message);  // a second run updates the same widget
   node.onExecuted({ text: ["no report"] });  // other UI output is ignored
   const canvas = document.getElementById("canvas");
+  const w = node.widgets[0];
   out.textContent = JSON.stringify({
     extensions: app.extensions.map((e) => e.name),
     widgets: node.widgets.length,
-    serialize: node.widgets[0] && node.widgets[0].options.serialize,
+    serialize: w && w.options.serialize,
+    minHeight: w && w.options.getMinHeight(), maxHeight: w && w.options.getMaxHeight(),
     otherTouched: "onExecuted" in OtherNode.prototype,
     text: canvas.textContent,
     rows: canvas.querySelectorAll("tr").length,
@@ -97,9 +120,10 @@ def make_report():
 def served(tmp_path):
     (tmp_path / "scripts").mkdir()
     (tmp_path / "scripts" / "app.js").write_text(APP_STUB)
-    ext_dir = tmp_path / "extensions" / "sage_rdna4"
-    ext_dir.mkdir(parents=True)
-    shutil.copy(ROOT / "web" / "sage_rdna4.js", ext_dir / "sage_rdna4.js")
+    for pack in ("sage_rdna4", "second_copy"):
+        ext_dir = tmp_path / "extensions" / pack
+        ext_dir.mkdir(parents=True)
+        shutil.copy(ROOT / "web" / "sage_rdna4.js", ext_dir / "sage_rdna4.js")
     (tmp_path / "test.html").write_text(PAGE.replace("REPORT", json.dumps(report_json(make_report()))))
 
     class Quiet(http.server.SimpleHTTPRequestHandler):
@@ -121,12 +145,13 @@ def run_page(url, profile):
     return json.loads(html.unescape(match.group(1)))
 
 
+@pytest.mark.browser
 def test_extension_renders_the_report_table(served):
     url, tmp = served
     result = run_page(url, tmp / "profile")
     assert "fatal" not in result, result.get("fatal")
     assert result["errors"] == []
-    assert result["extensions"] == ["sage_rdna4.benchmark_report"]
+    assert result["extensions"] == ["sage_rdna4.benchmark_report"]  # the second copy stayed out, silently
     assert result["widgets"] == 1 and result["serialize"] is False
     assert result["otherTouched"] is False
     text = result["text"]
@@ -138,4 +163,144 @@ def test_extension_renders_the_report_table(served):
     assert "3 × triton_int8_fp8: head_dim 256 <b>too large</b>" in text  # shown as text, not markup
     assert result["bold"] == 0
     assert result["rows"] == 4 + 2  # step table: header + 3 steps; accuracy table: header + 1 call
-    assert result["size"][0] >= 520
+    # The node grew for the report, but stays clear of its neighbours (10 px kept free): the one on the right
+    # starts at x 420, the one below has its title bar from y 530.
+    w, h = result["size"]
+    assert 300 < w <= 410 and 200 < h <= 520, result["size"]
+    # LiteGraph gives the report between these heights; the report scrolls below its natural height.
+    assert 0 < result["minHeight"] <= 60 < result["maxHeight"] <= 480
+
+
+def test_web_folder_is_registered_one_way():
+    """ComfyUI registers web/ once per mechanism, under different names ([tool.comfy] web: the project name;
+    WEB_DIRECTORY: the folder name), and the frontend then loads the extension twice. Only WEB_DIRECTORY."""
+    import comfyui_sage_rdna4
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    assert "web" not in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["comfy"]
+    assert (ROOT / comfyui_sage_rdna4.WEB_DIRECTORY / "sage_rdna4.js").is_file()
+
+
+# -- in the real ComfyUI frontend --------------------------------------------------------------------------
+def _helper():
+    spec = importlib.util.spec_from_file_location("comfy_browser", Path(__file__).with_name("comfy_browser.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+cb = _helper()
+WORKFLOWS = cb.workflows()
+CRAMPED_BELOW = 13  # the ab workflow's "A/B report" node, moved right under the benchmark node
+
+
+async def _survey(server, tmp):
+    page = await cb.Page.open(CHROMIUM, tmp / "profile")
+    try:
+        await cb.open_comfy(page, server)
+        out = {"extension": await cb.extension_state(page), "workflows": {}}
+        for path in WORKFLOWS:
+            wf = json.loads(path.read_text(encoding="utf-8"))
+            out["workflows"][path.name] = await cb.load_and_snapshot(page, wf, path.name)
+        ab = json.loads((cb.WORKFLOW_DIR / "ab_benchmark_flux_sage_rdna4.json").read_text(encoding="utf-8"))
+        report = report_json(make_report())
+        await cb.load_and_snapshot(page, ab, "ab")
+        out["report_roomy"] = await cb.show_report(page, report)
+        await cb.load_and_snapshot(page, ab, "ab")
+        out["report_cramped"] = await cb.show_report(page, report, move_below=CRAMPED_BELOW)
+        out["messages"] = page.messages
+        return out
+    finally:
+        await page.close()
+
+
+@pytest.fixture(scope="module")
+def frontend(tmp_path_factory):
+    """ComfyUI's server with the pack, and what its frontend showed for every example workflow."""
+    comfy = cb.comfy_checkout()
+    if comfy is None:
+        pytest.skip("COMFYUI_PATH is not a ComfyUI checkout (main.py, comfy/)")
+    pytest.importorskip("aiohttp")  # ComfyUI's own requirement; the DevTools client here uses it too
+    tmp = tmp_path_factory.mktemp("comfy_frontend")
+    server = cb.ComfyServer(comfy, tmp / "base").start()
+    try:
+        result = asyncio.run(_survey(server, tmp))
+        result["templates"] = server.get_json("/workflow_templates")
+        result["thumbnails"] = {p.name: server.get(f"/api/workflow_templates/{cb.PACK_FOLDER}/{p.stem}.jpg")[:2]
+                                for p in WORKFLOWS}
+    finally:
+        server.stop()
+    result["server_log"] = server.log()
+    return result
+
+
+@pytest.mark.browser
+@pytest.mark.comfyui
+def test_pack_loads_in_the_server(frontend):
+    log = frontend["server_log"]
+    assert "Cannot import" not in log or cb.PACK_FOLDER not in log.split("Cannot import", 1)[1][:400]
+    assert sorted(frontend["templates"][cb.PACK_FOLDER]) == sorted(p.stem for p in WORKFLOWS)
+
+
+@pytest.mark.browser
+@pytest.mark.comfyui
+def test_extension_is_served_and_registered_once(frontend):
+    ext = frontend["extension"]
+    assert ext["urls"] == [f"/extensions/{cb.PACK_FOLDER}/sage_rdna4.js"]  # one web folder, not two
+    assert ext["registered"] == 1
+    assert not [m for m in frontend["messages"] if "already registered" in m["text"]]
+
+
+@pytest.mark.browser
+@pytest.mark.comfyui
+def test_no_console_errors_about_the_pack(frontend):
+    assert cb.messages_about_us(frontend["messages"]) == []
+
+
+@pytest.mark.browser
+@pytest.mark.comfyui
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_workflow_in_the_frontend(frontend, path):
+    snap = frontend["workflows"][path.name]
+    assert snap["missing"] == [], f"missing node types: {snap['missing']}"
+    assert all(n["registered"] for n in snap["nodes"])
+    saved = {n["id"]: n for n in json.loads(path.read_text(encoding="utf-8"))["nodes"]}
+    assert sorted(saved) == sorted(n["id"] for n in snap["nodes"])
+    title = snap["titleHeight"]
+    for n in snap["nodes"]:
+        where = f"{path.name} node {n['id']} ({n['type']})"
+        # The saved size already fits the node's sockets and widgets (the frontend did not have to grow it).
+        assert saved[n["id"]]["size"][0] >= n["min"][0] - 0.5, f"{where}: width {n['min']}"
+        assert saved[n["id"]]["size"][1] >= n["min"][1] - 0.5, f"{where}: height {n['min']}"
+        # LiteGraph's own bounding box is pos/size with the title bar above: what the overlap check uses.
+        if n["box"] and n["box"][2]:
+            assert n["box"] == pytest.approx(list(cb.node_box(n, title)[:2]) + [n["size"][0], n["size"][1] + title])
+    assert cb.overlaps(snap["nodes"], title) == []
+
+
+@pytest.mark.browser
+@pytest.mark.comfyui
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_template_thumbnail_is_served(frontend, path):
+    status, content_type = frontend["thumbnails"][path.name]
+    assert status == 200 and content_type == "image/jpeg"
+
+
+@pytest.mark.browser
+@pytest.mark.comfyui
+def test_report_widget_shows_the_report_where_there_is_room(frontend):
+    r = frontend["report_roomy"]
+    assert r["mounted"] and "speed-up 2.000x" in r["text"]
+    assert r["after"][0] > r["before"][0] and r["after"][1] > r["before"][1]  # grown to the content ...
+    assert r["scrollHeight"] <= r["clientHeight"] + 1  # ... all of it visible
+    assert cb.overlaps(r["nodes"], r["titleHeight"]) == []
+
+
+@pytest.mark.browser
+@pytest.mark.comfyui
+def test_report_widget_scrolls_instead_of_covering_a_node(frontend):
+    r = frontend["report_cramped"]
+    assert r["mounted"] and "speed-up 2.000x" in r["text"]
+    assert cb.overlaps(r["nodes"], r["titleHeight"]) == []
+    assert r["clientHeight"] > 0 and r["scrollHeight"] > r["clientHeight"]  # the rest scrolls inside the widget

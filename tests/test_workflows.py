@@ -1,7 +1,9 @@
-"""The example workflows: they parse, use only core ComfyUI node types or this pack's, and their links agree.
+"""The example workflows: they parse, use only core ComfyUI node types or this pack's, and their links agree;
+no two nodes overlap, each node is tall enough for its sockets and widgets, and each has its template picture.
 
 Without ComfyUI the core types are checked against the list below; with COMFYUI_PATH set, that list, the
 pack's node ids, and every node's sockets and widget count are checked against the real node definitions.
+The same layouts in the real frontend (sizes as LiteGraph computes them): tests/test_web_extension.py.
 """
 import asyncio
 import importlib.util
@@ -13,6 +15,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = sorted((ROOT / "example_workflows").glob("*.json"))
+
+
+def _helper(name):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+browser = _helper("comfy_browser")  # node boxes and overlaps (its browser parts are not used here)
 
 # Core ComfyUI node types the workflows may use (verified against ComfyUI itself when COMFYUI_PATH is set).
 CORE_NODE_TYPES = {
@@ -69,6 +81,65 @@ def test_workflow_links_are_consistent(path):
             assert inp["link"] is None or inp["link"] in by_id, f"node {node['id']} input {inp['name']}: dangling"
         for out in node.get("outputs", []):
             assert all(lid in by_id for lid in out["links"] or []), f"node {node['id']} output {out['name']}"
+
+
+# -- layout: what the frontend draws -----------------------------------------------------------------------
+# LiteGraph's layout constants (frontend 1.27): a socket row and a widget are 20 px, widgets 4 px apart plus
+# 8 px below them, 6 px margin; a node's title bar (30 px) sits above pos[1].
+SLOT_H, WIDGET_H, WIDGET_GAP, WIDGETS_PAD, MARGIN = 20, 20, 4, 8, 6
+
+
+def min_height(node):
+    """A lower bound of LiteGraph's computeSize height: socket rows, then one row per widget value.
+
+    Multiline text boxes are taller than a row, so the real minimum can be higher: the browser test compares
+    every size with the frontend's own computeSize."""
+    rows = max(1, len(node.get("inputs", [])), len(node.get("outputs", [])))
+    widgets = len(node.get("widgets_values") or [])
+    return rows * SLOT_H + (widgets * (WIDGET_H + WIDGET_GAP) + WIDGETS_PAD if widgets else 0) + MARGIN
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_no_two_nodes_overlap(path):
+    nodes = load(path)["nodes"]
+    clashes = browser.overlaps(nodes)
+    names = {n["id"]: n.get("title") or n["type"] for n in nodes}
+    assert not clashes, f"{path.name}: overlapping nodes (title bars included): " + ", ".join(
+        f"{names[a]} / {names[b]}" for a, b in clashes)
+
+
+def test_the_overlap_check_sees_title_bars():
+    body = {"id": 1, "pos": [0, 0], "size": [100, 100]}
+    assert browser.overlaps([body, {"id": 2, "pos": [0, 120], "size": [100, 50]}]) == [(1, 2)]  # title at 90..120
+    assert browser.overlaps([body, {"id": 2, "pos": [0, 131], "size": [100, 50]}]) == []
+    assert browser.overlaps([body, {"id": 2, "pos": [100, 0], "size": [10, 10]}]) == []  # edges may touch
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_nodes_are_tall_enough_for_their_widgets(path):
+    for node in load(path)["nodes"]:
+        assert node["size"][1] >= min_height(node), \
+            f"{path.name} node {node['id']} ({node['type']}): {node['size'][1]} px < {min_height(node)} px"
+
+
+def test_the_patch_node_shows_all_its_widgets():
+    wf = load(ROOT / "example_workflows" / "flux_text_to_image_sage_rdna4.json")
+    patch = next(n for n in wf["nodes"] if n["type"] == "PatchSageAttentionRDNA4")
+    assert min_height(patch) == 274  # what the frontend's computeSize gives (1 socket row, 10 widgets)
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_template_thumbnail(path):
+    """ComfyUI's template browser shows example_workflows/<name>.jpg on the workflow's card."""
+    from PIL import Image, ImageStat
+
+    jpg = path.with_suffix(".jpg")
+    assert jpg.is_file(), f"no thumbnail {jpg.name} (make it: tests/comfy_browser.py --thumbnails)"
+    assert jpg.stat().st_size < 150 * 1024
+    with Image.open(jpg) as im:
+        assert im.format == "JPEG"
+        assert 256 <= im.width <= 1600 and 128 <= im.height <= 1200
+        assert max(ImageStat.Stat(im.convert("L")).stddev) > 10, "a blank picture"
 
 
 # -- against the real ComfyUI ------------------------------------------------------------------------------

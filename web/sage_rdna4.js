@@ -90,20 +90,89 @@ export function renderReport(report, doc = document) {
   return root;
 }
 
+// Sizing: the node grows to show the whole report, but only into free canvas space (never over another
+// node's box, title bar included) and at most to MAX_W x MAX_H; what does not fit scrolls inside the widget.
+// The node never shrinks here: a size the user chose stays.
+const MAX_W = 720;
+const MAX_H = 480; // the report's area, graph units
+const MIN_H = 60; // the smallest report area LiteGraph keeps when the node is resized by hand
+const GAP = 10; // space kept free next to other nodes
+
+function boxOf(node) {
+  const title = globalThis.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
+  return { x: node.pos[0], y: node.pos[1] - title, w: node.size[0], h: node.size[1] + title };
+}
+
+// The largest body size [w, h], up to `want`, that `node` can grow to where it stands without reaching
+// another node of `others`; never less than its present size.
+export function roomFor(node, want, others = node.graph?._nodes ?? node.graph?.nodes ?? []) {
+  let [w, h] = want;
+  if (!node.pos || !node.size) return [w, h];
+  const me = boxOf(node);
+  const boxes = [...others].filter((o) => o !== node && o.pos && o.size).map(boxOf);
+  for (const o of boxes) { // widen only up to the nearest node on the right in the rows the node will take
+    const sharesRows = o.y < node.pos[1] + h + GAP && o.y + o.h > me.y;
+    if (sharesRows && o.x >= me.x + me.w) w = Math.min(w, o.x - GAP - me.x);
+  }
+  w = Math.max(w, me.w);
+  for (const o of boxes) { // grow down only up to the nearest node below in the columns it will take
+    const sharesColumns = o.x < me.x + w + GAP && o.x + o.w + GAP > me.x;
+    if (sharesColumns && o.y > me.y) h = Math.min(h, o.y - GAP - node.pos[1]);
+  }
+  return [w, Math.max(h, node.size[1])];
+}
+
+// The report's natural size in CSS px: unconstrained, or its height at a given width. Measured off-screen.
+function measure(view, width) {
+  const probe = document.createElement("div");
+  probe.style.cssText = "position:absolute;left:-100000px;top:0;visibility:hidden;" +
+    (width ? `width:${width}px` : "width:max-content");
+  const copy = view.cloneNode(true);
+  copy.style.maxHeight = "none";
+  copy.style.overflow = "visible";
+  probe.appendChild(copy);
+  document.body.appendChild(probe);
+  const size = [Math.ceil(copy.scrollWidth), Math.ceil(copy.scrollHeight)];
+  probe.remove();
+  return size;
+}
+
+function fitNode(node, widget, view) {
+  const margin = widget.margin ?? 10;
+  const wantW = Math.min(MAX_W, Math.max(node.size?.[0] ?? 0, measure(view)[0] + 2 * margin + 4));
+  const reportH = Math.min(MAX_H, measure(view, wantW - 2 * margin)[1] + 2 * margin + 4);
+  widget.sageMaxHeight = reportH;
+  // The node height that shows the whole report: LiteGraph's own layout (sockets, the other widgets) with
+  // the report at that height.
+  widget.sageMinHeight = reportH;
+  const needH = typeof node.computeSize === "function" ? node.computeSize()[1] : (node.size?.[1] ?? 0) + reportH;
+  widget.sageMinHeight = Math.min(MIN_H, reportH);
+  const [w, h] = roomFor(node, [wantW, needH]);
+  node.setSize?.([w, h]);
+}
+
 function showOnNode(node, report) {
   const view = renderReport(report);
   let widget = node.widgets?.find((w) => w.name === WIDGET_NAME);
   if (widget?.element) {
     widget.element.replaceChildren(...view.childNodes);
   } else if (typeof node.addDOMWidget === "function") {
-    widget = node.addDOMWidget(WIDGET_NAME, "sage_rdna4_report", view, { serialize: false, hideOnZoom: false });
-    node.setSize?.([Math.max(node.size?.[0] ?? 0, 520), Math.max(node.size?.[1] ?? 0, 420)]);
+    widget = node.addDOMWidget(WIDGET_NAME, "sage_rdna4_report", view, {
+      serialize: false,
+      hideOnZoom: false,
+      // LiteGraph gives the report a height between these from the node's free space; the rest scrolls.
+      getMinHeight: () => widget?.sageMinHeight ?? MIN_H,
+      getMaxHeight: () => widget?.sageMaxHeight ?? MAX_H,
+    });
   }
+  if (widget) fitNode(node, widget, widget.element ?? view); // the report now lives in widget.element
   node.setDirtyCanvas?.(true, true);
 }
 
-app.registerExtension({
-  name: "sage_rdna4.benchmark_report",
+const EXTENSION_NAME = "sage_rdna4.benchmark_report";
+
+const extension = {
+  name: EXTENSION_NAME,
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (nodeData?.name !== NODE_ID) return;
     const previous = nodeType.prototype.onExecuted;
@@ -121,4 +190,10 @@ app.registerExtension({
       showOnNode(this, report);
     };
   },
-});
+};
+
+// The pack registers web/ once (WEB_DIRECTORY). Should this file still be loaded a second time (say, another
+// copy of the pack), that copy stays out instead of making the frontend throw "already registered".
+if (!app.extensions?.some?.((e) => e?.name === EXTENSION_NAME)) {
+  app.registerExtension(extension);
+}

@@ -1,0 +1,455 @@
+"""A real ComfyUI server with this pack, and headless Chromium driven through the DevTools protocol.
+
+Used by tests/test_frontend_browser.py (the pack's frontend in the real ComfyUI frontend) and, run as a
+script, to redraw the template thumbnails (example_workflows/<name>.jpg) from the real frontend:
+
+    COMFYUI_PATH=/path/to/ComfyUI python tests/comfy_browser.py --thumbnails
+
+The server runs from COMFYUI_PATH with its own temporary base directory (--base-directory): custom_nodes/
+there holds only a link to this checkout, and nothing is written into the ComfyUI checkout. Chromium runs
+with a fresh profile and talks only to that local server. The protocol client is aiohttp's websocket client,
+which ComfyUI's server needs anyway.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOW_DIR = ROOT / "example_workflows"
+PACK_FOLDER = "ComfyUI-SageAttention-RDNA4"  # the folder name a git clone of the repository gets
+EXTENSION_NAME = "sage_rdna4.benchmark_report"
+TITLE_HEIGHT = 30  # LiteGraph.NODE_TITLE_HEIGHT: a node's title bar sits above pos[1]
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--disable-dev-shm-usage", "--hide-scrollbars", "--mute-audio"]
+# Settings of the fresh ComfyUI user: no first-run template dialog, no minimap over the graph.
+USER_SETTINGS = {"Comfy.TutorialCompleted": True, "Comfy.Minimap.Visible": False}
+
+
+def find_chromium() -> Optional[str]:
+    for name in ("chromium", "chromium-browser", "google-chrome", "chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def comfy_checkout() -> Optional[Path]:
+    path = os.environ.get("COMFYUI_PATH")
+    if path and (Path(path) / "main.py").is_file() and (Path(path) / "comfy").is_dir():
+        return Path(path).resolve()
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def workflows():
+    return sorted(WORKFLOW_DIR.glob("*.json"))
+
+
+# -- ComfyUI -----------------------------------------------------------------------------------------------
+class ComfyServer:
+    """`python main.py --cpu` from a ComfyUI checkout, with a temporary base directory holding this pack."""
+
+    def __init__(self, comfy: Path, base: Path, python: str = sys.executable):
+        self.comfy, self.base, self.python = Path(comfy), Path(base), python
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = self.base / "comfyui.log"
+        self.proc: Optional[subprocess.Popen] = None
+
+    def start(self, timeout: float = 300.0) -> "ComfyServer":
+        custom = self.base / "custom_nodes"
+        custom.mkdir(parents=True, exist_ok=True)
+        (custom / PACK_FOLDER).symlink_to(ROOT, target_is_directory=True)
+        settings = self.base / "user" / "default" / "comfy.settings.json"
+        settings.parent.mkdir(parents=True, exist_ok=True)
+        settings.write_text(json.dumps(USER_SETTINGS))
+        cmd = [self.python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+               "--base-directory", str(self.base), "--database-url", "sqlite:///:memory:",
+               "--disable-auto-launch"]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, cwd=self.comfy, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/system_stats", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"ComfyUI did not answer within {timeout:.0f} s:\n{self.log()[-4000:]}")
+
+    def get_json(self, path: str):
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return json.loads(r.read())
+
+    def get(self, path: str):
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return r.status, r.headers.get("Content-Type", ""), r.read()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+# -- Chromium ----------------------------------------------------------------------------------------------
+class PageError(RuntimeError):
+    pass
+
+
+class Page:
+    """One headless Chromium tab over the DevTools protocol. Keeps every console message and page error."""
+
+    def __init__(self):
+        self.proc = None
+        self.session = None
+        self.ws = None
+        self.messages = []  # {"level", "text"}
+        self._next_id = 0
+        self._pending = {}
+        self._reader = None
+
+    @classmethod
+    async def open(cls, chromium: str, profile: Path, width: int = 1600, height: int = 1000) -> "Page":
+        import aiohttp
+
+        page = cls()
+        profile.mkdir(parents=True, exist_ok=True)
+        port_file = profile / "DevToolsActivePort"
+        page.proc = subprocess.Popen(
+            [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0",
+             f"--window-size={width},{height}", "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if page.proc.poll() is not None or time.monotonic() > deadline:
+                page.proc.kill()
+                raise PageError("Chromium did not open its DevTools port")
+            await asyncio.sleep(0.1)
+        port = int(port_file.read_text().split()[0])
+        page.session = aiohttp.ClientSession()
+        for _ in range(100):
+            async with page.session.get(f"http://127.0.0.1:{port}/json/list") as r:
+                targets = [t for t in await r.json() if t.get("type") == "page"]
+            if targets:
+                break
+            await asyncio.sleep(0.1)
+        page.ws = await page.session.ws_connect(targets[0]["webSocketDebuggerUrl"], max_msg_size=0)
+        page._reader = asyncio.ensure_future(page._read())
+        for domain in ("Runtime", "Log", "Page"):
+            await page.call(f"{domain}.enable")
+        await page.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1,
+                        mobile=False)
+        return page
+
+    async def _read(self):
+        async for msg in self.ws:
+            data = json.loads(msg.data)
+            if "id" in data:
+                fut = self._pending.pop(data["id"], None)
+                if fut is not None and not fut.done():
+                    fut.set_result(data)
+                continue
+            method, params = data.get("method"), data.get("params", {})
+            if method == "Runtime.consoleAPICalled":
+                parts = [a.get("value", a.get("description", "")) for a in params.get("args", [])]
+                self.messages.append({"level": params.get("type"), "text": " ".join(map(str, parts))})
+            elif method == "Runtime.exceptionThrown":
+                d = params.get("exceptionDetails", {})
+                text = d.get("exception", {}).get("description") or d.get("text", "")
+                self.messages.append({"level": "exception", "text": f"{text} ({d.get('url', '')})"})
+            elif method == "Log.entryAdded":
+                e = params.get("entry", {})
+                self.messages.append({"level": e.get("level"), "text": f"{e.get('text')} ({e.get('url', '')})"})
+
+    async def call(self, method: str, timeout: float = 60.0, **params):
+        self._next_id += 1
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[self._next_id] = fut
+        await self.ws.send_str(json.dumps({"id": self._next_id, "method": method, "params": params}))
+        data = await asyncio.wait_for(fut, timeout)
+        if "error" in data:
+            raise PageError(f"{method}: {data['error']}")
+        return data["result"]
+
+    async def evaluate(self, expression: str, timeout: float = 60.0):
+        """The JSON value of `expression` (awaited when it is a promise); raises on a thrown error."""
+        result = await self.call("Runtime.evaluate", timeout=timeout, expression=expression, awaitPromise=True,
+                                 returnByValue=True)
+        if "exceptionDetails" in result:
+            d = result["exceptionDetails"]
+            raise PageError(d.get("exception", {}).get("description") or d.get("text"))
+        return result["result"].get("value")
+
+    async def wait_for(self, expression: str, timeout: float = 120.0, what: str = ""):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if await self.evaluate(expression):
+                    return
+            except PageError:
+                pass
+            await asyncio.sleep(0.25)
+        raise PageError(f"timed out waiting for {what or expression}")
+
+    async def goto(self, url: str):
+        await self.call("Page.navigate", url=url)
+
+    async def screenshot_jpeg(self, clip: dict, quality: int = 80) -> bytes:
+        result = await self.call("Page.captureScreenshot", format="jpeg", quality=quality, clip=clip,
+                                 captureBeyondViewport=False)
+        return base64.b64decode(result["data"])
+
+    async def close(self):
+        try:
+            if self.ws is not None:
+                await self.ws.close()
+            if self._reader is not None:
+                self._reader.cancel()
+            if self.session is not None:
+                await self.session.close()
+        finally:
+            if self.proc is not None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+
+
+# -- The ComfyUI frontend ----------------------------------------------------------------------------------
+# Runs in the page: `app` and `LiteGraph` are the frontend's globals (window.app is set once the graph canvas
+# is ready). A probe extension records the missing node types ComfyUI's loadGraphData reports.
+JS_READY = ("!!(window.app && window.app.graph && window.app.canvas && window.LiteGraph && "
+            "LiteGraph.registered_node_types['PatchSageAttentionRDNA4'])")
+
+JS_INSTALL_PROBE = """(() => {
+  if (!window.__sageProbe) {
+    window.__sageProbe = true;
+    app.registerExtension({
+      name: "sage_rdna4.test_probe",
+      afterConfigureGraph(missing) {
+        window.__sageMissing = (missing || []).map((m) => (typeof m === "string" ? m : m.type));
+      },
+    });
+  }
+  return true;
+})()"""
+
+JS_HELPERS = """
+const graphNodes = () => app.graph.nodes ?? app.graph._nodes;
+const frames = (n) => new Promise((resolve) => {
+  const step = (k) => (k <= 0 ? resolve() : requestAnimationFrame(() => step(k - 1)));
+  step(n);
+});
+const settle = async () => { app.graph.setDirtyCanvas(true, true); await frames(3);
+  await new Promise((r) => setTimeout(r, 150)); await frames(2); };
+const nodeInfo = (n) => ({
+  id: n.id, type: n.type, title: n.title, pos: Array.from(n.pos), size: Array.from(n.size),
+  min: Array.from(n.computeSize()), box: Array.from(n.boundingRect ?? []), collapsed: !!n.flags?.collapsed,
+  registered: n.type in LiteGraph.registered_node_types,
+});
+const loadWorkflow = async (wf, name) => {
+  window.__sageMissing = null;
+  await app.loadGraphData(wf, true, true, name);
+  await settle();
+};
+const snapshot = () => ({
+  nodes: graphNodes().map(nodeInfo),
+  missing: window.__sageMissing,
+  titleHeight: LiteGraph.NODE_TITLE_HEIGHT,
+});
+"""
+
+
+def _js(body: str) -> str:
+    return f"(async () => {{ {JS_HELPERS}\n{body} }})()"
+
+
+async def open_comfy(page: Page, server: ComfyServer):
+    await page.goto(server.url + "/")
+    await page.wait_for(JS_READY, timeout=180, what="the ComfyUI frontend with the pack's nodes")
+    await page.evaluate(JS_INSTALL_PROBE)
+
+
+async def load_and_snapshot(page: Page, workflow: dict, name: str) -> dict:
+    return await page.evaluate(_js(f"await loadWorkflow({json.dumps(workflow)}, {json.dumps(name)});\n"
+                                   "return snapshot();"))
+
+
+async def extension_state(page: Page) -> dict:
+    return await page.evaluate(_js(f"""
+      const listed = await (await fetch("/extensions")).json();
+      return {{
+        registered: app.extensions.filter((e) => e.name === {json.dumps(EXTENSION_NAME)}).length,
+        urls: listed.filter((u) => u.endsWith("/sage_rdna4.js")),
+      }};"""))
+
+
+async def show_report(page: Page, report_json: str, move_below: Optional[int] = None) -> dict:
+    """Feeds a report to the loaded graph's benchmark node, as ComfyUI does after a run (onExecuted).
+
+    With `move_below`, the node of that id is first moved right under the benchmark node (a crowded graph).
+    Returns the graph snapshot plus the report widget's geometry."""
+    return await page.evaluate(_js(f"""
+      const node = graphNodes().find((n) => n.type === "SageAttentionBenchmarkRDNA4");
+      const moveBelow = {json.dumps(move_below)};
+      if (moveBelow !== null) {{
+        const other = app.graph.getNodeById(moveBelow);
+        other.pos = [node.pos[0] + 20, node.pos[1] + node.size[1] + 40 + LiteGraph.NODE_TITLE_HEIGHT];
+        await settle();
+      }}
+      const before = Array.from(node.size);
+      const message = {{ text: ["report"], sage_rdna4_report: [{json.dumps(report_json)}] }};
+      node.onExecuted(message);
+      await settle();
+      node.onExecuted(message);  // a second run refills the same widget
+      await settle();
+      const widget = node.widgets.find((w) => w.name === "sage_rdna4_report");
+      const el = widget?.element;
+      return {{
+        ...snapshot(), id: node.id, before, after: Array.from(node.size),
+        widgetHeight: widget?.computedHeight ?? null, mounted: !!el?.isConnected,
+        clientHeight: el?.clientHeight ?? 0, scrollHeight: el?.scrollHeight ?? 0,
+        clientWidth: el?.clientWidth ?? 0, scrollWidth: el?.scrollWidth ?? 0,
+        text: el?.textContent ?? "",
+      }};"""))
+
+
+# -- Checks shared by the tests ----------------------------------------------------------------------------
+def node_box(node: dict, title_height: float = TITLE_HEIGHT):
+    """x0, y0, x1, y1 of a node as LiteGraph draws it: the title bar above pos, the body below."""
+    (x, y), (w, h) = node["pos"], node["size"]
+    return x, y - title_height, x + w, y + h
+
+
+def overlaps(nodes: list, title_height: float = TITLE_HEIGHT):
+    """Pairs of nodes whose boxes (title bar included) intersect: [(id_a, id_b), ...]."""
+    boxes = [(n["id"], node_box(n, title_height)) for n in nodes]
+    found = []
+    for i, (a, (ax0, ay0, ax1, ay1)) in enumerate(boxes):
+        for b, (bx0, by0, bx1, by1) in boxes[i + 1:]:
+            if ax0 < bx1 and bx0 < ax1 and ay0 < by1 and by0 < ay1:
+                found.append((a, b))
+    return found
+
+
+def messages_about_us(messages: list) -> list:
+    keys = ("sage_rdna4", PACK_FOLDER.lower(), "sageattention", "already registered")
+    return [m for m in messages if m["level"] in ("error", "exception", "warning", "assert")
+            and any(k in m["text"].lower() for k in keys)]
+
+
+# -- Thumbnails --------------------------------------------------------------------------------------------
+JS_HIDE_CHROME = """(() => {
+  const style = document.createElement("style");
+  style.textContent = `body * { visibility: hidden !important; }
+    canvas#graph-canvas, .dom-widget, .dom-widget * { visibility: visible !important; }`;
+  document.head.appendChild(style);
+  return true;
+})()"""
+
+
+async def thumbnail(page: Page, workflow: dict, name: str, scale: float, quality: int) -> bytes:
+    """A picture of the workflow's graph as the frontend draws it: fitted into the canvas, shrunk by `scale`."""
+    await load_and_snapshot(page, workflow, name)
+    await page.evaluate(JS_HIDE_CHROME)
+    rect = await page.evaluate(_js("""
+      const canvas = app.canvas;
+      canvas.show_info = false;  // no frame statistics in the corner
+      if ("min_font_size_for_lod" in canvas) canvas.min_font_size_for_lod = 0;  // full drawing when zoomed out
+      canvas.deselectAll?.();
+      const r = canvas.canvas.getBoundingClientRect();
+      const nodes = graphNodes();
+      const pad = 40;
+      const x0 = Math.min(...nodes.map((n) => n.pos[0])) - pad;
+      const y0 = Math.min(...nodes.map((n) => n.pos[1] - LiteGraph.NODE_TITLE_HEIGHT)) - pad;
+      const x1 = Math.max(...nodes.map((n) => n.pos[0] + n.size[0])) + pad;
+      const y1 = Math.max(...nodes.map((n) => n.pos[1] + n.size[1])) + pad;
+      const s = Math.min(r.width / (x1 - x0), r.height / (y1 - y0));
+      const w = (x1 - x0) * s, h = (y1 - y0) * s;
+      canvas.ds.scale = s;
+      canvas.ds.offset[0] = -x0;
+      canvas.ds.offset[1] = -y0;
+      await settle();
+      return { x: r.left, y: r.top, width: w, height: h };"""))
+    clip = {k: round(v) for k, v in rect.items()}
+    return await page.screenshot_jpeg({**clip, "scale": scale}, quality=quality)
+
+
+async def write_thumbnails(chromium: str, server: ComfyServer, tmp: Path, width=2000, height=1300, scale=0.4,
+                           quality=80):
+    page = await Page.open(chromium, tmp / "profile", width, height)
+    try:
+        await open_comfy(page, server)
+        for path in workflows():
+            wf = json.loads(path.read_text(encoding="utf-8"))
+            data = await thumbnail(page, wf, path.name, scale, quality)
+            out = path.with_suffix(".jpg")
+            out.write_bytes(data)
+            print(f"{out.relative_to(ROOT)}: {len(data) // 1024} KB")
+            await open_comfy(page, server)  # a fresh page: the hiding style is gone
+    finally:
+        await page.close()
+
+
+def main(argv=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--thumbnails", action="store_true",
+                        help="write example_workflows/<name>.jpg from the real frontend")
+    args = parser.parse_args(argv)
+    if not args.thumbnails:
+        parser.print_help()
+        return 0
+    chromium, comfy = find_chromium(), comfy_checkout()
+    if chromium is None or comfy is None:
+        print("needs Chromium on PATH and COMFYUI_PATH set to a ComfyUI checkout", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="sage-rdna4-thumbs-") as tmp:
+        with ComfyServer(comfy, Path(tmp) / "base") as server:
+            asyncio.run(write_thumbnails(chromium, server, Path(tmp)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
