@@ -125,7 +125,7 @@ def test_nodes_are_tall_enough_for_their_widgets(path):
 def test_the_patch_node_shows_all_its_widgets():
     wf = load(ROOT / "example_workflows" / "flux_text_to_image_sage_rdna4.json")
     patch = next(n for n in wf["nodes"] if n["type"] == "PatchSageAttentionRDNA4")
-    assert min_height(patch) == 274  # what the frontend's computeSize gives (1 socket row, 10 widgets)
+    assert min_height(patch) == 298  # what the frontend's computeSize gives (1 socket row, 11 widgets)
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
