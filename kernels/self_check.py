@@ -38,6 +38,7 @@ from .reference import exact_attention
 log = logging.getLogger(__name__)
 
 FAILED = "self-check failed"  # in every failure reason a backend is disabled with
+SKIP_ENV = "SAGE_RDNA4_SELF_CHECK"  # "0": no first-use check (developers only; kernels then serve unproven)
 QUERY_BLOCK = 128  # rows per query block: the largest BLOCK_M of our kernels (Triton and HIP)
 
 
@@ -115,7 +116,9 @@ class Case:
 
 
 # Every length is a tail: none is a multiple of 64 except the 512 text keys of cross-attention.
-# Cost on a 2-core CPU with the reference backend: see tests/test_self_check.py (~4 s for all six).
+# Cost with the torch reference on 2 shared CPU cores: 2.5 s of CPU time, 3.8 s wall (per case: probe
+# 1.9 s, causal-gqa 0.6, long-keys 0.5, diffuse 0.4, cross-attention 0.2, lse 0.1), most of it the
+# reference itself; the test suite prints the time of each run in its "sage_rdna4 counts" section.
 DEFAULT_CASES: Tuple[Case, ...] = (
     # image tokens attending 512 text keys; 9 query blocks
     Case("cross-attention", "peaked", torch.bfloat16, 128, 2, 2, 2, 1100, 512),
@@ -403,6 +406,11 @@ class SelfCheck:
         key = (call.device_type, call.device_index, variant)
         if key in self._verdicts:
             return self._verdicts[key]
+        if os.environ.get(SKIP_ENV, "1") == "0":  # developers measuring a kernel that fails it
+            log.warning("%s on %s:%s serves calls WITHOUT its first-use self-check (%s=0)", backend.name,
+                        call.device_type, call.device_index, SKIP_ENV)
+            self._verdicts[key] = None
+            return None
 
         def accepts(case: Case) -> bool:
             return backend.refuse(_case_call(case, call, variant)) is None

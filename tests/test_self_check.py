@@ -271,6 +271,14 @@ def test_selfcheck_guard_once_per_variant_and_threads():
     assert check.guard(backend, _call(prologue="triton")) is None and backend.runs == 2 * len(accepted)
 
 
+def test_selfcheck_can_be_skipped_by_developers_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setenv(sc.SKIP_ENV, "0")
+    backend = FakeBackend(planted(repeated_batch))
+    with caplog.at_level("WARNING"):
+        assert sc.SelfCheck(SMALL).guard(backend, _call()) is None
+    assert backend.runs == 0 and "WITHOUT its first-use self-check" in caplog.text
+
+
 def test_selfcheck_failure_disables_the_backend_with_the_reason(monkeypatch):
     backend = FakeBackend(planted(repeated_batch))
     check = sc.SelfCheck(SMALL)
