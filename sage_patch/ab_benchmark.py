@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import logging
 import math
 import os
 from typing import Callable, List, Optional
@@ -19,6 +20,7 @@ import torch
 
 from ..kernels import metrics
 from ..kernels.reference import exact_attention
+from ..kernels.self_check import BOUNDS, flag_level
 from .config import PatchConfig
 from .install import OVERRIDE_KEY, find_override, patch_model
 from .layouts import expand_mask, to_hnd
@@ -30,6 +32,8 @@ from .timing import step_timer_of
 WARMUP_STEPS = 1
 ACCURACY_SAMPLES = 4
 FROM_PATCH = "from patch node"
+
+log = logging.getLogger("sage_rdna4")
 
 
 class AccuracyProbe:
@@ -95,15 +99,35 @@ def _capture(args, kwargs, out, step: int, call: int, backend: str) -> dict:
 
 
 def attention_accuracy(samples: List[dict]) -> List[dict]:
-    """Cosine and relative L1 of each sampled call's output against exact FP32 attention."""
+    """Cosine and relative L1 of each sampled call's output against exact FP32 attention, and whether the
+    call is flagged: rel L1 above the level of the kernel that ran it (`kernels.self_check.flag_level`)."""
     rows = []
     for s in samples:
         exact, _ = exact_attention(s["q"], s["k"], s["v"], sm_scale=s["sm_scale"], attn_mask=s["mask"])
         b, h, nq, d = s["q"].shape
+        rel_l1 = metrics.rel_l1(s["out"], exact)
+        level = flag_level(s["backend"])
         rows.append({"step": s["step"], "call": s["call"], "backend": s["backend"],
                      "shape": f"B{b} H{h} Nq{nq} Nk{s['k'].shape[2]} D{d}",
-                     "cosine": metrics.cosine(s["out"], exact), "rel_l1": metrics.rel_l1(s["out"], exact)})
+                     "cosine": metrics.cosine(s["out"], exact), "rel_l1": rel_l1,
+                     "flag_rel_l1": level, "flagged": not rel_l1 <= level})  # NaN is flagged too
     return rows
+
+
+def accuracy_flags(rows: List[dict]) -> List[str]:
+    """One warning per flagged sampled call, each also logged (the console)."""
+    probe = BOUNDS["probe"].max_rel_l1
+    messages = []
+    for a in rows:
+        if not a.get("flagged"):
+            continue
+        msg = (f"attention call {a['call']} of step {a['step']} ({a['shape']}) ran {a['backend']}: rel L1 "
+               f"{a['rel_l1']:.4f} against exact FP32 exceeds {a['flag_rel_l1']}, the most a kernel that passes "
+               f"its self-check should show on a real call (its precision probe must stay within {probe}); the "
+               f"result may be visibly damaged: compare with an FP16 P.V kernel or sdpa")
+        log.warning("[sage_rdna4 A/B] %s", msg)
+        messages.append(msg)
+    return messages
 
 
 def fidelity(sdpa_latent: torch.Tensor, patched_latent: torch.Tensor, sdpa_image=None, patched_image=None) -> dict:
@@ -164,6 +188,7 @@ def run_ab(model, positive, negative, latent: dict, seed: int, steps: int, cfg: 
         images = (vae.decode(sdpa_samples), vae.decode(patched_samples))
     summary = summarize_steps([s.as_dict() for s in run_a.steps], [s.as_dict() for s in run_b.steps], WARMUP_STEPS)
     device = getattr(model, "load_device", None)
+    accuracy = attention_accuracy(probe.samples)
     report = {
         "kind": "sage_rdna4 A/B benchmark",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -179,7 +204,8 @@ def run_ab(model, positive, negative, latent: dict, seed: int, steps: int, cfg: 
         **summary,
         "run_total_ms": {"sdpa": run_a.total_ms, "patched": run_b.total_ms},
         "fidelity": fidelity(sdpa_samples, patched_samples, *images),
-        "attention_accuracy": attention_accuracy(probe.samples),
+        "attention_accuracy": accuracy,
+        "accuracy_flags": accuracy_flags(accuracy),
         "calls": {"patched": run_b.calls, "sdpa": run_a.calls},
         "fallbacks": run_b.fallbacks, "routed": run_b.routed,
         "sdpa_fallbacks": run_a.fallbacks,

@@ -105,8 +105,11 @@ def format_report_text(report: dict) -> str:
     if acc:
         lines.append("per-call attention accuracy vs exact fp32 (sampled calls):")
         for a in acc:
+            flag = f"  <- FLAGGED (above {a.get('flag_rel_l1')})" if a.get("flagged") else ""
             lines.append(f"  step {a.get('step')} call {a.get('call')} {a.get('shape')} ran {a.get('backend')}: "
-                         f"cosine {_fmt(a.get('cosine'), '.5f')}, rel L1 {_fmt(a.get('rel_l1'), '.4f')}")
+                         f"cosine {_fmt(a.get('cosine'), '.5f')}, rel L1 {_fmt(a.get('rel_l1'), '.4f')}{flag}")
+    for msg in report.get("accuracy_flags", []):
+        lines.append(f"WARNING: {msg}")
     calls = report.get("calls", {})
     for run in ("patched", "sdpa"):
         if run in calls:

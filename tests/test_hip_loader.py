@@ -11,9 +11,10 @@ from comfyui_sage_rdna4.kernels import quant, registry
 from comfyui_sage_rdna4.kernels.call_spec import describe_call
 from comfyui_sage_rdna4.kernels.backends.hip import backend as hip_backend
 from comfyui_sage_rdna4.kernels.backends.hip import cache as kcache
-from comfyui_sage_rdna4.kernels.backends.hip import compiler, runtime, selfcheck
+from comfyui_sage_rdna4.kernels.backends.hip import compiler, runtime
 from comfyui_sage_rdna4.kernels.backends.hip import prologue as hip_prologue
 from comfyui_sage_rdna4.kernels.reference import attention_from_quantized
+from comfyui_sage_rdna4.kernels.self_check import DEFAULT_CASES, Case, SelfCheck, call_variant
 
 
 @pytest.fixture(autouse=True)
@@ -413,33 +414,47 @@ def garbage_attention(qq, call, pv, sm_scale, q=None):
     return out, (torch.zeros(b, h, n) if call.return_lse else None)
 
 
+# Small cases for the machinery tests (the full default set runs once, in the first test): both dtypes,
+# both head dims, GQA, causal, LSE, batch 2, two query blocks.
+SMALL_CASES = (
+    Case("small", "peaked", torch.float16, 128, 2, 2, 2, 97, 161),
+    Case("small-lse", "peaked", torch.bfloat16, 64, 2, 4, 2, 130, 130, is_causal=True, return_lse=True),
+)
+
+
 @pytest.fixture
 def cpu_hip_backend(monkeypatch):
     """A HIP backend that accepts CPU tensors, with the torch prologue standing in for the HIP one."""
     monkeypatch.setattr(hip_prologue, "hip_prologue_refusal", lambda call: None)
     monkeypatch.setattr(hip_prologue, "hip_quantize_qkv", quant.quantize_qkv_torch)
     b = hip_backend.make_backend("fp8")
+    b.selfcheck = SelfCheck(SMALL_CASES)
     monkeypatch.setattr(b, "_unavailable", lambda device_type, index: None)
     return b
 
 
 def test_selfcheck_passes_a_correct_kernel(cpu_hip_backend):
     cpu_hip_backend.attention_impl = good_attention
+    cpu_hip_backend.selfcheck = SelfCheck()  # the full default set, as on a user's GPU
     assert cpu_hip_backend.why_not(_call()) is None
-    assert cpu_hip_backend.selfcheck.verdict("cpu", None) == (True, None)
+    assert cpu_hip_backend.selfcheck.verdict("cpu", None, call_variant(_call(), "hip")) == (True, None)
+    assert [r.case for r in cpu_hip_backend.selfcheck.last_result.results] == list(DEFAULT_CASES)  # LSE too
+
+
+def _nan_attention(qq, call, pv, s, q=None):
+    return torch.full((*qq.q8.shape[:3], qq.v.shape[3]), float("nan"), dtype=call.dtype), None
 
 
 @pytest.mark.parametrize("broken, words", [
     (garbage_attention, "cosine"),
-    (lambda qq, call, pv, s, q=None: (torch.full((1, qq.q8.shape[1], qq.q8.shape[2], qq.v.shape[3]), float("nan"),
-                                                 dtype=call.dtype), None), "NaN"),
+    (_nan_attention, "NaN"),
     (lambda *a, **k: (_ for _ in ()).throw(RuntimeError("hipModuleLaunchKernel failed")), "raised RuntimeError"),
 ])
 def test_selfcheck_disables_a_broken_kernel(cpu_hip_backend, monkeypatch, broken, words):
     cpu_hip_backend.attention_impl = broken
     call = _call()
     reason = cpu_hip_backend.why_not(call)
-    assert reason and "self-check failed" in reason and words in reason
+    assert reason and "self-check failed (hip prologue" in reason and words in reason
     assert cpu_hip_backend.unavailable("cpu", None) == reason  # disabled for the process, reason kept
     with pytest.raises(registry.KernelRefused, match="self-check failed"):
         cpu_hip_backend(torch.randn(1, 2, 40, 128).half(), torch.randn(1, 2, 40, 128).half(),
@@ -461,7 +476,9 @@ def test_selfcheck_catches_a_wrong_lse(cpu_hip_backend):
     assert reason and "LSE off by" in reason
 
 
-def test_selfcheck_runs_once_across_threads(cpu_hip_backend):
+def test_selfcheck_runs_once_per_prologue_across_threads(cpu_hip_backend, monkeypatch):
+    from comfyui_sage_rdna4.kernels.backends.triton import prologue as triton_prologue
+    monkeypatch.setattr(triton_prologue, "triton_quantize_qkv", quant.quantize_qkv_torch)
     runs = []
 
     def counting(qq, call, pv, sm_scale, q=None):
@@ -476,14 +493,12 @@ def test_selfcheck_runs_once_across_threads(cpu_hip_backend):
     for t in threads:
         t.join()
     assert results == [None] * 4
-    accepted = [c for c in selfcheck.DEFAULT_CASES
-                if cpu_hip_backend.refuse(describe_call(*[torch.empty(1, h, n, c.head_dim, dtype=c.dtype)
-                                                          for h, n in ((c.q_heads, c.q_len), (c.kv_heads, c.kv_len),
-                                                                       (c.kv_heads, c.kv_len))],
-                                                        is_causal=c.is_causal, return_lse=c.return_lse)) is None]
-    assert len(runs) == len(accepted) == len(selfcheck.DEFAULT_CASES)
+    assert len(runs) == len(SMALL_CASES)  # every case accepted, LSE included
     cpu_hip_backend.why_not(call)
-    assert len(runs) == len(accepted)  # not run again
+    cpu_hip_backend.why_not(_call(prologue="hip"))  # 'auto' is the HIP prologue: the same combination
+    assert len(runs) == len(SMALL_CASES)  # not run again
+    cpu_hip_backend.why_not(_call(prologue="triton"))  # another kernel + prologue combination: its own check
+    assert len(runs) == 2 * len(SMALL_CASES)
 
 
 def test_selfcheck_without_acceptable_case_disables(cpu_hip_backend, monkeypatch):

@@ -173,3 +173,21 @@ def test_bind_attention_args():
     assert (a["q"], a["heads"], a["mask"], a["skip_reshape"]) == (1, 8, "m", False)
     with pytest.raises(TypeError):
         bind_attention_args((1, 2), {})
+
+
+def test_auto_passing_over_a_kernel_that_failed_its_self_check_notes_why(monkeypatch, caplog):
+    """The verdict reaches the stats even when `auto` finds another quantized kernel (no fallback is counted)."""
+    from comfyui_sage_rdna4.kernels import registry
+    broken = registry.get_backend("triton_int8_fp8")
+    monkeypatch.setattr(broken, "_disabled", {("cpu", None): "triton_int8_fp8 disabled on cpu: self-check failed "
+                                                            "(triton prologue, ...): case 'precision-probe' ..."})
+    monkeypatch.setattr(registry, "auto_order", lambda c: ["triton_int8_fp8", "reference"])
+    ov, to = make(kernel="auto")
+    q, k, v = bnhd()
+    with caplog.at_level("WARNING", logger="sage_rdna4"):
+        for _ in range(2):
+            wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to)
+    snap = ov.stats.snapshot()
+    assert snap["calls"] == {"reference": 2} and not snap["fallbacks"]
+    assert len(snap["notes"]) == 1 and "precision-probe" in snap["notes"][0]
+    assert len([r for r in caplog.records if "self-check failed" in r.getMessage()]) == 1

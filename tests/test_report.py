@@ -126,3 +126,43 @@ def test_attention_accuracy_against_exact():
     assert good["shape"] == "B1 H2 Nq16 Nk16 D8" and good["call"] == 3
     bad = ab_benchmark.attention_accuracy([{**sample, "out": exact * 1.1}])[0]
     assert bad["rel_l1"] == pytest.approx(0.1, rel=1e-6)
+
+
+def test_accuracy_flags_a_planted_bad_call(caplog):
+    """Issue 10 item 6: a sampled call far above what its kernel reaches on the self-check is flagged, on the
+    report (text and JSON) and in the console; sound calls are not."""
+    from comfyui_sage_rdna4.kernels.reference import reference_attention
+    from comfyui_sage_rdna4.kernels.self_check import FLAG_REL_L1, flag_level
+
+    g = torch.Generator().manual_seed(0)
+    # Video-like: near-uniform attention over many keys, V with a channel offset.
+    q = 0.7 * torch.randn(1, 2, 64, 64, generator=g)
+    k = 0.7 * torch.randn(1, 2, 2000, 64, generator=g)
+    v = torch.randn(1, 2, 2000, 64, generator=g) + 2 + 2 * torch.randn(1, 2, 1, 64, generator=g).abs()
+    q, k, v = q.half(), k.half(), v.half()
+    good, _ = reference_attention(q, k, v)
+    exact, _ = exact_attention(q, k, v)
+    base = {"step": 0, "q": q, "k": k, "v": v, "mask": None, "sm_scale": 64 ** -0.5}
+    samples = [
+        {**base, "call": 0, "backend": "hip_int8_fp8", "out": good},  # the spec: ~0.002
+        {**base, "call": 1, "backend": "triton_int8_fp8", "out": (exact * 0.9).half()},  # lost 10 % of its mass
+        {**base, "call": 3, "backend": "triton_int8_fp16", "out": (exact * 0.97).half()},  # 3 %: too much for FP16
+        {**base, "call": 7, "backend": "triton_int8_fp8", "out": (exact * 0.97).half()},  # 3 %: within FP8's level
+        {**base, "call": 15, "backend": "fallback: head_dim 256", "out": exact.half()},
+    ]
+    rows = ab_benchmark.attention_accuracy(samples)
+    assert [r["flagged"] for r in rows] == [False, True, True, False, False]
+    assert rows[0]["rel_l1"] < 0.01 and rows[1]["rel_l1"] == pytest.approx(0.1, abs=2e-3)
+    assert rows[1]["flag_rel_l1"] == FLAG_REL_L1["fp8"] == flag_level("hip_int8_fp8")
+    assert rows[2]["flag_rel_l1"] == FLAG_REL_L1["fp16"] == flag_level("fallback: x")
+    with caplog.at_level("WARNING", logger="sage_rdna4"):
+        flags = ab_benchmark.accuracy_flags(rows)
+    assert len(flags) == 2 and "call 1 of step 0" in flags[0] and "triton_int8_fp8" in flags[0]
+    assert f"rel L1 {rows[1]['rel_l1']:.4f} against exact FP32 exceeds 0.05" in flags[0]
+    assert sum("sage_rdna4 A/B" in r.getMessage() for r in caplog.records) == 2
+    text = format_report_text({"attention_accuracy": rows, "accuracy_flags": flags})
+    assert text.count("FLAGGED") == 2 and text.count("WARNING: attention call") == 2
+    nan = ab_benchmark.attention_accuracy([{**base, "call": 31, "backend": "triton_int8_fp8",
+                                             "out": torch.full_like(good, float("nan"))}])
+    assert nan[0]["flagged"]
+    assert json.loads(report_json({"attention_accuracy": rows}))["attention_accuracy"][1]["flagged"] is True

@@ -32,6 +32,7 @@ function table(doc, header, rows) {
   for (const row of rows) {
     const tr = el(doc, "tr");
     if (row.warmup) tr.style.opacity = "0.55";
+    if (row.flagged) tr.style.color = "#e05a4f";
     for (const cell of row.cells) tr.appendChild(el(doc, "td", cell, "text-align:right;padding:1px 6px"));
     t.appendChild(tr);
   }
@@ -75,8 +76,12 @@ export function renderReport(report, doc = document) {
   const acc = report.attention_accuracy || [];
   if (acc.length) {
     root.appendChild(table(doc, ["call", "shape", "ran", "cosine", "rel L1"], acc.map((a) => ({
-      cells: [`${a.step}/${a.call}`, a.shape, a.backend, fmt(a.cosine, 5), fmt(a.rel_l1, 4)],
+      flagged: a.flagged,
+      cells: [`${a.step}/${a.call}`, a.shape, a.backend, fmt(a.cosine, 5), fmt(a.rel_l1, 4) + (a.flagged ? " !" : "")],
     }))));
+  }
+  for (const msg of report.accuracy_flags || []) {
+    root.appendChild(el(doc, "div", `warning: ${msg}`, "color:#e05a4f;font-weight:bold"));
   }
   const fallbacks = Object.entries(report.fallbacks || {});
   if (fallbacks.length) {

@@ -7,8 +7,9 @@ Acceptance, stated once:
   * the call (`attention_refusal`): the one shape rule that `refuse` and the launch wrapper
     `hip_attention` both apply;
   * the prologue the call asks for: 'auto'/'hip' -> the HIP prologue, 'triton' -> the Triton one;
-  * the first-use self-check (`selfcheck.py`), folded into `why_not` so `auto` falls back past a
-    kernel that failed it and an explicit request gets the reason.
+  * the first-use self-check (`kernels/self_check.py`), once per device and kernel + prologue
+    combination, folded into `why_not` so `auto` falls back past a kernel that failed it and an
+    explicit request gets the reason.
 """
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ import torch
 from ... import quant
 from ...call_spec import AttentionCall
 from ...registry import Backend, KernelRefused
+from ...self_check import SelfCheck
 from . import prologue as hip_prologue
 from .runtime import environment_refusal, kernel_bundle, run_launches
-from .selfcheck import Case, SelfCheck
 
 PV_MODES = ("fp8", "fp16")
 DTYPES = (torch.float16, torch.bfloat16)
@@ -130,34 +131,15 @@ class HipBackend(Backend):
         reason = super().why_not(call)
         if reason:
             return reason
-        # First real call on this device: prove the kernels (HIP prologue + attention) before they serve it.
-        checked, verdict = self.selfcheck.verdict(call.device_type, call.device_index)
-        return verdict if checked else self.ensure_selfcheck(call.device_type, call.device_index)
+        # First real call of this device and kernel + prologue combination: prove it before it serves calls.
+        return self.selfcheck.guard(self, call, prologue="triton" if call.prologue == "triton" else "hip")
 
     def ensure_selfcheck(self, device_type: str, index: Optional[int], prologue: str = "hip") -> Optional[str]:
-        def accepts(case: Case) -> bool:
-            return self.refuse(self._case_call(case, device_type, index, prologue)) is None
-
-        def run(q, k, v, is_causal, sm_scale, return_lse):
-            call = self._case_call(None, device_type, index, prologue, tensors=(q, k, v), is_causal=is_causal,
-                                   return_lse=return_lse)
-            return self.launch(q, k, v, call, sm_scale, None)
-
-        return self.selfcheck.ensure(self, device_type, index, run, accepts)
-
-    @staticmethod
-    def _case_call(case, device_type, index, prologue, tensors=None, is_causal=None, return_lse=None):
+        """Run (or recall) the first-use self-check of `prologue` with default options on one device."""
         from ...call_spec import describe_call
-        if tensors is None:  # describe the case without allocating it on the device
-            meta = torch.device("meta")
-            tensors = (torch.empty(1, case.q_heads, case.q_len, case.head_dim, dtype=case.dtype, device=meta),
-                       torch.empty(1, case.kv_heads, case.kv_len, case.head_dim, dtype=case.dtype, device=meta),
-                       torch.empty(1, case.kv_heads, case.kv_len, case.head_dim, dtype=case.dtype, device=meta))
-            is_causal, return_lse = case.is_causal, case.return_lse
-        call = describe_call(*tensors, is_causal=is_causal, return_lse=return_lse, smooth_k=True, prologue=prologue)
-        if call.device_type != device_type or call.device_index != index:
-            call = _replace_device(call, device_type, index)
-        return call
+        meta = torch.empty(1, 1, 1, 64, dtype=torch.float16, device="meta")
+        call = _replace_device(describe_call(meta, meta, meta, prologue=prologue), device_type, index)
+        return self.selfcheck.guard(self, call, prologue=prologue)
 
     # -- running --------------------------------------------------------------------------------
     def launch(self, q, k, v, call: AttentionCall, sm_scale: float, attn_mask):

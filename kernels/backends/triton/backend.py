@@ -1,8 +1,9 @@
 """`triton_int8_fp8` and `triton_int8_fp16`: the Triton prologue (or the HIP one) + the Triton attention.
 
 The acceptance rule is stated once, in `refuse`; `_unavailable` judges the environment only.
-On ROCm the first use of a device runs the shared first-use self-check against SDPA; a failure takes
-the backend out of service there (the dispatcher then falls back with that reason).
+On a GPU (ROCm and NVIDIA; not the CPU interpreter) the first use of a device by each kernel + prologue
+combination runs the shared self-check (kernels/self_check.py); a failure takes the backend out of
+service there (the dispatcher then falls back with that reason).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Optional
 import torch
 
 from ...registry import Backend
+from ...self_check import SelfCheck
 from .configs import MAX_HEAD_DIM, attention_config
 
 CPU_REASON = "Triton needs a GPU; on CPU it runs only under TRITON_INTERPRET=1"
@@ -67,7 +69,7 @@ class TritonBackend(Backend):
         self.name = f"triton_int8_{pv}"
         self.description = (f"Triton: INT8 Q.K, {pv.upper()} P.V, FP32 accumulation "
                             f"(RDNA4 fallback, NVIDIA, interpreter)")
-        self._selfcheck = None
+        self.selfcheck = SelfCheck()
 
     # -- environment ---------------------------------------------------------------------
     def _unavailable(self, device_type, index):
@@ -87,7 +89,7 @@ class TritonBackend(Backend):
                 return f"{arch} has no OCP FP8 (e4m3fn) dot in Triton; FP8 P.V needs gfx1200/gfx1201/gfx950"
             if not arch.startswith(ROCM_INT8_ARCH_PREFIXES):
                 return f"{arch} is not a target of these kernels (gfx11, gfx12, gfx90a, gfx94x, gfx950)"
-            return self._first_use_check(device_type, index)
+            return None
         major = int(arch.split("_")[1]) // 10 if arch.startswith("sm_") else 0
         if major < 8:
             return f"{arch}: needs sm_80 or newer (INT8 tensor-core dots)"
@@ -95,22 +97,12 @@ class TritonBackend(Backend):
             return f"{arch} has no FP8 tensor cores; use triton_int8_fp16"
         return None
 
-    def _first_use_check(self, device_type, index) -> Optional[str]:
-        """Run the shared self-check once per ROCm device (nobody here could test gfx12 hardware)."""
-        from ..hip.selfcheck import SelfCheck
-        from ...call_spec import describe_call
-        if self._selfcheck is None:
-            self._selfcheck = SelfCheck()
-
-        def run(q, k, v, is_causal, sm_scale, return_lse):
-            call = describe_call(q, k, v, is_causal=is_causal, return_lse=return_lse, prologue="triton")
-            reason = self.refuse(call)
-            if reason:
-                raise RuntimeError(reason)
-            return self.launch(q, k, v, call, sm_scale, None)
-
-        # ensure() records a failure with Backend.disable, which unavailable() reports from then on.
-        return self._selfcheck.ensure(self, device_type, index, run)
+    def why_not(self, call):
+        reason = super().why_not(call)
+        if reason or call.device_type != "cuda" or _interpreting():
+            return reason
+        # First use of this GPU by this kernel + prologue combination: the shared self-check.
+        return self.selfcheck.guard(self, call, prologue="hip" if call.prologue == "hip" else "triton")
 
     # -- one call --------------------------------------------------------------------------
     def refuse(self, call):

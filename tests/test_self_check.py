@@ -1,0 +1,347 @@
+"""The one self-check (kernels/self_check.py) on the CPU: the torch reference passes it, planted faults fail it
+with a reason that names the case and the (batch, head, query block), and it stays fast."""
+import importlib
+import math
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from comfyui_sage_rdna4 import kernels
+from comfyui_sage_rdna4.kernels import quant, registry
+from comfyui_sage_rdna4.kernels.reference import expand_kv_heads, qk_scores_base2, reference_attention
+
+sc = importlib.import_module("comfyui_sage_rdna4.kernels.self_check")  # kernels.self_check is the function
+
+
+def reference(q, k, v, is_causal=False, return_lse=False):
+    out, lse = reference_attention(q, k, v, is_causal=is_causal, return_lse=return_lse)
+    return (out, lse) if return_lse else out
+
+
+def accept_all(case):
+    return True
+
+
+# -- planted faults: the reference with one thing wrong ------------------------------------------------
+
+def planted(fault):
+    """Wrap the reference: `fault(out, q, k, v, is_causal)` returns the output a broken kernel would give."""
+    def attention(q, k, v, is_causal=False, return_lse=False):
+        out, lse = reference_attention(q, k, v, is_causal=is_causal, return_lse=return_lse)
+        out = fault(out.clone(), q, k, v, is_causal)
+        return (out, lse) if return_lse else out
+    return attention
+
+
+def repeated_query_block(out, *_):
+    if out.shape[2] >= 2 * sc.QUERY_BLOCK:  # rows of block 1 are block 0's (a wrong program id -> row offset)
+        out[:, :, sc.QUERY_BLOCK:2 * sc.QUERY_BLOCK] = out[:, :, :sc.QUERY_BLOCK]
+    return out
+
+
+def repeated_batch(out, *_):
+    out[1] = out[0]  # batch 1 gets batch 0's output (a batch stride of 0)
+    return out
+
+
+def scaled_on_long_keys(out, q, k, *_):
+    return out * 0.95 if k.shape[2] >= 8192 else out  # 5 % of the mass lost, only where keys are many
+
+
+def zero_after_first_block(out, *_):
+    out[:, :, sc.QUERY_BLOCK:] = 0  # only the first query block is ever written
+    return out
+
+
+def copied_head(out, *_):
+    out[:, 1] = out[:, 0]  # head 1 written with head 0's result
+    return out
+
+
+def wrong_kv_head(out, q, k, v, is_causal):
+    """Head 1 of q attends the wrong kv head (a GQA mapping off by one); with one kv head, head 0's queries."""
+    hq, hkv = q.shape[1], k.shape[1]
+    right = 1 // (hq // hkv)
+    wrong = (right + 1) % hkv
+    if wrong == right:
+        return copied_head(out)
+    o, _ = reference_attention(q[:, 1:2], k[:, wrong:wrong + 1], v[:, wrong:wrong + 1], is_causal=is_causal)
+    out[:, 1:2] = o
+    return out
+
+
+def one_nan(out, *_):
+    out[1, 1, min(5, out.shape[2] - 1), 3] = float("nan")
+    return out
+
+
+def truncate_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """FP32 x rounded toward zero to `bits` explicit mantissa bits (an accumulator narrower than FP32's 23):
+    the low 23 - bits mantissa bits cleared."""
+    return (x.float().view(torch.int32) & ~((1 << (23 - bits)) - 1)).view(torch.float32)
+
+
+def truncating_accumulator(bits: int = 13, k_step: int = 16):
+    """A torch model of a kernel whose P.V accumulator keeps `bits` mantissa bits (FP22-like at 13, as the FP8
+    MMA accumulator of Hopper/Ada): the spec's INT8 Q.K and FP8 P, but the products of each step of `k_step`
+    keys are added to the running accumulator and the sum is truncated, as the MMA unit writes it back."""
+    def attention(q, k, v, is_causal=False, return_lse=False):
+        b, hq, nq, d = q.shape
+        nk = k.shape[2]
+        sm_scale = quant.default_sm_scale(d)
+        qq = quant.quantize_qkv_torch(q, k, v, sm_scale=sm_scale, smooth_k=True, pv="fp8")
+        s = qk_scores_base2(qq.q8, qq.q_scale, expand_kv_heads(qq.k8, hq), expand_kv_heads(qq.k_scale, hq))
+        if is_causal:
+            s = s.masked_fill(torch.ones(nq, nk, dtype=torch.bool).tril().logical_not(), -math.inf)
+        p = torch.exp2(s - s.amax(-1, keepdim=True))
+        row_sum = p.sum(-1, keepdim=True)
+        p8 = quant.quantize_p_fp8(p)
+        v8 = expand_kv_heads(qq.v, hq).float()
+        steps = math.ceil(nk / k_step)
+        pad = steps * k_step - nk
+        p8 = torch.nn.functional.pad(p8, (0, pad)).reshape(b, hq, nq, steps, k_step).transpose(2, 3)
+        v8 = torch.nn.functional.pad(v8, (0, 0, 0, pad)).reshape(b, hq, steps, k_step, d)
+        acc = torch.zeros(b, hq, nq, d)
+        for t0 in range(0, steps, 64):  # the products of 64 steps at a time, then their sums one step after another
+            partial = torch.matmul(p8[:, :, t0:t0 + 64], v8[:, :, t0:t0 + 64])  # (B, H, steps, Nq, D)
+            for t in range(partial.shape[2]):
+                acc = truncate_mantissa(acc + partial[:, :, t], bits)
+        out = (acc / quant.FP8_MAX / row_sum * expand_kv_heads(qq.v_scale, hq).unsqueeze(2)).to(q.dtype)
+        return (out, None) if return_lse else out
+    return attention
+
+
+FAULTS = {
+    "repeated query block": (planted(repeated_query_block), ["query block 1 (rows 128-255)"]),
+    "repeated batch": (planted(repeated_batch), ["batch 1"]),
+    "0.95 x output on long keys": (planted(scaled_on_long_keys), ["'precision-probe'", "rel L1 0.05", "> 0.015"]),
+    "truncating accumulator": (truncating_accumulator(), ["'precision-probe'", "rel L1 0.02", "> 0.015"]),
+    "zero after the first query block": (planted(zero_after_first_block), ["query block 1", "cosine 0.0000"]),
+    "copied head": (planted(copied_head), ["head 1"]),
+    "wrong kv head": (planted(wrong_kv_head), ["head 1"]),
+    "NaN": (planted(one_nan), ["NaN/Inf", "batch 1, head 1"]),
+}
+
+
+def test_reference_passes_every_case_with_margin_and_in_time(summary_lines):
+    """The spec passes every case, LSE included, with margin; and fast: ~2-4 s on 2 shared CPU cores
+    (the bound here is loose, for a loaded CI machine)."""
+    t0 = time.perf_counter()
+    result = sc.run_self_check(reference, "cpu", accepts=accept_all, stop_at_first=False)
+    seconds = time.perf_counter() - t0
+    assert result.reason is None, result.reason
+    assert [r.case for r in result.results] == list(sc.DEFAULT_CASES)
+    for r in result.results:
+        bound = r.case.bound
+        assert r.worst_rel_l1 < 0.7 * bound.max_rel_l1, r  # margin over the spec's own quantization error
+        if bound.min_cosine is not None:
+            assert r.worst_cosine > 1 - 0.5 * (1 - bound.min_cosine), r
+        if r.case.return_lse:
+            assert r.lse_error < 0.5 * sc.MAX_LSE_ERROR
+    assert seconds < 20.0
+    summary_lines.append(f"self-check, torch reference on CPU: {len(result.results)} cases in {seconds:.2f} s; "
+                         + ", ".join(f"{r.case.name} rel L1 {r.worst_rel_l1:.4f} cos {r.worst_cosine:.5f}"
+                                     for r in result.results))
+
+
+def test_public_api_and_default_accepts():
+    assert kernels.self_check is sc.self_check
+    lse_cases = [c for c in sc.DEFAULT_CASES if c.return_lse]
+    assert lse_cases and not any(sc.default_accepts(c) for c in lse_cases)
+    # what the issue asks of the case set
+    cases = sc.DEFAULT_CASES
+    assert all(c.batch == 2 for c in cases)
+    assert {c.head_dim for c in cases} == {64, 128} and {c.dtype for c in cases} == {torch.float16, torch.bfloat16}
+    assert any(c.q_len >= 8 * sc.QUERY_BLOCK and c.q_len % 64 for c in cases)
+    assert any(c.kv_len >= 2000 and c.kind == "peaked" for c in cases)
+    assert any(c.kv_len >= 16384 and c.kind == "probe" for c in cases)
+    assert any(c.q_len != c.kv_len and c.kv_len == 512 for c in cases)  # cross-attention
+    assert any(c.gqa for c in cases) and any(c.is_causal for c in cases) and any(c.kind == "diffuse" for c in cases)
+    assert sc.BOUNDS["probe"].max_rel_l1 < sc.SCALE_LOSS_MUST_FAIL
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_planted_fault_is_rejected_with_a_clear_reason(fault):
+    attention, words = FAULTS[fault]
+    reason = kernels.self_check(attention, "cpu")
+    assert reason, f"{fault} passed the self-check"
+    assert reason.startswith("case '") and "against exact FP32" in reason or "NaN" in reason, reason
+    for w in words:
+        assert w in reason, (fault, reason)
+
+
+@pytest.mark.parametrize("bits, caught", [(12, True), (16, False)])
+def test_probe_judges_accumulator_precision(bits, caught):
+    """The probe alone rejects an accumulator of 12 mantissa bits (rel L1 0.045; 13 bits, 0.024, is the planted
+    fault above) and passes a 16-bit one (0.0044): it judges precision against a bound, not exactness."""
+    probe_only = [c for c in sc.DEFAULT_CASES if c.kind == "probe"]
+    result = sc.run_self_check(truncating_accumulator(bits), "cpu", cases=probe_only)
+    if caught:
+        assert result.reason and "'precision-probe'" in result.reason and "rel L1" in result.reason
+    else:
+        assert result.reason is None, result.reason
+
+
+def test_declined_gqa_runs_without_it_and_declined_causal_is_skipped():
+    cases = [sc.Case("gqa", "peaked", torch.float16, 64, 2, 4, 2, 40, 70),
+             sc.Case("causal", "peaked", torch.float16, 64, 2, 2, 2, 40, 40, is_causal=True)]
+    seen = []
+
+    def mha_only(q, k, v, is_causal=False):
+        assert q.shape[1] == k.shape[1] and not is_causal
+        seen.append(k.shape[1])
+        return reference(q, k, v)
+
+    result = sc.run_self_check(mha_only, "cpu", cases, accepts=lambda c: not c.gqa and not c.is_causal)
+    assert result.reason is None and seen == [4]
+    assert [c.name for c in result.skipped] == ["causal"]
+
+
+def test_wrong_shape_dtype_and_exceptions_are_reasons():
+    case = sc.Case("tiny", "peaked", torch.float16, 64, 2, 2, 2, 40, 70)
+    assert "raised RuntimeError: boom" in sc.self_check(lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")),
+                                                       "cpu", cases=[case])
+    assert "expected (2, 2, 40, 64) torch.float16" in sc.self_check(lambda q, k, v, is_causal=False: q.float(),
+                                                                     "cpu", cases=[case])
+    assert sc.self_check(reference, "cpu", cases=[case]) is None
+    assert "no case" in sc.self_check(reference, "cpu", cases=[case], accepts=lambda c: False)
+
+
+def test_lse_case_checks_the_lse():
+    lse_case = [c for c in sc.DEFAULT_CASES if c.return_lse]
+
+    def bad_lse(q, k, v, is_causal=False, return_lse=False):
+        out, lse = reference_attention(q, k, v, is_causal=is_causal, return_lse=True)
+        return out, lse + 0.2
+
+    assert sc.self_check(reference, "cpu", cases=lse_case, accepts=accept_all) is None
+    reason = sc.self_check(bad_lse, "cpu", cases=lse_case, accepts=accept_all)
+    assert reason and "LSE off by 0.2" in reason and "'lse'" in reason
+
+
+# -- the first-use machinery --------------------------------------------------------------------------
+
+class FakeBackend(registry.Backend):
+    name = "fake_int8"
+
+    def __init__(self, attention):
+        super().__init__()
+        self.attention = attention
+        self.runs = 0
+
+    def _unavailable(self, device_type, index):
+        return None
+
+    def refuse(self, call):
+        return "no LSE here" if call.return_lse else None
+
+    def launch(self, q, k, v, call, sm_scale, attn_mask):
+        self.runs += 1
+        assert sm_scale == pytest.approx(1 / math.sqrt(q.shape[-1]))
+        return self.attention(q, k, v, is_causal=call.is_causal), None
+
+
+def _call(prologue="auto", qk_group="token"):
+    from comfyui_sage_rdna4.kernels.call_spec import describe_call
+    t = torch.empty(1, 2, 8, 64, dtype=torch.float16)
+    return describe_call(t, t, t, prologue=prologue, qk_group=qk_group)
+
+
+SMALL = (sc.Case("small", "peaked", torch.float16, 64, 2, 2, 2, 140, 70),
+         sc.Case("small-lse", "peaked", torch.bfloat16, 64, 2, 2, 1, 40, 70, return_lse=True))
+
+
+def test_selfcheck_guard_once_per_variant_and_threads():
+    backend = FakeBackend(reference)
+    check = sc.SelfCheck(SMALL)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(check.guard(backend, _call()))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    accepted = [c for c in SMALL if not c.return_lse]  # refuse() declines the LSE case
+    assert results == [None] * 3 and backend.runs == len(accepted)
+    assert check.guard(backend, _call()) is None and backend.runs == len(accepted)  # not run again
+    assert check.verdict("cpu", None, sc.call_variant(_call())) == (True, None)
+    # another prologue is another combination: checked on its own first use
+    assert check.guard(backend, _call(prologue="triton")) is None and backend.runs == 2 * len(accepted)
+
+
+def test_selfcheck_can_be_skipped_by_developers_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setenv(sc.SKIP_ENV, "0")
+    backend = FakeBackend(planted(repeated_batch))
+    with caplog.at_level("WARNING"):
+        assert sc.SelfCheck(SMALL).guard(backend, _call()) is None
+    assert backend.runs == 0 and "WITHOUT its first-use self-check" in caplog.text
+
+
+def test_selfcheck_failure_disables_the_backend_with_the_reason(monkeypatch):
+    backend = FakeBackend(planted(repeated_batch))
+    check = sc.SelfCheck(SMALL)
+    reason = check.guard(backend, _call(prologue="hip"))
+    assert reason.startswith("fake_int8 disabled on cpu: self-check failed (hip prologue, qk_group token")
+    assert "batch 1" in reason
+    assert backend.unavailable("cpu", None) == reason  # Backend.disable: stats and available_backends show it
+    monkeypatch.setitem(registry._REGISTRY, "hip_int8_fp8", backend)
+    monkeypatch.setattr(registry, "auto_order", lambda c: ["hip_int8_fp8", "sdpa"])
+    chosen, skipped = registry.choose_backend(_call())
+    assert chosen.name == "sdpa" and "self-check failed" in skipped["hip_int8_fp8"]
+
+
+# -- passes cached on disk ----------------------------------------------------------------------------
+
+IDENTITY = {"gpu": "AMD Radeon RX 9070 XT", "arch": "gfx1201", "driver": "hip-60443", "torch": "2.9",
+            "hip": "6.4", "cuda": None, "triton": "3.4"}
+
+
+def test_pass_cache_roundtrip_and_key_parts(tmp_path):
+    cache = sc.PassCache(str(tmp_path), enabled=True)
+    variant = sc.call_variant(_call(prologue="hip"))
+    key = cache.key("hip_int8_fp8", variant, torch.device("cuda", 0), identity=IDENTITY)
+    assert key and not cache.has_pass(key, "hip_int8_fp8")
+    assert cache.store_pass(key, "hip_int8_fp8") and os.listdir(tmp_path)
+    assert sc.PassCache(str(tmp_path), enabled=True).has_pass(key, "hip_int8_fp8")  # a new process reads it
+    for part, other in (("gpu", "AMD Radeon RX 9070"), ("arch", "gfx1200"), ("driver", "hip-70000"),
+                        ("triton", "3.5")):
+        assert cache.key("hip_int8_fp8", variant, None, identity={**IDENTITY, part: other}) != key
+    assert cache.key("hip_int8_fp16", variant, None, identity=IDENTITY) != key
+    assert cache.key("hip_int8_fp8", sc.call_variant(_call(prologue="triton")), None, identity=IDENTITY) != key
+    assert cache.key("hip_int8_fp8", variant, None, cases=sc.DEFAULT_CASES[:2], identity=IDENTITY) != key
+    assert sc.PassCache(str(tmp_path), enabled=False).key("hip_int8_fp8", variant, None, identity=IDENTITY) is None
+
+
+def test_pass_cache_key_follows_the_code_and_pack_version(tmp_path, monkeypatch):
+    cache = sc.PassCache(str(tmp_path), enabled=True)
+    key = cache.key("x", None, None, identity=IDENTITY)
+    monkeypatch.setattr(sc, "code_digest", lambda: "0" * 64)
+    assert cache.key("x", None, None, identity=IDENTITY) != key
+    monkeypatch.setattr(sc, "pack_version", lambda: "9.9.9")
+    assert cache.key("x", None, None, identity=IDENTITY) not in (key,)
+
+
+def test_cached_pass_skips_the_check_and_a_failure_is_never_cached(tmp_path, monkeypatch):
+    monkeypatch.setattr(sc, "gpu_identity", lambda device: dict(IDENTITY))
+    cases = SMALL[:1]
+    call = _call()
+    good = FakeBackend(reference)
+    # a "cuda" device is only a key here: the check itself runs on the CPU tensors of this fake
+    call_gpu = type(call)(**{**call.__dict__, "device_type": "cuda", "device_index": 0})
+    monkeypatch.setattr(sc, "run_self_check", lambda attention, device, cases, accepts: sc.SelfCheckResult(
+        None, [sc.CaseResult(cases[0], None)]))
+    check = sc.SelfCheck(cases, cache=sc.PassCache(str(tmp_path), enabled=True))
+    assert check.guard(good, call_gpu) is None
+    assert any(n.startswith("selfcheck-fake_int8") for n in os.listdir(tmp_path))
+    ran = []
+    monkeypatch.setattr(sc, "run_self_check", lambda *a, **k: ran.append(1))
+    again = sc.SelfCheck(cases, cache=sc.PassCache(str(tmp_path), enabled=True))  # a new process
+    assert again.guard(good, call_gpu) is None and not ran  # the pass came from the disk
+    # a failing verdict is not stored
+    other = tmp_path / "other"
+    monkeypatch.setattr(sc, "run_self_check", lambda attention, device, cases, accepts: sc.SelfCheckResult("bad"))
+    failing = sc.SelfCheck(cases, cache=sc.PassCache(str(other), enabled=True))
+    assert "self-check failed" in failing.guard(FakeBackend(reference), call_gpu)
+    assert not [n for n in os.listdir(other) if n.startswith("selfcheck-")]
