@@ -120,14 +120,11 @@ def get_backend(name: str) -> Backend:
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown kernel {name!r}; choose 'auto' or one of {', '.join(BACKEND_NAMES)}")
     if name not in _REGISTRY:
-        loader = _LOADERS.get(name)
-        if loader is None:
-            backend: Backend = _BrokenBackend(name, "not implemented in this version of the pack")
-        else:
-            try:
-                backend = loader()
-            except Exception as exc:
-                backend = _BrokenBackend(name, f"failed to load: {type(exc).__name__}: {exc}")
+        # Every name has a loader: importing the package runs backends/__init__.py, which registers them all.
+        try:
+            backend: Backend = _LOADERS[name]()
+        except Exception as exc:
+            backend = _BrokenBackend(name, f"failed to load: {type(exc).__name__}: {exc}")
         _REGISTRY[name] = backend
     return _REGISTRY[name]
 
