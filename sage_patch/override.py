@@ -83,6 +83,8 @@ class SageAttentionOverride:
         except ValueError as exc:
             return self._fallback(func, args, kwargs, f"malformed call: {exc}", self.config.kernel)
         backend, skipped = choose_backend(call, self.config.kernel, quantized_only=True)
+        # Why each preferred backend did not take the call (not available, refused, failed its self-check).
+        self.stats.record_skips(skipped, backend.name if backend is not None else None)
         if backend is None:
             detail = "; ".join(f"{n}: {r}" for n, r in skipped.items()) or f"none is built for {call.arch}"
             return self._fallback(func, args, kwargs, f"auto: no quantized kernel takes this call ({detail})", "auto")
