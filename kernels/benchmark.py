@@ -206,13 +206,22 @@ def self_check_failures(rows: List[Dict]) -> List[str]:
             if r["status"] == "ok" and r["quantized"] and (r["cos"] < COSINE_FLOOR or not r["finite"])]
 
 
-def run_problems(rows: List[Dict], requested: List[str]) -> List[str]:
-    """Why the run cannot count as a pass, besides accuracy: a backend that raised (always), and a backend the
-    user named with --backends that did not run on some shape (refused, not available)."""
-    problems = [f"{r['shape']}/{r['backend']} failed: {r['status'][len('error: '):]}" for r in rows
-                if r["status"].startswith("error")]
-    problems += [f"{r['shape']}/{r['backend']} did not run: {r['status'][len('skipped: '):]}" for r in rows
-                 if r["status"].startswith("skipped") and r["backend"] in requested]
+def failed_self_check(reason: Optional[str]) -> bool:
+    """A backend taken out of service by its first-use self-check on this device (Backend.disable's reason)."""
+    return bool(reason) and "self-check" in reason
+
+
+def run_problems(rows: List[Dict], requested: List[str], not_available: Optional[Dict[str, str]] = None) -> List[str]:
+    """Why the run cannot count as a pass, besides accuracy: a backend that raised or failed its first-use
+    self-check (always), and a backend the user named with --backends that did not run on some shape."""
+    problems = [f"{b} failed its first-use self-check: {reason}" for b, reason in (not_available or {}).items()
+                if failed_self_check(reason)]
+    for r in rows:
+        status = r["status"]
+        if status.startswith("error"):
+            problems.append(f"{r['shape']}/{r['backend']} failed: {status[len('error: '):]}")
+        elif status.startswith("skipped") and (r["backend"] in requested or failed_self_check(status)):
+            problems.append(f"{r['shape']}/{r['backend']} did not run: {status[len('skipped: '):]}")
     return problems
 
 
@@ -281,9 +290,10 @@ What the table shows:
                 {floor} fails the self-check
 
 Exit status: 0 when every quantized backend that was asked for ran on every shape and passed the self-check;
-1 when one failed it, raised, or was named with --backends and did not run (not available, or refused the
-shape), or when no quantized backend ran at all; 2 for a usage error. Without --backends, backends that cannot
-run on this device are listed as "not available here" and do not fail the run.
+1 when one failed it (here or in its first-use self-check), raised, or was named with --backends and did not
+run (not available, or refused the shape), or when no quantized backend ran at all; 2 for a usage error.
+Without --backends, backends that cannot run on this device are listed as "not available here" and do not
+fail the run (unless the reason is a failed first-use self-check).
 
 On the CPU the figures are not speed claims (the quantized path there is the torch reference of the algorithm,
 and a shared CPU's timings vary several-fold between runs); more repeats are taken and the range is shown.
@@ -368,7 +378,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     say(format_table(rows))
 
     failures = self_check_failures(rows)
-    problems = run_problems(rows, requested)
+    problems = run_problems(rows, requested, not_available)
     quantized_wanted = [b for b in backends if get_backend(b).quantized]
     ran = sorted({r["backend"] for r in rows if r["status"] == "ok" and r["quantized"]})
     timing_only = bool(requested) and not quantized_wanted  # e.g. --backends sdpa: nothing to self-check

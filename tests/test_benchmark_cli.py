@@ -213,3 +213,18 @@ def test_triton_under_the_interpreter_on_the_cpu_warns_of_minutes(capsys, monkey
     monkeypatch.delenv("TRITON_INTERPRET")
     _, out, _ = main(capsys, "--backends", "triton_int8_fp8", *TINY)
     assert "minutes per call" not in out
+
+
+def test_a_failed_first_use_self_check_fails_even_the_default_run(capsys, monkeypatch):
+    """Triton reports its self-check through unavailable(), HIP through why_not(): either way the run fails."""
+    hip = get_backend("hip_int8_fp8")
+    reason = "hip_int8_fp8 disabled on cpu: self-check failed on D128 fp16: cosine 0.2"
+    monkeypatch.setattr(hip, "_disabled", {("cpu", None): reason})
+    code, out, _ = main(capsys, *TINY)
+    assert code == 1 and "self-check passed" not in out
+    assert f"hip_int8_fp8: not available here: {reason}" in out
+    assert f"FAILED: hip_int8_fp8 failed its first-use self-check: {reason}" in out
+    rows = [{"backend": "hip_int8_fp16", "status": f"skipped: {reason}", "shape": "tiny", "quantized": True}]
+    assert benchmark.run_problems(rows, requested=[]) == [f"tiny/hip_int8_fp16 did not run: {reason}"]
+    rows[0]["status"] = "skipped: head_dim 300 is not supported"
+    assert benchmark.run_problems(rows, requested=[]) == []  # a refusal in a default run is not a failure
