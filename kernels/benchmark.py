@@ -1,13 +1,15 @@
 """The main job: every available backend against SDPA on real models' attention shapes.
 
-For each shape it prints time relative to SDPA measured in the same run (median of repeats) and the
-accuracy against exact FP32 attention (cosine, relative L1), as a table and as JSON. A quantized
-backend below the accuracy floor is a self-check failure (exit status 1). Needs no ComfyUI.
+For each shape it prints time relative to SDPA measured in the same run (median and range of repeats) and
+the accuracy against exact FP32 attention (cosine, relative L1) as a table, and as JSON with --json. A
+quantized backend below the accuracy floor is a self-check failure (exit status 1); so is one named with
+--backends that did not run, and a run where no quantized backend ran. Needs no ComfyUI.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -50,6 +52,8 @@ CPU_SHAPES = [
     Shape("wan_small", 1, 2, 2048, 128, "bfloat16"),
     Shape("sdxl_small", 2, 2, 1024, 64, "float16"),
 ]
+SMOKE_SHAPES = [Shape("tiny", 1, 2, 128, 64, "float16")]  # a seconds-long check of the plumbing, any device
+GPU_REPS, CPU_REPS = 20, 7
 SDPA_VARIANTS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION"}
 
 
@@ -63,7 +67,16 @@ def make_inputs(shape: Shape, device: torch.device, seed: int = 0):
     return [t.to(device=device, dtype=shape.torch_dtype) for t in (q, k, v)]
 
 
-def median_time_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 2) -> float:
+@dataclass(frozen=True)
+class Timing:
+    median: float
+    low: float     # the fastest repeat
+    high: float    # the slowest repeat
+    reps: int
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 2) -> Timing:
+    """Milliseconds per call over `reps` timed repeats after `warmup` untimed ones: median and range."""
     for _ in range(warmup):
         fn()
     times: List[float] = []
@@ -80,7 +93,11 @@ def median_time_ms(fn: Callable[[], object], device: torch.device, reps: int, wa
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return Timing(statistics.median(times), min(times), max(times), len(times))
+
+
+def median_time_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 2) -> float:
+    return time_ms(fn, device, reps, warmup).median
 
 
 def exact_fp32(q, k, v) -> torch.Tensor:
@@ -106,7 +123,8 @@ def _sdpa_variant(name: str):
     return run
 
 
-def bench_shape(shape: Shape, device: torch.device, backends: List[str], reps: int) -> List[Dict]:
+def bench_shape(shape: Shape, device: torch.device, backends: List[str], reps: int,
+                warmup: int = 2) -> List[Dict]:
     q, k, v = make_inputs(shape, device)
     exact = exact_fp32(q, k, v)
     rows: List[Dict] = []
@@ -114,12 +132,12 @@ def bench_shape(shape: Shape, device: torch.device, backends: List[str], reps: i
     def record(name: str, fn, quantized: bool):
         try:
             out = fn()
-            ms = median_time_ms(fn, device, reps)
+            t = time_ms(fn, device, reps, warmup)
         except Exception as exc:  # report, never abort the whole table
-            rows.append({"backend": name, "status": f"error: {type(exc).__name__}: {exc}"})
+            rows.append({"backend": name, "status": f"error: {type(exc).__name__}: {exc}", "quantized": quantized})
             return
-        rows.append({"backend": name, "status": "ok", "ms": ms, "cos": cosine(out, exact),
-                     "rel_l1": rel_l1(out, exact), "quantized": quantized,
+        rows.append({"backend": name, "status": "ok", "ms": t.median, "ms_min": t.low, "ms_max": t.high,
+                     "reps": t.reps, "cos": cosine(out, exact), "rel_l1": rel_l1(out, exact), "quantized": quantized,
                      "finite": bool(torch.isfinite(out).all())})
 
     record("sdpa", lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), False)
@@ -132,11 +150,12 @@ def bench_shape(shape: Shape, device: torch.device, backends: List[str], reps: i
     for name in backends:
         if name == "sdpa":
             continue
-        reason = get_backend(name).why_not(call)
+        backend = get_backend(name)
+        reason = backend.why_not(call)
         if reason:
-            rows.append({"backend": name, "status": f"skipped: {reason}"})
+            rows.append({"backend": name, "status": f"skipped: {reason}", "quantized": backend.quantized})
             continue
-        record(name, lambda name=name: sage_attention(q, k, v, kernel=name), get_backend(name).quantized)
+        record(name, lambda name=name: sage_attention(q, k, v, kernel=name), backend.quantized)
     base = next((r["ms"] for r in rows if r["backend"] == "sdpa" and r["status"] == "ok"), None)
     best = min((r["ms"] for r in rows if r["backend"].startswith("sdpa") and r["status"] == "ok"), default=None)
     for r in rows:
@@ -147,21 +166,63 @@ def bench_shape(shape: Shape, device: torch.device, backends: List[str], reps: i
     return rows
 
 
+COLUMNS = """\
+columns: ms = median time per call over the timed repeats, and [fastest-slowest] repeat;
+  /sdpa = this backend's median / PyTorch's default SDPA median on the same shape in this run
+          (1 = as fast as SDPA, above 1 = slower, below 1 = faster);
+  /best = the same ratio against the fastest SDPA variant measured here (sdpa, and on a GPU sdpa_cudnn
+          and sdpa_flash where this torch has them; on the CPU only sdpa, so /best = /sdpa);
+  cosine, relL1 = accuracy against exact FP32 attention on the same inputs (1 and 0 are exact); a quantized
+          backend below cosine {floor} fails the self-check."""
+
+CPU_NOTE = ("CPU figures are not speed claims: on the CPU the quantized path is the torch reference of the "
+            "algorithm (or the Triton interpreter), a correctness check and no fast path, and timings on a shared CPU vary several-fold between "
+            "runs; see the [fastest-slowest] range. Speed is measured on the GPU.")
+
+
+def _fmt(x: Optional[float], width: int, spec: str) -> str:
+    return f"{'-':>{width}}" if x is None else f"{x:{width}{spec}}"
+
+
 def format_table(rows: List[Dict]) -> str:
-    lines = [f"{'shape':<14} {'backend':<18} {'ms':>9} {'/sdpa':>7} {'/best':>7} {'cosine':>9} {'relL1':>8}  note"]
+    lines = [f"{'shape':<14} {'backend':<18} {'ms':>9} {'[fastest-slowest]':>19} {'/sdpa':>7} {'/best':>7} "
+             f"{'cosine':>9} {'relL1':>8}  note"]
     for r in rows:
         if r["status"] == "ok":
             flag = "" if (not r["quantized"] or (r["cos"] >= COSINE_FLOOR and r["finite"])) else "SELF-CHECK FAIL"
-            lines.append(f"{r['shape']:<14} {r['backend']:<18} {r['ms']:9.3f} {r['vs_sdpa']:7.3f} "
-                         f"{r['vs_best_sdpa']:7.3f} {r['cos']:9.5f} {r['rel_l1']:8.4f}  {flag}")
+            spread = f"[{r['ms_min']:.3f}-{r['ms_max']:.3f}]" if "ms_min" in r else ""
+            lines.append(f"{r['shape']:<14} {r['backend']:<18} {r['ms']:9.3f} {spread:>19} "
+                         f"{_fmt(r['vs_sdpa'], 7, '.3f')} {_fmt(r['vs_best_sdpa'], 7, '.3f')} "
+                         f"{r['cos']:9.5f} {r['rel_l1']:8.4f}  {flag}")
         else:
-            lines.append(f"{r['shape']:<14} {r['backend']:<18} {'-':>9} {'-':>7} {'-':>7} {'-':>9} {'-':>8}  {r['status']}")
+            lines.append(f"{r['shape']:<14} {r['backend']:<18} {'-':>9} {'-':>19} {'-':>7} {'-':>7} {'-':>9} "
+                         f"{'-':>8}  {r['status']}")
     return "\n".join(lines)
 
 
 def self_check_failures(rows: List[Dict]) -> List[str]:
-    return [f"{r['shape']}/{r['backend']}: cosine {r['cos']:.5f}" for r in rows
+    return [f"{r['shape']}/{r['backend']}: cosine {r['cos']:.5f}" + ("" if r["finite"] else ", non-finite output")
+            for r in rows
             if r["status"] == "ok" and r["quantized"] and (r["cos"] < COSINE_FLOOR or not r["finite"])]
+
+
+def failed_self_check(reason: Optional[str]) -> bool:
+    """A backend taken out of service by its first-use self-check on this device (Backend.disable's reason)."""
+    return bool(reason) and "self-check" in reason
+
+
+def run_problems(rows: List[Dict], requested: List[str], not_available: Optional[Dict[str, str]] = None) -> List[str]:
+    """Why the run cannot count as a pass, besides accuracy: a backend that raised or failed its first-use
+    self-check (always), and a backend the user named with --backends that did not run on some shape."""
+    problems = [f"{b} failed its first-use self-check: {reason}" for b, reason in (not_available or {}).items()
+                if failed_self_check(reason)]
+    for r in rows:
+        status = r["status"]
+        if status.startswith("error"):
+            problems.append(f"{r['shape']}/{r['backend']} failed: {status[len('error: '):]}")
+        elif status.startswith("skipped") and (r["backend"] in requested or failed_self_check(status)):
+            problems.append(f"{r['shape']}/{r['backend']} did not run: {status[len('skipped: '):]}")
+    return problems
 
 
 def environment() -> Dict:
@@ -179,48 +240,177 @@ def environment() -> Dict:
     return info
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (what was wrong, and where to look), exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
+    return value
+
+
+def parse_device(parser: argparse.ArgumentParser, text: Optional[str]) -> torch.device:
+    """--device: cpu, cuda or cuda:N, and only a GPU that torch can see."""
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        parser.error(f"argument --device: {text!r} is not a device; use cpu, cuda or cuda:N")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"argument --device: {text!r}: only cpu, cuda or cuda:N are supported")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error(f"argument --device: {text!r}: torch sees no GPU here (torch {torch.__version__}, "
+                         "torch.cuda.is_available() is False); use --device cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            parser.error(f"argument --device: {text!r}: torch sees {count} GPU(s), cuda:0 to cuda:{count - 1}")
+    if device.type == "cpu" and device.index is not None:
+        device = torch.device("cpu")
+    return device
+
+
+EPILOG = """\
+What the table shows:
+  ms            median milliseconds per call over the timed repeats (--reps), then [fastest-slowest] repeat
+  /sdpa         median / PyTorch's default SDPA median on the same shape in the same run:
+                1 = as fast as SDPA, above 1 = slower, below 1 = faster
+  /best         the same ratio against the fastest SDPA variant measured (sdpa; on a GPU also sdpa_cudnn and
+                sdpa_flash when this torch has them); on the CPU only sdpa exists, so /best = /sdpa
+  cosine relL1  accuracy against exact FP32 attention on the same inputs; a quantized backend below cosine
+                {floor} fails the self-check
+
+Exit status: 0 when every quantized backend that was asked for ran on every shape and passed the self-check;
+1 when one failed it (here or in its first-use self-check), raised, or was named with --backends and did not
+run (not available, or refused the shape), or when no quantized backend ran at all; 2 for a usage error.
+Without --backends, backends that cannot run on this device are listed as "not available here" and do not
+fail the run (unless the reason is a failed first-use self-check).
+
+On the CPU the figures are not speed claims (the quantized path there is the torch reference of the algorithm,
+and a shared CPU's timings vary several-fold between runs); more repeats are taken and the range is shown.
+Under TRITON_INTERPRET=1 the Triton backends run on the CPU in Python: minutes per call at these shapes."""
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _Parser(prog="benchmark.py", description=__doc__.splitlines()[0],
+                     epilog=EPILOG.format(floor=COSINE_FLOOR), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the GPU if there is one)")
     parser.add_argument("--shapes", default=None,
                         help="comma-separated shape names (GPU: " + ", ".join(s.name for s in GPU_SHAPES)
-                             + "; CPU: " + ", ".join(s.name for s in CPU_SHAPES) + ")")
+                             + "; CPU: " + ", ".join(s.name for s in CPU_SHAPES) + "; a quick check: "
+                             + ", ".join(s.name for s in SMOKE_SHAPES) + ")")
     parser.add_argument("--backends", default=None,
-                        help="comma-separated backend names (default: all; on a GPU all but the slow 'reference')")
-    parser.add_argument("--reps", type=int, default=None, help="timed repeats per backend (median is reported)")
-    parser.add_argument("--json", default=None, help="also write the rows as JSON to this file")
+                        help="comma-separated backend names (default: all; on a GPU all but the slow 'reference'); "
+                             "a quantized backend named here that does not run fails the run")
+    parser.add_argument("--reps", type=positive_int, default=None,
+                        help=f"timed repeats per backend, >= 1 (default {GPU_REPS} on a GPU, {CPU_REPS} on the CPU); "
+                             "the median and the range are reported")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="write the results as JSON to PATH; '-' writes them to stdout (the table then goes to "
+                             "stderr)")
     args = parser.parse_args(argv)
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    catalogue = {s.name: s for s in GPU_SHAPES + CPU_SHAPES}
+    device = parse_device(parser, args.device)
+    catalogue = {s.name: s for s in GPU_SHAPES + CPU_SHAPES + SMOKE_SHAPES}
     if args.shapes:
-        unknown = [n for n in args.shapes.split(",") if n not in catalogue]
-        if unknown:
-            parser.error(f"unknown shapes {unknown}; choose from {sorted(catalogue)}")
-        shapes = [catalogue[n] for n in args.shapes.split(",")]
+        names = [n for n in args.shapes.split(",") if n]
+        unknown = [n for n in names if n not in catalogue]
+        if unknown or not names:
+            parser.error(f"argument --shapes: unknown {unknown or args.shapes!r}; choose from {', '.join(catalogue)}")
+        shapes = [catalogue[n] for n in names]
     else:
         shapes = GPU_SHAPES if device.type == "cuda" else CPU_SHAPES
-    default = [b for b in BACKEND_NAMES if device.type != "cuda" or b != "reference"]
-    backends = [b for b in args.backends.split(",") if b] if args.backends else default
-    for b in backends:
-        if b not in BACKEND_NAMES:
-            parser.error(f"unknown backend {b!r}; choose from {', '.join(BACKEND_NAMES)}")
-    reps = args.reps or (20 if device.type == "cuda" else 3)
+    requested: List[str] = []
+    if args.backends:
+        requested = [b for b in args.backends.split(",") if b]
+        bad = [b for b in requested if b not in BACKEND_NAMES]
+        if bad or not requested:
+            parser.error(f"argument --backends: unknown {bad or args.backends!r}; choose from {', '.join(BACKEND_NAMES)}")
+    reps = args.reps or (GPU_REPS if device.type == "cuda" else CPU_REPS)
+    warmup = 2 if device.type == "cuda" else 1
+
+    out = sys.stderr if args.json == "-" else sys.stdout
+
+    def say(text: str = "") -> None:
+        print(text, file=out, flush=True)
+
+    index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
+    not_available: Dict[str, str] = {}
+    if requested:
+        backends = requested
+    else:
+        backends = []
+        for b in BACKEND_NAMES:
+            if device.type == "cuda" and b == "reference":
+                continue
+            reason = get_backend(b).unavailable(device.type, index)
+            if reason:
+                not_available[b] = reason
+            else:
+                backends.append(b)
 
     env = environment()
-    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    say("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    if not_available:
+        say("backends left out (name one with --backends to make its absence an error):")
+        for b, reason in not_available.items():
+            say(f"  {b}: not available here: {reason}")
+    if device.type == "cpu":
+        say(CPU_NOTE)
+        if os.environ.get("TRITON_INTERPRET") == "1" and any(b.startswith("triton") for b in backends):
+            say("warning: TRITON_INTERPRET=1 runs the Triton kernels on the CPU in Python: expect minutes per call "
+                "at these shapes (a quick check: --shapes tiny --reps 1)")
     rows: List[Dict] = []
     for shape in shapes:
-        print(f"-- {shape.name}: B{shape.batch} H{shape.heads} N{shape.seq} D{shape.head_dim} {shape.dtype}", flush=True)
-        rows.extend(bench_shape(shape, device, backends, reps))
-    print(format_table(rows))
-    print(json.dumps({"environment": env, "shapes": [asdict(s) for s in shapes], "rows": rows}))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": env, "shapes": [asdict(s) for s in shapes], "rows": rows}, f, indent=1)
+        say(f"-- {shape.name}: B{shape.batch} H{shape.heads} N{shape.seq} D{shape.head_dim} {shape.dtype}")
+        rows.extend(bench_shape(shape, device, backends, reps, warmup))
+    say(f"{reps} timed repeats per backend after {warmup} untimed warm-up call(s), on {device}.")
+    say(COLUMNS.format(floor=COSINE_FLOOR))
+    say(format_table(rows))
+
     failures = self_check_failures(rows)
+    problems = run_problems(rows, requested, not_available)
+    quantized_wanted = [b for b in backends if get_backend(b).quantized]
+    ran = sorted({r["backend"] for r in rows if r["status"] == "ok" and r["quantized"]})
+    timing_only = bool(requested) and not quantized_wanted  # e.g. --backends sdpa: nothing to self-check
+    passed = not failures and not problems and (bool(ran) or timing_only)
+    verdict = {"passed": passed, "self_check_failures": failures, "problems": problems,
+               "quantized_backends_run": ran, "not_available": not_available}
+    if args.json:
+        doc = {"environment": env, "device": str(device), "reps": reps, "warmup": warmup,
+               "shapes": [asdict(s) for s in shapes], "rows": rows, "verdict": verdict}
+        if args.json == "-":
+            json.dump(doc, sys.stdout, indent=1)
+            sys.stdout.write("\n")
+        else:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+            say(f"results written to {args.json}")
+    if device.type == "cpu":
+        say("(CPU timings: not speed claims.)")
     if failures:
-        print("SELF-CHECK FAILED: " + "; ".join(failures))
+        say("SELF-CHECK FAILED: " + "; ".join(failures))
+    for p in problems:
+        say(f"FAILED: {p}")
+    if not ran:
+        if timing_only:
+            say("no quantized backend ran (none was asked for): timing only, nothing was self-checked")
+        elif not quantized_wanted:
+            say("no quantized backend ran: none is available on this device (see 'not available here' above)")
+        else:
+            say("no quantized backend ran")
+    if not passed:
         return 1
-    print(f"self-check passed: every quantized backend that ran reached cosine >= {COSINE_FLOOR} against exact FP32 attention")
+    if ran:
+        say(f"self-check passed: {', '.join(ran)} reached cosine >= {COSINE_FLOOR} against exact FP32 attention "
+            f"on every shape")
     return 0

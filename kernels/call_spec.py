@@ -57,14 +57,6 @@ class AttentionCall:
     same_device: bool
     has_zero_size: bool
 
-    @property
-    def device_key(self) -> Tuple[str, Optional[int]]:
-        return (self.device_type, self.device_index)
-
-    @property
-    def gqa(self) -> bool:
-        return self.kv_heads != self.q_heads
-
     def short(self) -> str:
         return (f"B{self.batch} Hq{self.q_heads} Hkv{self.kv_heads} Nq{self.q_len} Nk{self.kv_len} "
                 f"D{self.head_dim} {str(self.dtype).replace('torch.', '')} on {self.arch}")

@@ -17,10 +17,6 @@ def rel_l1(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().sum() / denom) if denom > 0 else float((a - b).abs().sum())
 
 
-def rmse(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(((a.double() - b.double()) ** 2).mean().sqrt())
-
-
 def psnr(a: torch.Tensor, b: torch.Tensor, peak: float = None) -> float:
     """PSNR of a against b in dB; peak defaults to b's value range."""
     a, b = a.double(), b.double()

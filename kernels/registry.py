@@ -120,14 +120,11 @@ def get_backend(name: str) -> Backend:
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown kernel {name!r}; choose 'auto' or one of {', '.join(BACKEND_NAMES)}")
     if name not in _REGISTRY:
-        loader = _LOADERS.get(name)
-        if loader is None:
-            backend: Backend = _BrokenBackend(name, "not implemented in this version of the pack")
-        else:
-            try:
-                backend = loader()
-            except Exception as exc:
-                backend = _BrokenBackend(name, f"failed to load: {type(exc).__name__}: {exc}")
+        # Every name has a loader: importing the package runs backends/__init__.py, which registers them all.
+        try:
+            backend: Backend = _LOADERS[name]()
+        except Exception as exc:
+            backend = _BrokenBackend(name, f"failed to load: {type(exc).__name__}: {exc}")
         _REGISTRY[name] = backend
     return _REGISTRY[name]
 
@@ -136,7 +133,7 @@ def auto_order(call: AttentionCall) -> List[str]:
     """Preference for `auto`, best first, per device family.
 
     RDNA4: our HIP kernels, then our Triton kernels, then installed peers, then SDPA.
-    NVIDIA: SageAttention2 (0.71-0.74x cuDNN SDPA on H200, shared/data) beats SDPA; our Triton path
+    NVIDIA: SageAttention2 (0.74 / 0.71x cuDNN SDPA at Wan 480p / 720p on an H200, README) beats SDPA; our Triton path
     (1.60 / 1.02 / 0.95x cuDNN at Flux 1 MP / Wan 480p / Wan 720p, README) and comfy-kitchen (1.19-1.98x)
     are not faster than SDPA across the board there, so SDPA comes before them.
     CPU and anything else: SDPA (the reference is a spec, not a speed path).

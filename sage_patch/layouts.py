@@ -47,7 +47,3 @@ def expand_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     if mask.ndim == 3:
         mask = mask.unsqueeze(1)
     return mask
-
-
-def heads_of(q: torch.Tensor, heads: int, skip_reshape: bool) -> int:
-    return q.shape[1] if skip_reshape else heads

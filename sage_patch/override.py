@@ -28,7 +28,6 @@ import torch
 
 from ..kernels.call_spec import describe_call
 from ..kernels.registry import KernelRefused, choose_backend
-from ..kernels.self_check import FAILED
 from .config import PatchConfig
 from .layouts import expand_mask, from_hnd, to_hnd
 from .policies import CallPolicies
@@ -112,9 +111,8 @@ class SageAttentionOverride:
         except ValueError as exc:
             return self._fallback(func, args, kwargs, f"malformed call: {exc}", self.config.kernel)
         backend, skipped = choose_backend(call, self.config.kernel, quantized_only=True)
-        for name, why in skipped.items():
-            if FAILED in why:  # a kernel `auto` passed over because it failed its first-use self-check
-                self.stats.note(why)
+        # Why each preferred backend did not take the call (not available, refused, failed its self-check).
+        self.stats.record_skips(skipped, backend.name if backend is not None else None)
         if backend is None:
             detail = "; ".join(f"{n}: {r}" for n, r in skipped.items()) or f"none is built for {call.arch}"
             return self._fallback(func, args, kwargs, f"auto: no quantized kernel takes this call ({detail})", "auto")

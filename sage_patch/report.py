@@ -13,6 +13,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from .stats import format_skipped
+
 
 def _share(attention_ms: Optional[float], step_ms: float) -> Optional[float]:
     if attention_ms is None or step_ms <= 0:
@@ -119,6 +121,10 @@ def format_report_text(report: dict) -> str:
     if fallbacks:
         lines.append("fallbacks (patched run) to the call site's own attention (their time is not in 'attn'):")
         lines.extend(f"  {n} x {reason}" for reason, n in sorted(fallbacks.items(), key=lambda kv: -kv[1]))
+    skipped = report.get("skipped", {})
+    if skipped:
+        lines.append("kernels 'auto' passed over in the patched run, and why (calls per backend and reason):")
+        lines.extend(format_skipped(skipped, indent="  "))
     for policy, n in sorted(report.get("routed", {}).items()):
         lines.append(f"exact by policy ({policy}): {n}")
     for note in report.get("notes", []):

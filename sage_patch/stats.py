@@ -1,14 +1,17 @@
-"""Per-patch counters: calls per backend, fallbacks per reason, calls routed by each policy.
+"""Per-patch counters: calls per backend, fallbacks per reason, calls routed by each policy, and the
+backends `auto` passed over per (backend, reason).
 
 Cheap and always on. Thread-safe, since ComfyUI may sample on a worker thread while the UI thread
-reads a snapshot. Each distinct fallback reason is logged once per patch, not once per call.
+reads a snapshot. Each distinct fallback reason, and each distinct (backend, reason) that `auto` passed
+over (a backend that cannot run here, refuses the call, or failed its self-check), is logged once per
+patch, not once per call; the counts keep growing.
 """
 from __future__ import annotations
 
 import logging
 import threading
 from collections import Counter
-from typing import Dict
+from typing import Dict, List, Optional
 
 log = logging.getLogger("sage_rdna4")
 
@@ -20,6 +23,7 @@ class PatchStats:
         self._calls: Counter = Counter()
         self._fallbacks: Counter = Counter()
         self._routed: Counter = Counter()
+        self._skipped: Counter = Counter()   # (backend, reason) -> calls where auto passed over it
         self._logged = set()
         self._notes = []
 
@@ -34,6 +38,26 @@ class PatchStats:
             self._logged.add(reason)
         if first:
             log.warning("[%s] attention falls back to the call site's own attention: %s", self.label, reason)
+
+    def record_skips(self, skipped: Dict[str, str], ran: Optional[str]) -> None:
+        """`auto` passed over these backends (name -> reason) on one call; `ran` is what it took (None: nothing
+        quantized took it, the call fell back). Not a call count of its own: the call is counted where it ran."""
+        if not skipped:
+            return
+        new = []
+        with self._lock:
+            for name, reason in skipped.items():
+                key = (name, reason)
+                self._skipped[key] += 1
+                if ("skip",) + key not in self._logged:
+                    self._logged.add(("skip",) + key)
+                    new.append(key)
+        for name, reason in new:
+            then = f"auto takes {ran} instead" if ran else "no quantized kernel takes the call: it falls back"
+            # A self-check failure or a failed probe is a defect to report; a refusal is routine.
+            level = logging.WARNING if ("self-check" in reason or "failed" in reason) else logging.INFO
+            log.log(level, "[%s] auto passes over %s: %s (%s; counted from now on, logged once)",
+                    self.label, name, reason, then)
 
     def record_routed(self, policy: str) -> None:
         """A policy sent this call to exact attention on purpose (not a failure)."""
@@ -50,16 +74,20 @@ class PatchStats:
         if first:
             log.warning("[%s] %s", self.label, message)
 
-    def snapshot(self) -> Dict[str, Dict[str, int]]:
+    def snapshot(self) -> dict:
         with self._lock:
+            skipped: Dict[str, Dict[str, int]] = {}
+            for (name, reason), n in self._skipped.items():
+                skipped.setdefault(name, {})[reason] = n
             return {"calls": dict(self._calls), "fallbacks": dict(self._fallbacks), "routed": dict(self._routed),
-                    "notes": list(self._notes)}
+                    "skipped": skipped, "notes": list(self._notes)}
 
     def reset(self) -> None:
         with self._lock:
             self._calls.clear()
             self._fallbacks.clear()
             self._routed.clear()
+            self._skipped.clear()
 
     def summary(self) -> str:
         snap = self.snapshot()
@@ -71,6 +99,25 @@ class PatchStats:
             lines.append(f"  exact by policy ({policy}): {n}")
         for reason, n in sorted(snap["fallbacks"].items(), key=lambda kv: -kv[1]):
             lines.append(f"  fell back ({reason}): {n}")
+        lines.extend(format_skipped(snap["skipped"], indent="  "))
         for note in snap["notes"]:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
+
+
+def format_skipped(skipped: Dict[str, Dict[str, int]], indent: str = "") -> List[str]:
+    """Lines for the backends `auto` passed over: one per (backend, reason), most frequent first."""
+    rows = sorted(((n, name, reason) for name, reasons in skipped.items() for reason, n in reasons.items()),
+                  key=lambda r: (-r[0], r[1], r[2]))
+    return [f"{indent}auto passed over {name} on {n} call{'s' if n != 1 else ''}: {reason}" for n, name, reason in rows]
+
+
+def delta_skipped(after: Dict[str, Dict[str, int]], before: Dict[str, Dict[str, int]]) -> Dict[str, Dict[str, int]]:
+    """What was added between two snapshots' "skipped" entries."""
+    out: Dict[str, Dict[str, int]] = {}
+    for name, reasons in after.items():
+        for reason, n in reasons.items():
+            d = n - before.get(name, {}).get(reason, 0)
+            if d:
+                out.setdefault(name, {})[reason] = d
+    return out

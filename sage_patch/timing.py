@@ -25,6 +25,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from .stats import delta_skipped
+
 WRAPPER_KEY = "sage_rdna4_step_timer"
 log = logging.getLogger("sage_rdna4")
 try:
@@ -121,6 +123,7 @@ class RunTiming:
     calls: Dict[str, int] = field(default_factory=dict)       # attention calls of this run per backend
     fallbacks: Dict[str, int] = field(default_factory=dict)   # per reason
     routed: Dict[str, int] = field(default_factory=dict)      # exact on purpose, per policy
+    skipped: Dict[str, Dict[str, int]] = field(default_factory=dict)  # auto passed over: backend -> reason -> n
 
     def step_times(self) -> List[float]:
         return [s.step_ms for s in self.steps]
@@ -128,7 +131,8 @@ class RunTiming:
     def as_dict(self) -> dict:
         return {"label": self.label, "clock": self.clock, "total_ms": self.total_ms,
                 "steps": [s.as_dict() for s in self.steps], "calls": dict(self.calls),
-                "fallbacks": dict(self.fallbacks), "routed": dict(self.routed)}
+                "fallbacks": dict(self.fallbacks), "routed": dict(self.routed),
+                "skipped": {name: dict(reasons) for name, reasons in self.skipped.items()}}
 
     def summary_line(self) -> str:
         times = self.step_times()
@@ -205,6 +209,7 @@ class StepTimer:
         run.calls = _delta(after["calls"], self._stats_before["calls"])
         run.fallbacks = _delta(after["fallbacks"], self._stats_before["fallbacks"])
         run.routed = _delta(after["routed"], self._stats_before["routed"])
+        run.skipped = delta_skipped(after["skipped"], self._stats_before["skipped"])
         self._run, self._watches = None, []
         self.override.attention_timer = None  # between runs the override does no timing work
         self.runs = (self.runs + [run])[-MAX_RUNS_KEPT:]

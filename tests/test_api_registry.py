@@ -134,6 +134,11 @@ def test_one_rule_used_by_dispatcher_and_wrapper(monkeypatch):
     assert backend is picky
 
 
+def test_every_backend_name_has_a_loader():
+    """get_backend relies on it: importing the package registers a loader for every listed name."""
+    assert set(registry._LOADERS) == set(BACKEND_NAMES)
+
+
 def test_a_backend_that_fails_to_import_reports_why(monkeypatch):
     def broken():
         raise ImportError("libfoo.so not found")

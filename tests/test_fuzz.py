@@ -6,14 +6,18 @@ site's own attention with the reason counted) or returns a result that meets the
 crashes: an exception is allowed only where ComfyUI's own attention raises on the same arguments (the
 override then hands the call over unchanged). It never hangs: each call runs under a watchdog.
 
-Tolerance, against exact attention (kernels.reference.exact_attention, FP32; FP64 where FP32 overflows):
+Tolerance, against exact attention (kernels.reference.exact_attention, FP32; FP64 where FP32 overflows)
+computed from the very tensors the kernel was given: inputs are rounded to the tested dtype first, so the
+reference and the kernel see the same numbers and only the kernel's own arithmetic is judged:
   * shape and dtype as the call site expects (API: q's layout and dtype; ComfyUI: what its attention returns).
   * finite inputs whose exact FP32 result is finite -> a finite output (a quantized kernel must never turn
     finite inputs into NaN/Inf), and
       - "well-conditioned" values (|q|,|k| ~ N(0, s<=4), any V scale up to the dtype max, K channel offsets up
         to 1e3 with smooth_k, constant rows, zeros): cosine >= 0.99 and max|out - exact| <= 0.25 max|V|
         for quantized kernels (0.25: a sharp softmax may move weight between two near-equal keys);
-        cosine >= 0.999 for exact ones (sdpa);
+        cosine >= 0.999 for exact ones (sdpa), except where fp16/bf16 cannot hold the scores to 0.05 (|score|
+        x half an ulp, e.g. |score| > 25.6 in bf16): an exact kernel computing in the inputs' dtype (SDPA's
+        math path on some machines) is then only held to V's range, and such results are counted;
       - "extreme" values (|q|,|k| up to the dtype max; or K channel offsets with smooth_k off), where INT8
         cannot resolve the scores: no accuracy promise, but the output must stay inside V's range
         (|out| <= 1.07 max|V|: a convex combination of V).
@@ -22,7 +26,8 @@ Tolerance, against exact attention (kernels.reference.exact_attention, FP32; FP6
   * NaN or Inf in q, k, v or the mask: wherever exact attention is not finite, the output must not be
     finite either. NaN in must never come out as a finite, plausible-looking (e.g. black) image.
   * a fallback in ComfyUI returns exactly what ComfyUI's own attention returns for the same call.
-Calls and counts are printed (pytest -s shows them); the test asserts zero violations.
+Calls and counts are printed (pytest -s shows them, and the "sage_rdna4 counts" summary lists them with the
+total number of CPU calls); the tests assert zero violations.
 """
 from __future__ import annotations
 
@@ -101,10 +106,11 @@ def pick(rng: random.Random, weighted):
     return rng.choices(items, weights)[0]
 
 
-def random_case(rng: random.Random, for_comfy: bool) -> Case:
-    """One random call. Sizes are kept small (the CPU budget); the long ones come from long_cases()."""
+def random_case(rng: random.Random, for_comfy: bool, budget: Optional[int] = None) -> Case:
+    """One random call. Sizes are kept small (the CPU budget, or `budget` elements per q or k tensor); the long
+    ones come from long_cases()."""
     d = rng.choice(HEAD_DIMS)
-    budget = 40_000 if d <= 64 else 15_000  # elements per (q or k) tensor, to keep CPU calls ~ms
+    budget = budget or (40_000 if d <= 64 else 15_000)  # elements per (q or k) tensor, to keep CPU calls ~ms
     q_heads = rng.choice([1, 1, 2, 3, 4, 8])
     kv_heads = q_heads if (for_comfy or rng.random() < 0.7) else rng.choice([h for h in range(1, q_heads + 1)
                                                                              if q_heads % h == 0])
@@ -321,6 +327,7 @@ class Tally:
         self.violations: List[str] = []
         self.worst_cos = 1.0
         self.torch_overflow = 0
+        self.dtype_limited = 0   # exact results not held to a cosine: scores beyond the inputs' dtype resolution
         self.t0 = time.time()
 
     def violation(self, case, what):
@@ -336,13 +343,30 @@ class Tally:
     def report(self) -> str:
         lines = [f"[{self.name}] {self.calls} calls in {time.time() - self.t0:.1f} s; results "
                  f"{sum(self.results.values())} {dict(self.results)}; refusals {sum(self.refusals.values())}; "
-                 f"torch SDPA overflows on near-max values {self.torch_overflow}; "
+                 f"torch SDPA overflows on near-max values {self.torch_overflow}; exact results beyond the dtype's "
+                 f"score resolution (range-checked only) {self.dtype_limited}; "
                  f"violations {len(self.violations)}; worst cosine of accuracy-checked results {self.worst_cos:.5f}"]
         for reason, n in self.refusals.most_common(25):
             lines.append(f"    refused {n:5d}x  {reason}")
         for v in self.violations[:20]:
             lines.append(f"    VIOLATION {v}")
         return "\n".join(lines)
+
+
+# Half the spacing of representable numbers near 1 (the largest relative rounding error) per dtype.
+HALF_ULP = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -9}
+SCORE_ROUNDING_LIMIT = 0.05   # largest score rounding error (natural-log units) under which SDPA must be exact
+
+
+def beyond_dtype_resolution(q, k, sm_scale=None) -> bool:
+    """Whether the scores are too large for q's dtype to hold them to SCORE_ROUNDING_LIMIT.
+
+    SDPA computes in the inputs' dtype where its kernel does (the math path in bf16 rounds q.k to bf16 on some
+    x86 machines, not on others). Rounding a score s to bf16 moves it by up to |s| * 2^-9: at |s| = 211 (K offset,
+    D16, DV256) by 0.4, enough to bring the cosine of the result to 0.993 against exact attention, although
+    both use the same (rounded) inputs. Below the limit the cosine stays above 0.999."""
+    half_ulp = HALF_ULP.get(q.dtype)
+    return half_ulp is not None and score_peak(q, k, sm_scale) * half_ulp > SCORE_ROUNDING_LIMIT
 
 
 def exact_for(q, k, v, mask, is_causal, sm_scale):
@@ -391,8 +415,13 @@ def judge(tally: Tally, case: Case, out, q, k, v, mask, quantized: bool, is_caus
         # INT8 cannot resolve these scores (that is what smooth_k is for): no accuracy promise, only range.
         return check_range(tally, case, o, vmax, label)
     c = cosine(o, e32)
-    tally.worst_cos = min(tally.worst_cos, c)
     need = QUANT_COS if quantized else EXACT_COS
+    if c < need and not quantized and beyond_dtype_resolution(q, k, sm_scale):
+        # An exact kernel may hold the scores in the inputs' own dtype (SDPA's math path does on some machines):
+        # then no cosine can be promised, only V's range. Counted and shown, never silent.
+        tally.dtype_limited += 1
+        return check_range(tally, case, o, vmax, label)
+    tally.worst_cos = min(tally.worst_cos, c)
     if c < need:
         return tally.violation(case, f"{label}: cosine {c:.5f} < {need}")
     if quantized:
@@ -574,9 +603,14 @@ class Watchdog:
         faulthandler.cancel_dump_traceback_later()
 
 
-def run_api_fuzz(kernels, n_random: int, device="cpu", seed=SEED, long=True, square=4096) -> List[Tally]:
+# Calls made by the CPU fuzz in this process, per path (reported in the "sage_rdna4 counts" summary).
+CPU_CALLS = collections.Counter()
+
+
+def run_api_fuzz(kernels, n_random: int, device="cpu", seed=SEED, long=True, square=4096,
+                 budget: Optional[int] = None) -> List[Tally]:
     rng = random.Random(seed)
-    cases = (long_cases(False, square) if long else []) + [random_case(rng, False) for _ in range(n_random)]
+    cases = (long_cases(False, square) if long else []) + [random_case(rng, False, budget) for _ in range(n_random)]
     tallies = []
     for kernel in kernels:
         tally = Tally(f"api kernel={kernel} on {device}")
@@ -584,12 +618,15 @@ def run_api_fuzz(kernels, n_random: int, device="cpu", seed=SEED, long=True, squ
             with Watchdog():
                 api_call(tally, case, kernel, device)
         tallies.append(tally)
+        if str(device) == "cpu":
+            CPU_CALLS["API"] += tally.calls
     return tallies
 
 
-def run_override_fuzz(kernels, n_random: int, device="cpu", seed=SEED + 1, long=True, square=4096) -> List[Tally]:
+def run_override_fuzz(kernels, n_random: int, device="cpu", seed=SEED + 1, long=True, square=4096,
+                      budget: Optional[int] = None) -> List[Tally]:
     rng = random.Random(seed)
-    cases = (long_cases(True, square) if long else []) + [random_case(rng, True) for _ in range(n_random)]
+    cases = (long_cases(True, square) if long else []) + [random_case(rng, True, budget) for _ in range(n_random)]
     func, func_name = comfy_func()
     tallies = []
     for kernel in kernels:
@@ -603,7 +640,18 @@ def run_override_fuzz(kernels, n_random: int, device="cpu", seed=SEED + 1, long=
             with Watchdog():
                 override_call(tally, case, cfg_case_override, func, device, kernel)
         tallies.append(tally)
+        if str(device) == "cpu":
+            CPU_CALLS["override"] += tally.calls
     return tallies
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_call_count(summary_lines):
+    """After this module: one line with every CPU fuzz call made, across the API and the override."""
+    yield
+    if CPU_CALLS:
+        summary_lines.append(f"CPU fuzz total: {sum(CPU_CALLS.values())} calls ("
+                             + ", ".join(f"{path} {n}" for path, n in sorted(CPU_CALLS.items())) + ")")
 
 
 def report_and_assert(tallies: List[Tally], min_results: int, summary: Optional[list] = None):
@@ -634,11 +682,81 @@ def test_fuzz_comfyui_override_cpu(summary_lines):
     assert sum(auto.results.values()) == 0 and sum(auto.refusals.values()) >= 700
 
 
+def _reported_bf16_case() -> Case:
+    """The call that failed on another x86 machine: exact SDPA in bf16 reached cosine 0.99317."""
+    return Case(batch=1, q_heads=1, kv_heads=1, q_len=16, kv_len=16, head_dim=16, v_head_dim=256,
+                dtype=torch.bfloat16, layout="hnd", mask=None, mask_shape="2d", values="k_offset",
+                qk_group="block32", seed=950878583)
+
+
+def test_judge_sees_the_rounded_inputs_the_kernel_sees():
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        case = dict_replace(_reported_bf16_case(), dtype=dtype)
+        (q, k, v), _ = hnd_tensors(case, "cpu")
+        assert q.dtype == k.dtype == v.dtype == dtype  # rounded before anything is computed from them
+        tally = Tally("t")
+        exact, _ = exact_attention(q, k, v)
+        judge(tally, case, exact.to(dtype), q, k, v, None, quantized=False)
+        assert not tally.violations and tally.worst_cos > 0.9999
+
+
+def test_exact_sdpa_rounding_its_scores_to_bf16_is_accepted_where_bf16_cannot_hold_them():
+    """Emulates SDPA's math path in bf16 (scores rounded to bf16), which gives cosine ~0.993 on this call: beyond
+    bf16's resolution, so only V's range is checked, and the result is counted as such."""
+    case = _reported_bf16_case()
+    (q, k, v), _ = hnd_tensors(case, "cpu")
+    scores = (torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))).to(torch.bfloat16)
+    out = torch.matmul(torch.softmax(scores.float(), dim=-1), v.float()).to(torch.bfloat16)
+    exact, _ = exact_attention(q, k, v)
+    assert cosine(out, exact) < EXACT_COS  # what the other machine saw
+    assert beyond_dtype_resolution(q, k)
+    tally = Tally("t")
+    judge(tally, case, out, q, k, v, None, quantized=False)
+    assert not tally.violations and tally.dtype_limited == 1
+    # Still judged: outside V's range is a violation; and a quantized kernel gets no such allowance.
+    judge(tally, case, out * 3, q, k, v, None, quantized=False)
+    assert len(tally.violations) == 1 and tally.dtype_limited == 2
+    judge(tally, case, out, q, k, v, None, quantized=True)
+    assert tally.dtype_limited == 2 and tally.worst_cos == pytest.approx(cosine(out, exact))
+
+
+def test_a_wrong_exact_result_on_well_resolved_scores_is_still_a_violation():
+    case = dict_replace(_reported_bf16_case(), values="normal")
+    (q, k, v), _ = hnd_tensors(case, "cpu")
+    assert not beyond_dtype_resolution(q, k)
+    exact, _ = exact_attention(q, k, v)
+    tally = Tally("t")
+    judge(tally, case, exact.flip(2).to(q.dtype), q, k, v, None, quantized=False)  # rows swapped
+    assert tally.violations and tally.dtype_limited == 0
+
+
+SMALL_BUDGET = 2048          # elements per q or k tensor: calls of well under a millisecond
+SMALL_API_CASES, SMALL_OVERRIDE_CASES = 1700, 1700
+
+
+def test_fuzz_many_small_calls_cpu(summary_lines):
+    """Volume: thousands more random calls, all tiny (every dtype, layout, mask and value kind, sizes up to
+    SMALL_BUDGET elements), through the API (reference, sdpa, auto) and the override (reference, auto). With the
+    two tests above the CPU fuzz makes over 10,000 calls; this one alone makes over 8,000. One intra-op thread:
+    on calls this small a second thread only adds synchronisation (3x the CPU time on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tallies = run_api_fuzz(["reference", "sdpa", "auto"], n_random=SMALL_API_CASES, seed=SEED + 10, long=False,
+                               budget=SMALL_BUDGET)
+        tallies += run_override_fuzz(["reference", "auto"], n_random=SMALL_OVERRIDE_CASES, seed=SEED + 11,
+                                     long=False, budget=SMALL_BUDGET)
+    finally:
+        torch.set_num_threads(threads)
+    report_and_assert(tallies, min_results=0, summary=summary_lines)
+    calls = sum(t.calls for t in tallies)
+    assert calls >= 8000, calls
+    assert all(sum(t.results.values()) >= 1000 for t in tallies if "kernel=auto" not in t.name or "api" in t.name)
+
+
 def test_fuzz_triton_interpreter_cpu(summary_lines):
     """The Triton backends under TRITON_INTERPRET=1, in a fresh process (the interpreter is chosen when the
     kernels are first defined): a few dozen small calls, since the interpreter is slow."""
-    if not (Path(__file__).resolve().parents[1] / "kernels" / "backends" / "triton" / "backend.py").exists():
-        pytest.skip("kernels/backends/triton/backend.py is not there yet")
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, __file__, "--triton-interpreter"], env=env, capture_output=True,

@@ -517,7 +517,7 @@ def test_nvrtc_builds_the_whole_kernel_module_with_the_loader_flags(tmp_path, mo
     reason = compiler.compiler_unavailable_reason("nvrtc")
     if reason:
         pytest.skip(reason)
-    abi = pytest.importorskip("comfyui_sage_rdna4.kernels.backends.hip.kernel_abi")
+    from comfyui_sage_rdna4.kernels.backends.hip import kernel_abi as abi
     monkeypatch.setattr(torch.version, "hip", None, raising=False)
     monkeypatch.setattr(runtime, "_BUNDLES", {})
     bundle = runtime.kernel_bundle()

@@ -175,19 +175,67 @@ def test_bind_attention_args():
         bind_attention_args((1, 2), {})
 
 
-def test_auto_passing_over_a_kernel_that_failed_its_self_check_notes_why(monkeypatch, caplog):
-    """The verdict reaches the stats even when `auto` finds another quantized kernel (no fallback is counted)."""
+# -- why auto passed a backend over (issue 12 §3) ---------------------------------------------------
+
+def _prefer(monkeypatch, *names):
     from comfyui_sage_rdna4.kernels import registry
-    broken = registry.get_backend("triton_int8_fp8")
-    monkeypatch.setattr(broken, "_disabled", {("cpu", None): "triton_int8_fp8 disabled on cpu: self-check failed "
-                                                            "(triton prologue, ...): case 'precision-probe' ..."})
-    monkeypatch.setattr(registry, "auto_order", lambda c: ["triton_int8_fp8", "reference"])
-    ov, to = make(kernel="auto")
-    q, k, v = bnhd()
-    with caplog.at_level("WARNING", logger="sage_rdna4"):
-        for _ in range(2):
+    monkeypatch.setattr(registry, "auto_order", lambda call: list(names))
+
+
+def test_auto_records_why_a_preferred_backend_did_not_run(monkeypatch, caplog):
+    """hip_int8_fp8 cannot run on the CPU; auto takes the next one. The reason is kept, counted, logged once."""
+    from comfyui_sage_rdna4.kernels.registry import get_backend
+    _prefer(monkeypatch, "hip_int8_fp8", "reference")
+    ov, to = make("auto")
+    q, k, v = bnhd(n=32)
+    with caplog.at_level("INFO", logger="sage_rdna4"):
+        for _ in range(3):
             wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to)
     snap = ov.stats.snapshot()
-    assert snap["calls"] == {"reference": 2} and not snap["fallbacks"]
-    assert len(snap["notes"]) == 1 and "precision-probe" in snap["notes"][0]
-    assert len([r for r in caplog.records if "self-check failed" in r.getMessage()]) == 1
+    reason = get_backend("hip_int8_fp8").unavailable("cpu", None)
+    assert reason
+    assert snap["calls"] == {"reference": 3} and snap["fallbacks"] == {}
+    assert snap["skipped"] == {"hip_int8_fp8": {reason: 3}}
+    logged = [r for r in caplog.records if "passes over hip_int8_fp8" in r.getMessage()]
+    assert len(logged) == 1 and reason in logged[0].getMessage() and "reference" in logged[0].getMessage()
+    assert f"auto passed over hip_int8_fp8 on 3 calls: {reason}" in ov.stats.summary()
+    assert "3 attention calls" in ov.stats.summary()  # a skip is not a call of its own
+
+
+def test_a_failed_self_check_is_recorded_as_the_reason(monkeypatch, caplog):
+    """A self-check failure reaches auto as the reason Backend.disable stored; it is kept and logged as a warning."""
+    from comfyui_sage_rdna4.kernels.registry import get_backend
+    hip = get_backend("hip_int8_fp8")
+    monkeypatch.setattr(hip, "_disabled", {})
+    hip.disable("cpu", None, "hip_int8_fp8 disabled on cpu: self-check failed: NaN in case D128 fp16")
+    _prefer(monkeypatch, "hip_int8_fp8", "reference")
+    ov, to = make("auto")
+    q, k, v = bnhd(n=32)
+    with caplog.at_level("INFO", logger="sage_rdna4"):
+        wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to)
+        wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to)
+    snap = ov.stats.snapshot()
+    assert snap["skipped"] == {"hip_int8_fp8": {"hip_int8_fp8 disabled on cpu: self-check failed: NaN in case "
+                                                "D128 fp16": 2}}
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "self-check failed" in r.getMessage()]
+    assert len(warned) == 1
+
+
+def test_each_backend_and_reason_is_kept_apart_and_a_fallback_keeps_them_too(monkeypatch):
+    """Two backends passed over, then nothing quantized left: the call falls back, and both reasons are kept."""
+    _prefer(monkeypatch, "hip_int8_fp8", "hip_int8_fp16", "sdpa")
+    ov, to = make("auto")
+    q, k, v = bnhd(n=32)
+    comfy_sdpa.calls = 0
+    wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to)
+    snap = ov.stats.snapshot()
+    assert comfy_sdpa.calls == 1 and sum(snap["fallbacks"].values()) == 1 and snap["calls"] == {}
+    assert set(snap["skipped"]) == {"hip_int8_fp8", "hip_int8_fp16"}
+    assert all(list(r.values()) == [1] for r in snap["skipped"].values())
+
+
+def test_an_explicit_kernel_records_no_skips():
+    ov, to = make("reference")
+    q, k, v = bnhd(n=32)
+    wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to)
+    assert ov.stats.snapshot()["skipped"] == {}

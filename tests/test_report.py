@@ -50,6 +50,7 @@ def make_report():
                                     "cosine": 0.9998, "rel_l1": 0.02}],
             "calls": {"patched": {"reference": 4}, "sdpa": {"sdpa": 6}},
             "fallbacks": {"reference: head_dim 300 is too large": 2}, "routed": {"short call (< 64 query tokens)": 1},
+            "skipped": {"hip_int8_fp8": {"hip_int8_fp8 disabled on cuda:0: self-check failed: NaN": 4}},
             "notes": ["block policy cannot apply: this model passes no block_index"]}
 
 
@@ -64,6 +65,8 @@ def test_text_report_shows_every_part():
     assert "exact by policy (short call (< 64 query tokens)): 1" in text
     assert "note: block policy cannot apply" in text
     assert "patched run, calls served by a kernel of this pack: reference 4" in text
+    assert "kernels 'auto' passed over" in text
+    assert "auto passed over hip_int8_fp8 on 4 calls: hip_int8_fp8 disabled on cuda:0: self-check failed: NaN" in text
 
 
 def test_text_report_without_measured_steps_says_so():

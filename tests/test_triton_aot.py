@@ -2,7 +2,9 @@
 
 For gfx1201 and gfx1200: the kernel compiles with num_stages=1, its ISA uses the gfx12 INT8 WMMA for
 Q.K^T and the FP8 (or F16) WMMA for P.V, no VGPR is spilled (no scratch), and LDS fits 64 KiB.
-Prints VGPRs, LDS and occupancy per configuration (run with -s to see them).
+SGPR spills are reported, not failed: they go to VGPR lanes, not memory (the D256 FP8 causal + LSE variant
+spills 10-11 SGPRs with Triton 3.6; the README states it). Prints VGPRs, SGPRs, spills, LDS and occupancy
+per configuration (run with -s to see them).
 """
 import pytest
 

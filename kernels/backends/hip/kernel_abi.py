@@ -52,15 +52,6 @@ def module_source(target: str = "hip") -> str:
     return "\n".join((SRC_DIR / name).read_text() for name in SOURCE_FILES)
 
 
-def source_hash() -> str:
-    """Hash of every source file (for code-object caches)."""
-    h = hashlib.sha256()
-    for name in SOURCE_FILES:
-        h.update(name.encode())
-        h.update((SRC_DIR / name).read_bytes())
-    return h.hexdigest()
-
-
 # ------------------------------------------------------------------------------------------ names
 def attention_kernel(pv: str, head_dim: int, dtype: torch.dtype) -> str:
     return f"sage_attn_i8{'f8' if pv == 'fp8' else 'f16'}_d{head_dim}_{DTYPES[dtype]}"

@@ -1,0 +1,230 @@
+"""benchmark.py, the main job, tells the truth: exit status, usage errors, JSON only when asked, what the
+columns mean, CPU figures flagged as no speed claims (issue 12 §2). Small shapes (`tiny`), one repeat."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from comfyui_sage_rdna4.kernels import benchmark
+from comfyui_sage_rdna4.kernels.registry import get_backend
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--device", "cpu", "--shapes", "tiny", "--reps", "1"]
+
+
+def run_cli(*args, env=None):
+    """benchmark.py in its own process, as a user runs it."""
+    full_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, str(ROOT / "benchmark.py"), *args], capture_output=True, text=True,
+                          timeout=300, env=full_env, cwd=str(ROOT))
+
+
+def main(capsys, *args):
+    code = benchmark.main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(autouse=True)
+def no_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+# -- exit status --------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where the HIP backend cannot run")
+def test_requested_backend_that_cannot_run_fails_the_run():
+    proc = run_cli("--backends", "hip_int8_fp8", *TINY)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "self-check passed" not in proc.stdout
+    assert "no quantized backend ran" in proc.stdout
+    assert "tiny/hip_int8_fp8 did not run: HIP kernels need" in proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+def test_every_row_erroring_fails_the_run(capsys, monkeypatch):
+    ref = get_backend("reference")
+
+    def broken(*a, **k):
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(ref, "launch", broken)
+    code, out, _ = main(capsys, "--backends", "reference", *TINY)
+    assert code == 1
+    assert "self-check passed" not in out
+    assert "tiny/reference failed: RuntimeError: device lost" in out
+    assert "no quantized backend ran" in out
+
+
+def test_a_wrong_result_fails_the_self_check(capsys, monkeypatch):
+    ref = get_backend("reference")
+    monkeypatch.setattr(ref, "launch", lambda q, k, v, call, sm_scale, mask: (torch.zeros_like(q), None))
+    code, out, _ = main(capsys, "--backends", "reference", *TINY)
+    assert code == 1 and "SELF-CHECK FAILED: tiny/reference: cosine" in out and "self-check passed" not in out
+
+
+def test_one_failing_backend_fails_even_when_another_passes(capsys, monkeypatch):
+    code, out, _ = main(capsys, "--backends", "reference,hip_int8_fp16", *TINY)
+    if get_backend("hip_int8_fp16").unavailable("cpu", None) is None:
+        pytest.skip("hip_int8_fp16 runs on this CPU")
+    assert code == 1 and "tiny/hip_int8_fp16 did not run" in out and "self-check passed" not in out
+
+
+def test_default_cpu_run_lists_what_cannot_run_and_passes_on_the_reference(capsys):
+    code, out, _ = main(capsys, *TINY)
+    assert code == 0, out
+    reason = get_backend("hip_int8_fp8").unavailable("cpu", None)
+    assert f"hip_int8_fp8: not available here: {reason}" in out
+    assert "self-check passed: reference reached cosine >= 0.99" in out
+    table_rows = [line for line in out.splitlines() if line.startswith("tiny ")]
+    assert {line.split()[1] for line in table_rows} == {"sdpa", "reference"}  # the others are listed above it
+
+
+def test_nothing_quantized_asked_for_is_timing_only(capsys):
+    code, out, _ = main(capsys, "--backends", "sdpa", *TINY)
+    assert code == 0
+    assert "no quantized backend ran (none was asked for)" in out and "self-check passed" not in out
+
+
+def test_default_run_with_nothing_quantized_available_fails(capsys, monkeypatch):
+    ref = get_backend("reference")
+    monkeypatch.setattr(ref, "_disabled", {("cpu", None): "reference disabled on cpu: self-check failed: NaN"})
+    code, out, _ = main(capsys, *TINY)
+    assert code == 1
+    assert "reference: not available here: reference disabled on cpu: self-check failed: NaN" in out
+    assert "no quantized backend ran: none is available on this device" in out
+
+
+# -- usage errors: one line, no traceback ----------------------------------------------------------------
+
+def test_bad_arguments_give_one_line_in_a_real_process():
+    for args, words in ((["--reps", "0"], "--reps: must be a whole number >= 1, got 0"),
+                        (["--device", "foo"], "--device: 'foo' is not a device")):
+        proc = run_cli(*args)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stdout == "" and "Traceback" not in proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--reps", "0"], "must be a whole number >= 1, got 0"),
+    (["--reps", "-1"], "must be a whole number >= 1, got -1"),
+    (["--reps", "three"], "must be a whole number >= 1, got 'three'"),
+    (["--device", "foo"], "'foo' is not a device"),
+    (["--device", "mps"], "only cpu, cuda or cuda:N"),
+    (["--device", "cuda:99"], "cuda:99"),
+    (["--shapes", "nope"], "unknown ['nope']"),
+    (["--backends", "hip,reference"], "unknown ['hip']"),
+])
+def test_bad_arguments_are_one_line_errors(capsys, args, words):
+    with pytest.raises(SystemExit) as exc:
+        benchmark.main(args)
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and words in err and "(see --help)" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here")
+def test_cuda_without_a_gpu_is_a_one_line_error(capsys):
+    with pytest.raises(SystemExit):
+        benchmark.main(["--device", "cuda"])
+    err = capsys.readouterr().err
+    assert "torch sees no GPU here" in err and "use --device cpu" in err and len(err.strip().splitlines()) == 1
+
+
+def test_reps_are_used_as_given(capsys):
+    code, out, _ = main(capsys, "--backends", "sdpa", "--device", "cpu", "--shapes", "tiny", "--reps", "2")
+    assert "2 timed repeats per backend" in out
+
+
+# -- JSON only when asked --------------------------------------------------------------------------------
+
+def test_no_json_on_stdout_unless_asked(capsys):
+    _, out, _ = main(capsys, "--backends", "sdpa", *TINY)
+    assert not any(line.lstrip().startswith("{") for line in out.splitlines())
+
+
+def test_json_dash_is_pure_json_on_stdout_with_the_table_on_stderr():
+    proc = run_cli("--backends", "reference", "--json", "-", *TINY)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["verdict"]["passed"] is True and doc["verdict"]["quantized_backends_run"] == ["reference"]
+    assert {r["backend"] for r in doc["rows"]} == {"sdpa", "reference"}
+    row = next(r for r in doc["rows"] if r["backend"] == "reference")
+    assert row["ms_min"] <= row["ms"] <= row["ms_max"] and row["reps"] == 1
+    assert "self-check passed" in proc.stderr and "/sdpa" in proc.stderr
+
+
+def test_json_path_writes_a_file(capsys, tmp_path):
+    path = tmp_path / "results.json"
+    code, out, _ = main(capsys, "--backends", "hip_int8_fp8", "--json", str(path), *TINY)
+    doc = json.loads(path.read_text())
+    assert f"results written to {path}" in out and not out.lstrip().startswith("{")
+    if code == 1:
+        assert doc["verdict"]["passed"] is False and doc["verdict"]["problems"]
+
+
+# -- what the numbers mean -------------------------------------------------------------------------------
+
+def test_help_explains_the_columns_and_the_exit_status(capsys):
+    with pytest.raises(SystemExit) as exc:
+        benchmark.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for words in ("/sdpa", "/best", "above 1 = slower", "fastest SDPA variant", "Exit status", "not speed claims",
+                  "TRITON_INTERPRET=1", "--json PATH"):
+        assert words in text, words
+
+
+def test_the_columns_are_explained_above_the_table_and_cpu_figures_are_flagged(capsys):
+    _, out, _ = main(capsys, "--backends", "reference", *TINY)
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("shape "))
+    above = "\n".join(lines[:header])
+    assert "/sdpa = " in above and "/best = " in above and "above 1 = slower" in above
+    assert "not speed claims" in above
+    assert "[fastest-slowest]" in lines[header]
+
+
+def test_cpu_defaults_to_more_repeats_than_before_and_shows_the_range(capsys, monkeypatch):
+    seen = {}
+
+    def fake_bench(shape, device, backends, reps, warmup=2):
+        seen["reps"] = reps
+        return [{"backend": "sdpa", "status": "ok", "ms": 2.0, "ms_min": 1.0, "ms_max": 9.0, "reps": reps,
+                 "cos": 1.0, "rel_l1": 0.0, "quantized": False, "finite": True, "shape": shape.name,
+                 "vs_sdpa": 1.0, "vs_best_sdpa": 1.0}]
+    monkeypatch.setattr(benchmark, "bench_shape", fake_bench)
+    _, out, _ = main(capsys, "--backends", "sdpa", "--device", "cpu", "--shapes", "tiny")
+    assert seen["reps"] == benchmark.CPU_REPS >= 5
+    assert "[1.000-9.000]" in out
+
+
+def test_triton_under_the_interpreter_on_the_cpu_warns_of_minutes(capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(benchmark, "bench_shape", lambda *a, **k: [])  # the warning is the point, not the run
+    _, out, _ = main(capsys, "--backends", "triton_int8_fp8", *TINY)
+    assert "TRITON_INTERPRET=1" in out and "minutes per call" in out
+    monkeypatch.delenv("TRITON_INTERPRET")
+    _, out, _ = main(capsys, "--backends", "triton_int8_fp8", *TINY)
+    assert "minutes per call" not in out
+
+
+def test_a_failed_first_use_self_check_fails_even_the_default_run(capsys, monkeypatch):
+    """Triton reports its self-check through unavailable(), HIP through why_not(): either way the run fails."""
+    hip = get_backend("hip_int8_fp8")
+    reason = "hip_int8_fp8 disabled on cpu: self-check failed on D128 fp16: cosine 0.2"
+    monkeypatch.setattr(hip, "_disabled", {("cpu", None): reason})
+    code, out, _ = main(capsys, *TINY)
+    assert code == 1 and "self-check passed" not in out
+    assert f"hip_int8_fp8: not available here: {reason}" in out
+    assert f"FAILED: hip_int8_fp8 failed its first-use self-check: {reason}" in out
+    rows = [{"backend": "hip_int8_fp16", "status": f"skipped: {reason}", "shape": "tiny", "quantized": True}]
+    assert benchmark.run_problems(rows, requested=[]) == [f"tiny/hip_int8_fp16 did not run: {reason}"]
+    rows[0]["status"] = "skipped: head_dim 300 is not supported"
+    assert benchmark.run_problems(rows, requested=[]) == []  # a refusal in a default run is not a failure
