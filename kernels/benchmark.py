@@ -57,13 +57,34 @@ GPU_REPS, CPU_REPS = 20, 7
 SDPA_VARIANTS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION"}
 
 
-def make_inputs(shape: Shape, device: torch.device, seed: int = 0):
-    """Diffusion-like inputs: Gaussian q/k/v with a per-channel offset on K (the case smooth_k exists for)."""
+# Input kinds (the self-check's kinds at benchmark sizes, kernels/self_check.py make_inputs):
+#   standard         Gaussian q/k/v with a per-channel offset on K (the case smooth_k exists for): peaked logits
+#   diffuse          q, k = 0.7 * randn: near-uniform attention over every key, zero-mean V
+#   diffuse_voffset  diffuse, and V = randn + 2 + 2 * |randn(D)| per channel: the output is mostly the offset,
+#                    and an accumulator that loses small increments over long key loops shows as rel L1
+INPUT_KINDS = ("standard", "diffuse", "diffuse_voffset")
+# rel L1 bound of a quantized backend per input kind (the cosine floor holds for every kind but diffuse_voffset,
+# whose output is mostly the offset: cosine cannot see a loss of scale there). diffuse_voffset: issue 10's
+# target (peers 0.0015-0.01, our fixed kernels ~0.002); diffuse: the self-check's bound (FP8 P.V, the spec
+# itself included, reaches ~0.04 on zero-mean diffuse outputs by the rounding of P and V alone).
+REL_L1_BOUND = {"standard": None, "diffuse": 0.08, "diffuse_voffset": 0.02}
+
+
+def make_inputs(shape: Shape, device: torch.device, seed: int = 0, kind: str = "standard"):
+    """q, k, v (HND) of `shape` for one of INPUT_KINDS, deterministic per seed."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     size = (shape.batch, shape.heads, shape.seq, shape.head_dim)
+    channel = (1, shape.heads, 1, shape.head_dim)
     q = torch.randn(size, generator=gen)
-    k = torch.randn(size, generator=gen) + 3.0 * torch.randn((1, shape.heads, 1, shape.head_dim), generator=gen)
+    k = torch.randn(size, generator=gen)
     v = torch.randn(size, generator=gen)
+    if kind == "standard":
+        k += 3.0 * torch.randn(channel, generator=gen)
+    else:
+        q *= 0.7
+        k *= 0.7
+        if kind == "diffuse_voffset":
+            v += 2.0 + 2.0 * torch.randn(channel, generator=gen).abs()
     return [t.to(device=device, dtype=shape.torch_dtype) for t in (q, k, v)]
 
 
@@ -124,8 +145,8 @@ def _sdpa_variant(name: str):
 
 
 def bench_shape(shape: Shape, device: torch.device, backends: List[str], reps: int,
-                warmup: int = 2) -> List[Dict]:
-    q, k, v = make_inputs(shape, device)
+                warmup: int = 2, inputs: str = "standard", smooth_v: bool = False) -> List[Dict]:
+    q, k, v = make_inputs(shape, device, kind=inputs)
     exact = exact_fp32(q, k, v)
     rows: List[Dict] = []
 
@@ -146,7 +167,7 @@ def bench_shape(shape: Shape, device: torch.device, backends: List[str], reps: i
             run = _sdpa_variant(variant)
             if run is not None:
                 record(variant, lambda run=run: run(q, k, v), False)
-    call = describe_call(q, k, v)
+    call = describe_call(q, k, v, smooth_v=smooth_v)
     for name in backends:
         if name == "sdpa":
             continue
@@ -155,11 +176,12 @@ def bench_shape(shape: Shape, device: torch.device, backends: List[str], reps: i
         if reason:
             rows.append({"backend": name, "status": f"skipped: {reason}", "quantized": backend.quantized})
             continue
-        record(name, lambda name=name: sage_attention(q, k, v, kernel=name), backend.quantized)
+        record(name, lambda name=name: sage_attention(q, k, v, kernel=name, smooth_v=smooth_v), backend.quantized)
     base = next((r["ms"] for r in rows if r["backend"] == "sdpa" and r["status"] == "ok"), None)
     best = min((r["ms"] for r in rows if r["backend"].startswith("sdpa") and r["status"] == "ok"), default=None)
     for r in rows:
-        r["shape"] = shape.name
+        r["shape"] = shape.name if inputs == "standard" else f"{shape.name}:{inputs}"
+        r["inputs"] = inputs
         if r["status"] == "ok":
             r["vs_sdpa"] = r["ms"] / base if base else None
             r["vs_best_sdpa"] = r["ms"] / best if best else None
@@ -173,7 +195,8 @@ columns: ms = median time per call over the timed repeats, and [fastest-slowest]
   /best = the same ratio against the fastest SDPA variant measured here (sdpa, and on a GPU sdpa_cudnn
           and sdpa_flash where this torch has them; on the CPU only sdpa, so /best = /sdpa);
   cosine, relL1 = accuracy against exact FP32 attention on the same inputs (1 and 0 are exact); a quantized
-          backend below cosine {floor} fails the self-check."""
+          backend below cosine {floor} (not applied to diffuse_voffset inputs), or above its input kind's rel L1
+          bound (diffuse 0.08, diffuse_voffset 0.02), fails the self-check."""
 
 CPU_NOTE = ("CPU figures are not speed claims: on the CPU the quantized path is the torch reference of the "
             "algorithm (or the Triton interpreter), a correctness check and no fast path, and timings on a shared CPU vary several-fold between "
@@ -184,26 +207,40 @@ def _fmt(x: Optional[float], width: int, spec: str) -> str:
     return f"{'-':>{width}}" if x is None else f"{x:{width}{spec}}"
 
 
+def accuracy_problem(r: Dict) -> Optional[str]:
+    """Why a quantized row fails the self-check (cosine floor, its input kind's rel L1 bound, non-finite)."""
+    if r["status"] != "ok" or not r["quantized"]:
+        return None
+    kind = r.get("inputs", "standard")
+    if not r["finite"]:
+        return "non-finite output"
+    if kind != "diffuse_voffset" and r["cos"] < COSINE_FLOOR:
+        return f"cosine {r['cos']:.5f} < {COSINE_FLOOR}"
+    bound = REL_L1_BOUND.get(kind)
+    if bound is not None and r["rel_l1"] > bound:
+        return f"rel L1 {r['rel_l1']:.4f} > {bound} ({kind} inputs)"
+    return None
+
+
 def format_table(rows: List[Dict]) -> str:
-    lines = [f"{'shape':<14} {'backend':<18} {'ms':>9} {'[fastest-slowest]':>19} {'/sdpa':>7} {'/best':>7} "
+    width = max([14] + [len(r["shape"]) for r in rows])
+    lines = [f"{'shape':<{width}} {'backend':<18} {'ms':>9} {'[fastest-slowest]':>19} {'/sdpa':>7} {'/best':>7} "
              f"{'cosine':>9} {'relL1':>8}  note"]
     for r in rows:
         if r["status"] == "ok":
-            flag = "" if (not r["quantized"] or (r["cos"] >= COSINE_FLOOR and r["finite"])) else "SELF-CHECK FAIL"
+            flag = "SELF-CHECK FAIL" if accuracy_problem(r) else ""
             spread = f"[{r['ms_min']:.3f}-{r['ms_max']:.3f}]" if "ms_min" in r else ""
-            lines.append(f"{r['shape']:<14} {r['backend']:<18} {r['ms']:9.3f} {spread:>19} "
+            lines.append(f"{r['shape']:<{width}} {r['backend']:<18} {r['ms']:9.3f} {spread:>19} "
                          f"{_fmt(r['vs_sdpa'], 7, '.3f')} {_fmt(r['vs_best_sdpa'], 7, '.3f')} "
                          f"{r['cos']:9.5f} {r['rel_l1']:8.4f}  {flag}")
         else:
-            lines.append(f"{r['shape']:<14} {r['backend']:<18} {'-':>9} {'-':>19} {'-':>7} {'-':>7} {'-':>9} "
+            lines.append(f"{r['shape']:<{width}} {r['backend']:<18} {'-':>9} {'-':>19} {'-':>7} {'-':>7} {'-':>9} "
                          f"{'-':>8}  {r['status']}")
     return "\n".join(lines)
 
 
 def self_check_failures(rows: List[Dict]) -> List[str]:
-    return [f"{r['shape']}/{r['backend']}: cosine {r['cos']:.5f}" + ("" if r["finite"] else ", non-finite output")
-            for r in rows
-            if r["status"] == "ok" and r["quantized"] and (r["cos"] < COSINE_FLOOR or not r["finite"])]
+    return [f"{r['shape']}/{r['backend']}: {accuracy_problem(r)}" for r in rows if accuracy_problem(r)]
 
 
 def failed_self_check(reason: Optional[str]) -> bool:
@@ -314,6 +351,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--reps", type=positive_int, default=None,
                         help=f"timed repeats per backend, >= 1 (default {GPU_REPS} on a GPU, {CPU_REPS} on the CPU); "
                              "the median and the range are reported")
+    parser.add_argument("--inputs", default="standard",
+                        help="comma-separated input kinds: " + ", ".join(INPUT_KINDS) + " (default standard). "
+                             "diffuse: near-uniform attention, zero-mean V; diffuse_voffset: the same with a "
+                             "per-channel V offset, judged by rel L1 (a lost scale shows there, not in cosine)")
+    parser.add_argument("--smooth-v", action="store_true",
+                        help="run our kernels with smooth_v (V's per-channel mean out before quantizing, added back)")
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="write the results as JSON to PATH; '-' writes them to stdout (the table then goes to "
                              "stderr)")
@@ -335,6 +378,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         bad = [b for b in requested if b not in BACKEND_NAMES]
         if bad or not requested:
             parser.error(f"argument --backends: unknown {bad or args.backends!r}; choose from {', '.join(BACKEND_NAMES)}")
+    kinds = [k for k in args.inputs.split(",") if k]
+    if not kinds or any(k not in INPUT_KINDS for k in kinds):
+        parser.error(f"argument --inputs: unknown {args.inputs!r}; choose from {', '.join(INPUT_KINDS)}")
     reps = args.reps or (GPU_REPS if device.type == "cuda" else CPU_REPS)
     warmup = 2 if device.type == "cuda" else 1
 
@@ -371,8 +417,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 "at these shapes (a quick check: --shapes tiny --reps 1)")
     rows: List[Dict] = []
     for shape in shapes:
-        say(f"-- {shape.name}: B{shape.batch} H{shape.heads} N{shape.seq} D{shape.head_dim} {shape.dtype}")
-        rows.extend(bench_shape(shape, device, backends, reps, warmup))
+        for kind in kinds:
+            say(f"-- {shape.name}: B{shape.batch} H{shape.heads} N{shape.seq} D{shape.head_dim} {shape.dtype}, "
+                f"{kind} inputs{', smooth_v' if args.smooth_v else ''}")
+            rows.extend(bench_shape(shape, device, backends, reps, warmup, kind, args.smooth_v))
     say(f"{reps} timed repeats per backend after {warmup} untimed warm-up call(s), on {device}.")
     say(COLUMNS.format(floor=COSINE_FLOOR))
     say(format_table(rows))
@@ -386,7 +434,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     verdict = {"passed": passed, "self_check_failures": failures, "problems": problems,
                "quantized_backends_run": ran, "not_available": not_available}
     if args.json:
-        doc = {"environment": env, "device": str(device), "reps": reps, "warmup": warmup,
+        doc = {"environment": env, "device": str(device), "reps": reps, "warmup": warmup, "inputs": kinds,
+               "smooth_v": args.smooth_v,
                "shapes": [asdict(s) for s in shapes], "rows": rows, "verdict": verdict}
         if args.json == "-":
             json.dump(doc, sys.stdout, indent=1)
@@ -411,6 +460,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not passed:
         return 1
     if ran:
-        say(f"self-check passed: {', '.join(ran)} reached cosine >= {COSINE_FLOOR} against exact FP32 attention "
-            f"on every shape")
+        say(f"self-check passed: {', '.join(ran)} met the accuracy bounds against exact FP32 attention on every "
+            f"shape and input kind")
     return 0

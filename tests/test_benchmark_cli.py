@@ -120,6 +120,7 @@ def test_bad_arguments_give_one_line_in_a_real_process():
     (["--device", "cuda:99"], "cuda:99"),
     (["--shapes", "nope"], "unknown ['nope']"),
     (["--backends", "hip,reference"], "unknown ['hip']"),
+    (["--inputs", "peaky"], "unknown 'peaky'"),
 ])
 def test_bad_arguments_are_one_line_errors(capsys, args, words):
     with pytest.raises(SystemExit) as exc:
@@ -228,3 +229,31 @@ def test_a_failed_first_use_self_check_fails_even_the_default_run(capsys, monkey
     assert benchmark.run_problems(rows, requested=[]) == [f"tiny/hip_int8_fp16 did not run: {reason}"]
     rows[0]["status"] = "skipped: head_dim 300 is not supported"
     assert benchmark.run_problems(rows, requested=[]) == []  # a refusal in a default run is not a failure
+
+
+# -- input kinds: diffuse attention and a V channel offset, judged by rel L1 (issue 10) -----------------------
+
+def test_input_kinds_are_what_they_say():
+    shape = benchmark.Shape("k", 1, 2, 512, 64, "float32")
+    q, k, v = benchmark.make_inputs(shape, torch.device("cpu"), kind="standard")
+    dq, dk, dv = benchmark.make_inputs(shape, torch.device("cpu"), kind="diffuse")
+    oq, ok, ov = benchmark.make_inputs(shape, torch.device("cpu"), kind="diffuse_voffset")
+    logits = lambda a, b: (a @ b.transpose(-1, -2) / 8).std()  # noqa: E731
+    assert logits(dq, dk) < 0.6 < logits(q, k)  # near-uniform attention
+    assert v.mean(dim=2).abs().max() < 0.3 and dv.mean(dim=2).abs().max() < 0.3
+    assert (ov.mean(dim=2) > 1.5).all()  # every channel carries a positive offset
+
+
+def test_diffuse_voffset_is_judged_by_rel_l1_not_cosine():
+    row = dict(status="ok", quantized=True, finite=True, inputs="diffuse_voffset", cos=0.99999, rel_l1=0.05,
+               shape="s:diffuse_voffset", backend="x")
+    assert "rel L1 0.0500 > 0.02" in benchmark.accuracy_problem(row)  # a 5 % scale loss, invisible to cosine
+    assert benchmark.accuracy_problem(dict(row, rel_l1=0.003, cos=0.98)) is None
+    assert "cosine" in benchmark.accuracy_problem(dict(row, inputs="standard", cos=0.98, rel_l1=0.01))
+    assert benchmark.accuracy_problem(dict(row, quantized=False, rel_l1=0.5)) is None
+
+
+def test_inputs_and_smooth_v_reach_the_rows(capsys):
+    code, out, _ = main(capsys, *TINY, "--backends", "reference", "--inputs", "diffuse_voffset", "--smooth-v")
+    assert code == 0, out
+    assert "tiny:diffuse_voffset" in out and "smooth_v" in out
