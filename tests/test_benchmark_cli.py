@@ -79,7 +79,7 @@ def test_default_cpu_run_lists_what_cannot_run_and_passes_on_the_reference(capsy
     assert code == 0, out
     reason = get_backend("hip_int8_fp8").unavailable("cpu", None)
     assert f"hip_int8_fp8: not available here: {reason}" in out
-    assert "self-check passed: reference reached cosine >= 0.99" in out
+    assert "self-check passed: reference met the accuracy bounds" in out
     table_rows = [line for line in out.splitlines() if line.startswith("tiny ")]
     assert {line.split()[1] for line in table_rows} == {"sdpa", "reference"}  # the others are listed above it
 
@@ -195,7 +195,7 @@ def test_the_columns_are_explained_above_the_table_and_cpu_figures_are_flagged(c
 def test_cpu_defaults_to_more_repeats_than_before_and_shows_the_range(capsys, monkeypatch):
     seen = {}
 
-    def fake_bench(shape, device, backends, reps, warmup=2):
+    def fake_bench(shape, device, backends, reps, warmup=2, inputs="standard", smooth_v=False):
         seen["reps"] = reps
         return [{"backend": "sdpa", "status": "ok", "ms": 2.0, "ms_min": 1.0, "ms_max": 9.0, "reps": reps,
                  "cos": 1.0, "rel_l1": 0.0, "quantized": False, "finite": True, "shape": shape.name,
