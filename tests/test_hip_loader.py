@@ -396,6 +396,28 @@ def test_missing_triton_prologue_is_a_refusal(monkeypatch):
     assert reason and "Triton prologue is unavailable" in reason
 
 
+def _smooth_v_call(prologue):
+    t = torch.empty(1, 2, 40, 128, dtype=torch.float16)
+    return describe_call(t, t, t, prologue=prologue, smooth_v=True)
+
+
+def test_triton_prologue_without_smooth_v_is_a_refusal(monkeypatch):
+    """smooth_v through the Triton prologue needs a triton_quantize_qkv that takes it (v_mean in its QuantizedQKV)."""
+    name = "comfyui_sage_rdna4.kernels.backends.triton.prologue"
+    old = types.SimpleNamespace(triton_prologue_refusal=lambda call: None,
+                                triton_quantize_qkv=lambda q, k, v, *, sm_scale, smooth_k=True, pv="fp8",
+                                qk_group="token": None)
+    monkeypatch.setitem(__import__("sys").modules, name, old)
+    reason = hip_backend.prologue_refusal(_smooth_v_call("triton"))
+    assert reason and "smooth_v" in reason and reason.startswith("Triton prologue:")
+    assert hip_backend.prologue_refusal(_call(prologue="triton")) is None
+    new = types.SimpleNamespace(triton_prologue_refusal=lambda call: None,
+                                triton_quantize_qkv=lambda q, k, v, *, sm_scale, smooth_k=True, pv="fp8",
+                                qk_group="token", smooth_v=False: None)
+    monkeypatch.setitem(__import__("sys").modules, name, new)
+    assert hip_backend.prologue_refusal(_smooth_v_call("triton")) is None
+
+
 def test_hip_prologue_refuses_cpu():
     reason = hip_backend.prologue_refusal(_call(prologue="hip"))
     assert reason and reason.startswith("HIP prologue:")
@@ -528,3 +550,26 @@ def test_nvrtc_builds_the_whole_kernel_module_with_the_loader_flags(tmp_path, mo
     assert not missing, missing
     again = comp.build_cached(kcache.CodeObjectCache(str(tmp_path)), bundle, "sm_90", [], "cuda-driver-test")
     assert again.from_cache and again.image == built.image
+
+
+def test_smooth_v_reaches_the_prologue_and_the_attention(cpu_hip_backend, monkeypatch):
+    """The backend no longer refuses smooth_v: the prologue is asked for it and the attention gets its v_mean."""
+    from comfyui_sage_rdna4.kernels.reference import reference_attention
+    seen = []
+
+    def prologue(q, k, v, **kw):
+        seen.append(kw.get("smooth_v", False))
+        return quant.quantize_qkv_torch(q, k, v, **kw)
+
+    monkeypatch.setattr(hip_prologue, "hip_quantize_qkv", prologue)
+    cpu_hip_backend.attention_impl = good_attention
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(1, 2, 40, 128, generator=g).half() for _ in range(2))
+    v = (torch.randn(1, 2, 40, 128, generator=g) + 4).half()
+    call = describe_call(q, k, v, smooth_v=True)
+    assert cpu_hip_backend.refuse(call) is None or "smooth_v" not in cpu_hip_backend.refuse(call)
+    seen.clear()
+    out, _ = cpu_hip_backend.launch(q, k, v, call, 0.1, None)
+    assert seen == [True]
+    want, _ = reference_attention(q, k, v, sm_scale=0.1, pv="fp8", smooth_v=True)
+    assert torch.equal(out, want)

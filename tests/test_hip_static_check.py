@@ -105,3 +105,23 @@ def test_loop_parser_on_a_synthetic_listing():
     assert lp.wmma == 1 and lp.other == 4
     assert lp.by_kind == {"lds": 1, "wait": 1, "valu": 1, "salu": 1}
     assert lp.work_per_wmma == 3
+
+
+def test_verification_options_are_explicit_defines():
+    """The emulation's truncating accumulator and the single-chain P.V are opt-in #defines; the product source has
+    none of them, and an unknown or out-of-range option is an error rather than a silently exact build."""
+    plain = kernel_abi.module_source("cuda")
+    assert not plain.startswith("#define SG_")
+    src = kernel_abi.module_source("cuda", acc_trunc_bits=13, pv_single_chain=1)
+    assert src.startswith("#define SG_EMU_ACC_TRUNC_BITS 13\n#define SG_PV_SINGLE_CHAIN 1\n")
+    assert src.endswith(plain)
+    assert kernel_abi.module_source("hip", acc_trunc_bits=0) == kernel_abi.module_source("hip")
+    with pytest.raises(ValueError, match="unknown kernel build option"):
+        kernel_abi.module_source("cuda", acc_trunc=13)
+    with pytest.raises(ValueError, match="0..23"):
+        kernel_abi.module_source("cuda", acc_trunc_bits=30)
+    prelude = (kernel_abi.SRC_DIR / "gfx12_prelude.h").read_text()
+    attention = (kernel_abi.SRC_DIR / "sage_attention.hip").read_text()
+    for macro in ("SG_EMU_ACC_TRUNC_BITS", "SG_EMU_F16_ACC_TRUNC_BITS"):
+        assert f"#define {macro} 0" in prelude
+    assert "#define SG_PV_SINGLE_CHAIN 0" in attention

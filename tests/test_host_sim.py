@@ -172,3 +172,174 @@ def test_attention_output_is_overflow_safe(dtype, v_max, pv):
     qq = hip_checks.prologue(run, q, k, v, sm_scale=0.125, pv=pv)
     out, _ = hip_checks.attention(run, qq, pv=pv, is_causal=True, out_dtype=dtype)
     hip_checks.assert_overflow_safe(out, qq, v, pv=pv, is_causal=True)
+
+
+# ------------------------------------------------------------------------------------------------------
+# smooth_v: V's channel mean out in the prologue, back in the epilogue
+# ------------------------------------------------------------------------------------------------------
+def _v_offset(v, seed=7, scale=3.0):
+    """V with a per-(kv head, channel) offset: what smooth_v exists for."""
+    g = torch.Generator().manual_seed(seed)
+    off = (torch.randn(v.shape[1], 1, v.shape[3], generator=g) * scale + 2.0).to(v.dtype)
+    return v.add_(off)  # in place: views (NHD, fused projections) keep their strides
+
+
+@pytest.mark.parametrize("dtype,d,pv,group,layout,nk,smooth_k", [
+    (torch.float16, 128, "fp8", "token", "hnd", 600, True),      # Nk > STAT_CHUNK: the mean over two chunks
+    (torch.bfloat16, 64, "fp16", "block32", "nhd", 97, False),
+    (torch.bfloat16, 128, "fp8", "block64", "fused", 150, True),
+    (torch.float16, 64, "fp16", "token", "fused", 150, False),
+])
+def test_prologue_smooth_v_bit_exact(dtype, d, pv, group, layout, nk, smooth_k):
+    """v_mean (FP64-summed channel mean), V's scale from max|V - mean| and V - mean quantized: bit-exact with
+    quant.quantize_qkv_torch(smooth_v=True), for strided views, with and without smooth_k."""
+    nq = nk if layout == "fused" else 40
+    q, k, v = hip_checks.make_qkv(1, 2, 2 if layout == "fused" else 1, nq, nk, d, dtype, CPU, layout=layout)
+    _v_offset(v)
+    sm = 1 / math.sqrt(d)
+    qq = hip_checks.prologue(run, q, k, v, sm_scale=sm, smooth_k=smooth_k, pv=pv, qk_group=group, smooth_v=True)
+    assert qq.v_mean is not None and qq.v_mean.shape == (1, v.shape[1], d)
+    assert hip_checks.prologue_mismatches(qq, q, k, v, sm_scale=sm, smooth_k=smooth_k, pv=pv, qk_group=group,
+                                          smooth_v=True) == {}
+
+
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+def test_prologue_smooth_v_keeps_nan_in_its_channel(pv):
+    """A NaN in V makes its channel's mean, scale and every quantized value NaN (as the spec), nothing else."""
+    q, k, v = hip_checks.poisoned_qkv("v", NAN, torch.float16, CPU)
+    qq = hip_checks.prologue(run, q, k, v, sm_scale=0.125, pv=pv, smooth_v=True)
+    assert hip_checks.prologue_mismatches(qq, q, k, v, sm_scale=0.125, pv=pv, smooth_v=True) == {}
+    assert torch.isnan(qq.v_mean[0, 0, C]) and torch.isfinite(qq.v_mean[0, 0, C + 1:]).all()
+    assert torch.isnan(qq.v.float()[0, 0, :, C]).all()
+
+
+@pytest.mark.parametrize("pv,d,dtype,causal,nq,nk,hq,hkv,layout", [
+    ("fp8", 128, torch.bfloat16, False, 70, 100, 4, 2, "hnd"),
+    ("fp8", 64, torch.float16, True, 150, 150, 2, 2, "fused"),
+    ("fp16", 64, torch.bfloat16, True, 130, 70, 2, 1, "nhd"),
+    ("fp16", 128, torch.float16, False, 40, 130, 2, 1, "hnd"),
+])
+def test_attention_smooth_v_matches_reference(pv, d, dtype, causal, nq, nk, hq, hkv, layout):
+    """HIP prologue + attention with smooth_v against the spec (same QuantizedQKV: the mean added after
+    normalising) and against exact attention (GQA, causal, LSE unchanged by smooth_v)."""
+    q, k, v = hip_checks.make_qkv(1, hq, hkv, nq, nk, d, dtype, CPU, layout=layout)
+    _v_offset(v)
+    sm = 1 / math.sqrt(d)
+    qq = hip_checks.prologue(run, q, k, v, sm_scale=sm, pv=pv, smooth_v=True)
+    out, lse = hip_checks.attention(run, qq, pv=pv, is_causal=causal, out_dtype=dtype, return_lse=True, q=q,
+                                    sm_scale=sm)
+    rep = hip_checks.attention_report(out, lse, qq, q, k, v, pv=pv, is_causal=causal, sm_scale=sm)
+    hip_checks.assert_attention_ok(rep, pv)
+    assert rep["rel_l1_vs_exact"] < (0.02 if pv == "fp8" else 2e-3), rep
+    # Without v_mean the same kernel gives the output less the mean, and the same LSE to the last bit.
+    from comfyui_sage_rdna4.kernels import quant, reference
+    qq0 = quant.QuantizedQKV(qq.q8, qq.q_scale, qq.k8, qq.k_scale, qq.v, qq.v_scale, qq.k_mean, None)
+    out0, lse0 = hip_checks.attention(run, qq0, pv=pv, is_causal=causal, out_dtype=dtype, return_lse=True,
+                                      q=q, sm_scale=sm)
+    assert torch.equal(lse, lse0)
+    mean = reference.expand_kv_heads(qq.v_mean, hq).unsqueeze(2)
+    assert float((out.float() - (out0.float() + mean)).abs().max()) <= 0.02 * float(out.float().abs().max())
+
+
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+def test_attention_smooth_v_empty_rows_stay_zero(pv):
+    """A row that sees no key gives zeros, without the mean, and LSE -inf (the spec's rule). Such rows cannot come
+    from finite inputs, so the QuantizedQKV is crafted: causal, keys 0..19 with positive int8 rows and scale -inf
+    (score -inf against the all-positive queries), so rows 0..19 see nothing and rows 20.. see keys 20..row."""
+    from comfyui_sage_rdna4.kernels import quant, reference
+    q, k, v = hip_checks.make_qkv(1, 2, 1, 50, 50, 64, torch.float16, CPU)
+    _v_offset(v)
+    qq = quant.quantize_qkv_torch(q, k, v, sm_scale=0.125, pv=pv, smooth_v=True)
+    g = torch.Generator().manual_seed(3)
+    qq.q8 = torch.randint(1, 128, qq.q8.shape, generator=g).to(torch.int8)
+    qq.k8[:, :, :20] = torch.randint(1, 128, (1, 1, 20, 64), generator=g).to(torch.int8)
+    qq.k_scale[:, :, :20] = -math.inf
+    out, lse = hip_checks.attention(run, qq, pv=pv, is_causal=True, out_dtype=torch.float16, return_lse=True, q=q,
+                                    sm_scale=0.125)
+    ref, ref_lse = reference.attention_from_quantized(qq, pv=pv, is_causal=True, return_lse=True, q=q, sm_scale=0.125,
+                                                      out_dtype=torch.float16)
+    assert torch.equal(out[:, :, :20], torch.zeros_like(out[:, :, :20])) and torch.equal(out[:, :, :20], ref[:, :, :20])
+    assert torch.isneginf(lse[:, :, :20]).all() and torch.isneginf(ref_lse[:, :, :20]).all()
+    o, r = out[:, :, 20:].float(), ref[:, :, 20:].float()
+    assert torch.isfinite(o).all() and float((o - r).abs().sum() / r.abs().sum()) < hip_checks.TOL_REL_L1_VS_REF[pv]
+    assert float((lse[:, :, 20:] - ref_lse[:, :, 20:]).abs().max()) < hip_checks.TOL_LSE
+
+
+def test_hip_prologue_v_mean_feeds_the_reference_attention():
+    """A HIP-prologue QuantizedQKV with v_mean is the spec's QuantizedQKV: the reference's attention half (what any
+    consumer, Triton included, must compute from it) gives the same output as from the torch prologue's."""
+    from comfyui_sage_rdna4.kernels import reference
+    q, k, v = hip_checks.make_qkv(1, 2, 1, 60, 90, 64, torch.bfloat16, CPU)
+    _v_offset(v)
+    qq = hip_checks.prologue(run, q, k, v, sm_scale=0.125, pv="fp8", smooth_v=True)
+    got, _ = reference.attention_from_quantized(qq, pv="fp8", out_dtype=torch.bfloat16)
+    want, _ = reference.reference_attention(q, k, v, sm_scale=0.125, pv="fp8", smooth_v=True)
+    assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Two-level P.V accumulation and the truncating-accumulator model of the emulation
+# ------------------------------------------------------------------------------------------------------
+TRUNC = dict(acc_trunc_bits=13, f16_acc_trunc_bits=13)
+
+
+def test_trunc_model_on_hand_examples():
+    """The torch twin of the emulation's truncating accumulator (13 fraction bits) on cases worked by hand."""
+    t = torch.zeros(17)
+    t[0], t[1:] = 2.0 ** 20, 1.0          # increments below the grid 2^(20-13) vanish
+    assert hip_checks.trunc_acc_model(t, 13).item() == 2.0 ** 20
+    t = torch.zeros(17)
+    t[0], t[1] = -1.0, -1.5 * 2 ** -13      # truncated toward zero to the grid 2^-13
+    assert hip_checks.trunc_acc_model(t, 13).item() == -(1 + 2 ** -13)
+    t = torch.full((17,), 2.0 ** 13 - 1)   # 17 * 8191 = 139247 needs 18 bits: normalised to 14 significant bits
+    assert hip_checks.trunc_acc_model(t, 13).item() == 139232.0
+    assert hip_checks.trunc_acc_model(torch.zeros(17), 13).item() == 0.0
+    t = torch.zeros(17)
+    t[3] = math.nan
+    assert math.isnan(hip_checks.trunc_acc_model(t, 13).item())
+
+
+@pytest.mark.parametrize("kind", ["fp8", "f16"])
+def test_emulated_wmma_truncation_matches_model(kind):
+    """The emulated builtin built with SG_EMU_ACC_TRUNC_BITS=13 (SG_EMU_F16_ACC_TRUNC_BITS for f16) equals the torch
+    model bit for bit, and the model does truncate on these operands; the default build keeps FP32 sums."""
+    trunc_run = host_sim.runner(**TRUNC)
+    for seed in range(2):
+        got, want, exact = hip_checks.run_trunc_wmma(trunc_run, kind, CPU, 13, seed)
+        assert torch.equal(got, want), (kind, seed, (got - want).abs().max())
+        assert (want != exact).sum() > 16, "the case does not exercise the truncation"
+        got_default, _, _ = hip_checks.run_trunc_wmma(run, kind, CPU, 13, seed)
+        assert float((got_default - exact).abs().max()) <= 1e-6 * float(exact.abs().max())
+
+
+def test_two_level_accumulation_survives_a_truncating_accumulator():
+    """Diffuse attention over 2048 keys with a V offset, FP8 P.V, the emulated WMMA truncating to 13 bits: the
+    two-level kernel stays as close to exact attention as with an exact accumulator, the former single chain
+    (SG_PV_SINGLE_CHAIN=1) loses mass (rel L1 ~0.03 here; it grows with the key count)."""
+    from comfyui_sage_rdna4.kernels import metrics, quant, reference
+    q, k, v = hip_checks.diffuse_qkv(1, 1, 16, 2048, 64, torch.bfloat16, CPU)
+    exact, _ = reference.exact_attention(q, k, v)
+    qq = quant.quantize_qkv_torch(q, k, v, sm_scale=0.125, pv="fp8")
+    ref, _ = reference.attention_from_quantized(qq, pv="fp8", out_dtype=torch.bfloat16)
+    two, _ = hip_checks.attention(host_sim.runner(acc_trunc_bits=13), qq, pv="fp8", is_causal=False,
+                                  out_dtype=torch.bfloat16)
+    one, _ = hip_checks.attention(host_sim.runner(acc_trunc_bits=13, pv_single_chain=1), qq, pv="fp8",
+                                  is_causal=False, out_dtype=torch.bfloat16)
+    err_ref, err_two, err_one = (metrics.rel_l1(t.float(), exact) for t in (ref, two, one))
+    assert metrics.rel_l1(two.float(), ref.float()) < 2e-3, (err_two, err_ref)
+    assert err_two < err_ref * 1.2 + 1e-3, (err_two, err_ref)
+    assert err_one > 0.015, f"the truncation model does not bite the single chain ({err_one})"
+
+
+def test_pv_single_chain_build_matches_reference_when_exact():
+    """The verification-only single-chain build is the former kernel: with an exact accumulator it matches the spec
+    as the two-level kernel does (so the truncation test above compares like with like)."""
+    q, k, v = hip_checks.make_qkv(1, 2, 1, 70, 130, 64, torch.float16, CPU)
+    sm = 0.125
+    single = host_sim.runner(pv_single_chain=1)
+    for pv in ("fp8", "fp16"):
+        qq = hip_checks.prologue(run, q, k, v, sm_scale=sm, pv=pv)
+        out, lse = hip_checks.attention(single, qq, pv=pv, is_causal=True, out_dtype=torch.float16, return_lse=True,
+                                        q=q, sm_scale=sm)
+        rep = hip_checks.attention_report(out, lse, qq, q, k, v, pv=pv, is_causal=True, sm_scale=sm)
+        hip_checks.assert_attention_ok(rep, pv)

@@ -16,7 +16,7 @@ import torch
 from .. import metrics, quant, reference
 from ..backends.hip import kernel_abi
 
-QQ_FIELDS = ("q8", "q_scale", "k8", "k_scale", "v", "v_scale", "k_mean")
+QQ_FIELDS = ("q8", "q_scale", "k8", "k_scale", "v", "v_scale", "k_mean", "v_mean")
 
 
 # ------------------------------------------------------------------------------------------ WMMA
@@ -53,11 +53,85 @@ def wmma_case(kind: str, seed: int = 0):
 
 def run_wmma(run: Callable, kind: str, device, seed: int = 0):
     a_l, b_l, c_l, want = wmma_case(kind, seed)
+    return _probe(run, kind, device, a_l, b_l, c_l), want
+
+
+def _probe(run: Callable, kind: str, device, a_l, b_l, c_l) -> torch.Tensor:
     d_l, launches = kernel_abi.wmma_probe_plan(kind, a_l.to(device), b_l.to(device), c_l.to(device))
     run(launches)
     d_l = d_l.cpu()
-    got = kernel_abi.d_from_lanes(d_l if kind == "iu8" else d_l.view(torch.float32))
-    return got, want
+    return kernel_abi.d_from_lanes(d_l if kind == "iu8" else d_l.view(torch.float32))
+
+
+# ------------------------------------------------------------------------------------------ truncating accumulator
+# The pure-torch twin of the prelude's emu_trunc_acc (SG_EMU_ACC_TRUNC_BITS, kernel_abi.VERIFY_OPTIONS): per output
+# element the terms C and the 16 exact products are aligned to the largest exponent emax among the nonzero terms,
+# every bit below 2^(emax - bits) is dropped (truncation toward zero), the aligned terms are summed exactly and the
+# sum is normalised to `bits` fraction bits, again truncating toward zero. NaN/Inf terms give the plain sum.
+_SIGN = -(1 << 31)
+
+
+def _exponent(x: torch.Tensor) -> torch.Tensor:
+    """Exponent of the leading bit of finite nonzero fp32 values (subnormals: -127), as emu_exponent."""
+    ef = (x.view(torch.int32) >> 23) & 0xFF
+    return torch.where(ef > 0, ef - 127, torch.full_like(ef, -127))
+
+
+def trunc_to_grid(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """fp32 x truncated toward zero to a multiple of 2^g (elementwise; g broadcast), as emu_trunc_to_grid."""
+    u = x.view(torch.int32)
+    ef = (u >> 23) & 0xFF
+    drop = g - (ef.clamp(min=1) - 150)
+    mask = ~(torch.bitwise_left_shift(torch.ones_like(drop), drop.clamp(0, 23)) - 1)
+    out = torch.where(drop <= 0, u, torch.where(drop >= 24, u & _SIGN, u & mask))
+    return out.view(torch.float32)
+
+
+def trunc_acc_model(terms: torch.Tensor, bits: int) -> torch.Tensor:
+    """terms (..., 17) fp32: C then the 16 products (exact in fp32). Returns the truncating accumulator's D (...)."""
+    terms = terms.float().contiguous()
+    finite = torch.isfinite(terms).all(dim=-1)
+    nonzero = terms != 0
+    exps = torch.where(nonzero, _exponent(terms), torch.full_like(terms, -1000, dtype=torch.int32))
+    emax = exps.amax(dim=-1)
+    aligned = trunc_to_grid(terms, (emax - bits).unsqueeze(-1))
+    r = aligned.double().sum(dim=-1).float()
+    r = torch.where(r == 0, r, trunc_to_grid(r, _exponent(r) - bits))
+    r = torch.where(emax == -1000, terms[..., 0] + 0.0, r)
+    plain = terms[..., 1:].sum(dim=-1) + terms[..., 0]
+    return torch.where(finite, r, plain)
+
+
+def trunc_wmma_expected(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bits: int) -> torch.Tensor:
+    """D of one 16x16x16 WMMA (A, B as their fp32 values, C fp32) under the truncation model."""
+    prods = a.float()[:, None, :] * b.float().t()[None, :, :]  # (m, n, k): A[m][k] * B[k][n]
+    terms = torch.cat([c.float()[:, :, None], prods], dim=-1)
+    return trunc_acc_model(terms, bits)
+
+
+def trunc_wmma_case(kind: str, seed: int = 0):
+    """fp8 or f16 operands and a C whose magnitude varies over 2^-4 .. 2^24 per element (zeros included), so
+    that a 13-bit accumulator drops some products entirely, truncates others and keeps the rest.
+    Returns (a_lanes, b_lanes, c_lanes, (a, b, c) as fp32 values)."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    cast = torch.float8_e4m3fn if kind == "fp8" else torch.float16
+    a = (torch.randn(16, 16, generator=g) * 8).to(cast)
+    b = (torch.randn(16, 16, generator=g) * 2).to(cast)
+    c = torch.randn(16, 16, generator=g) * torch.exp2(torch.randint(-4, 25, (16, 16), generator=g).float())
+    c[0, :4] = 0.0
+    a_l = kernel_abi.lanes_from_a(a).contiguous().view(torch.int32)
+    b_l = kernel_abi.lanes_from_b(b).contiguous().view(torch.int32)
+    c_l = kernel_abi.lanes_from_d(c).contiguous().view(torch.int32)
+    return a_l, b_l, c_l, (a.float(), b.float(), c)
+
+
+def run_trunc_wmma(run: Callable, kind: str, device, bits: int, seed: int = 0):
+    """The probe kernel on trunc_wmma_case through `run` (a build with the truncation option for `kind`), and what
+    the torch model expects. Returns (got, expected, exact)."""
+    a_l, b_l, c_l, (a, b, c) = trunc_wmma_case(kind, seed)
+    got = _probe(run, kind, device, a_l, b_l, c_l)
+    exact = (a.double() @ b.double() + c.double()).float()
+    return got, trunc_wmma_expected(a, b, c, bits), exact
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -84,9 +158,29 @@ def make_qkv(b, hq, hkv, nq, nk, d, dtype, device, layout: str = "hnd", seed: in
     return q, k, v
 
 
+def diffuse_qkv(b, h, nq, nk, d, dtype, device, seed: int = 0, v_offset: bool = True):
+    """Near-uniform attention over many keys (q, k = 0.7 randn), V = randn plus, with `v_offset`, a per-channel
+    offset 2 + 2|randn(D)| (issue 10's precision case: where a truncating P.V accumulator loses mass)."""
+    g = torch.Generator().manual_seed(seed)
+    q = 0.7 * torch.randn(b, h, nq, d, generator=g)
+    k = 0.7 * torch.randn(b, h, nk, d, generator=g)
+    v = torch.randn(b, h, nk, d, generator=g)
+    if v_offset:
+        v = v + 2 + 2 * torch.randn(d, generator=g).abs()
+    return tuple(t.to(dtype).to(device) for t in (q, k, v))
+
+
+def per_head_rel_l1(out: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """Relative L1 per (batch, head): (B, H) in FP64, so one bad head or batch shows on its own."""
+    o, e = out.double(), exact.double()
+    return (o - e).abs().sum(dim=(2, 3)).cpu() / e.abs().sum(dim=(2, 3)).clamp_min(1e-300).cpu()
+
+
 # ------------------------------------------------------------------------------------------ prologue
-def prologue(run: Callable, q, k, v, *, sm_scale, smooth_k=True, pv="fp8", qk_group="token") -> quant.QuantizedQKV:
-    qq, ws, launches = kernel_abi.prologue_plan(q, k, v, sm_scale=sm_scale, smooth_k=smooth_k, pv=pv, qk_group=qk_group)
+def prologue(run: Callable, q, k, v, *, sm_scale, smooth_k=True, pv="fp8", qk_group="token",
+             smooth_v=False) -> quant.QuantizedQKV:
+    qq, ws, launches = kernel_abi.prologue_plan(q, k, v, sm_scale=sm_scale, smooth_k=smooth_k, pv=pv, qk_group=qk_group,
+                                                smooth_v=smooth_v)
     run(launches)
     del ws
     return qq
@@ -106,11 +200,11 @@ def _differing(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def prologue_mismatches(qq: quant.QuantizedQKV, q, k, v, *, sm_scale, smooth_k=True, pv="fp8",
-                        qk_group="token") -> Dict[str, int]:
+                        qk_group="token", smooth_v=False) -> Dict[str, int]:
     """{field: number of elements that differ from the CPU torch prologue} (empty = bit-exact; for inputs
     holding NaN/Inf, NaN must sit exactly where the spec puts it)."""
     ref = quant.quantize_qkv_torch(q.cpu(), k.cpu(), v.cpu(), sm_scale=sm_scale, smooth_k=smooth_k, pv=pv,
-                                   qk_group=qk_group)
+                                   qk_group=qk_group, smooth_v=smooth_v)
     bad = {}
     for name in QQ_FIELDS:
         a, b = getattr(qq, name), getattr(ref, name)

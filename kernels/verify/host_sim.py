@@ -20,7 +20,7 @@ from ..backends.hip import kernel_abi
 
 SIM_RUNTIME = Path(__file__).resolve().parent / "sim_runtime.h"
 _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
-_LIB = None
+_LIBS = {}
 _LOCK = threading.Lock()
 
 
@@ -32,16 +32,18 @@ def host_compiler() -> Optional[str]:
     return None
 
 
-def module_source() -> str:
-    """The kernels as host C++ (SAGE_HOST_SIM): the simulator's runtime header, then the kernel sources."""
-    return "\n".join(["#define SAGE_HOST_SIM 1\n", SIM_RUNTIME.read_text(), kernel_abi.module_source("hip")])
+def module_source(**options) -> str:
+    """The kernels as host C++ (SAGE_HOST_SIM): the simulator's runtime header, then the kernel sources.
+    `options`: kernel_abi.VERIFY_OPTIONS (e.g. acc_trunc_bits=13), as #defines in front."""
+    return "\n".join(["#define SAGE_HOST_SIM 1\n", kernel_abi.option_defines(**options), SIM_RUNTIME.read_text(),
+                      kernel_abi.module_source("hip")])
 
 
-def _build() -> ctypes.CDLL:
+def _build(options) -> ctypes.CDLL:
     cxx = host_compiler()
     if cxx is None:
         raise RuntimeError("no host C++ compiler (clang++-19, clang++ or g++) for the kernel simulator")
-    src = module_source()
+    src = module_source(**options)
     key = hashlib.sha256((cxx + src).encode()).hexdigest()[:16]
     cache = Path(tempfile.gettempdir()) / f"sage_rdna4_sim_{os.getuid()}"
     cache.mkdir(exist_ok=True)
@@ -58,17 +60,32 @@ def _build() -> ctypes.CDLL:
     return ctypes.CDLL(str(lib))
 
 
-def library() -> ctypes.CDLL:
-    global _LIB
+def _key(options) -> tuple:
+    return tuple(sorted((k, int(v)) for k, v in options.items() if int(v)))
+
+
+def library(**options) -> ctypes.CDLL:
+    """The simulator build of the kernels with these verification options (one shared library each)."""
+    key = _key(options)
     with _LOCK:
-        if _LIB is None:
-            _LIB = _build()
-        return _LIB
+        if key not in _LIBS:
+            _LIBS[key] = _build(dict(key))
+        return _LIBS[key]
 
 
-def run(launches: Iterable[kernel_abi.Launch]) -> None:
-    """Execute launches in order, one block at a time."""
-    lib = library()
+def runner(**options):
+    """A `run` function (as `run` below) executing the build with these options, e.g. runner(acc_trunc_bits=13)."""
+    key = _key(options)
+    kernel_abi.option_defines(**options)  # unknown or out-of-range options fail here, not at the first launch
+
+    def run_with(launches: Iterable[kernel_abi.Launch]) -> None:
+        run(launches, **dict(key))
+    return run_with
+
+
+def run(launches: Iterable[kernel_abi.Launch], **options) -> None:
+    """Execute launches in order, one block at a time (`options`: kernel_abi.VERIFY_OPTIONS)."""
+    lib = library(**options)
     for ln in launches:
         fn = getattr(lib, ln.kernel)
         fn.restype = None

@@ -62,17 +62,29 @@ def prologue_refusal(call: AttentionCall) -> Optional[str]:
     """Why the prologue the call asks for cannot quantize it, or None."""
     if call.prologue == "triton":
         try:
-            from ..triton.prologue import triton_prologue_refusal
+            from ..triton.prologue import triton_prologue_refusal, triton_quantize_qkv
         except Exception as exc:
             return f"the Triton prologue is unavailable: {type(exc).__name__}: {exc}"
         reason = triton_prologue_refusal(call)
+        if not reason and call.smooth_v and not _accepts_keyword(triton_quantize_qkv, "smooth_v"):
+            reason = "smooth_v is not implemented in the Triton prologue"
         return f"Triton prologue: {reason}" if reason else None
     reason = hip_prologue.hip_prologue_refusal(call)
     return f"HIP prologue: {reason}" if reason else None
 
 
+def _accepts_keyword(fn, name: str) -> bool:
+    import inspect
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def quantize(q, k, v, call: AttentionCall, sm_scale: float, pv: str) -> quant.QuantizedQKV:
     kw = dict(sm_scale=sm_scale, smooth_k=call.smooth_k, pv=pv, qk_group=call.qk_group)
+    if call.smooth_v:  # v_mean comes back in the QuantizedQKV; the attention kernel adds it to the output
+        kw["smooth_v"] = True
     if call.prologue == "triton":
         from ..triton.prologue import triton_quantize_qkv
         return triton_quantize_qkv(q, k, v, **kw)
@@ -123,8 +135,6 @@ class HipBackend(Backend):
         return None
 
     def refuse(self, call: AttentionCall) -> Optional[str]:
-        if call.smooth_v:
-            return "smooth_v is not implemented in the HIP kernels yet"
         return attention_refusal(call, self.pv) or prologue_refusal(call)
 
     def why_not(self, call: AttentionCall) -> Optional[str]:

@@ -11,7 +11,8 @@ use static LDS) and the argument list as (ctype, value) pairs with ctype one of
 stream, in order.
 
 Layout contract (see quant.QuantizedQKV): q8/k8 int8 (B,H,N,D) contiguous, per-token fp32 scales
-(B,H,N), v e4m3 or fp16 (B,Hkv,Nk,Dv) contiguous, v_scale (B,Hkv,Dv), k_mean (B,Hkv,D) or None.
+(B,H,N), v e4m3 or fp16 (B,Hkv,Nk,Dv) contiguous, v_scale (B,Hkv,Dv), k_mean (B,Hkv,D) or None,
+v_mean (B,Hkv,Dv) or None (smooth_v).
 Raw inputs q, k, v are fp16/bf16 HND views with any element strides (the last one included).
 """
 from __future__ import annotations
@@ -43,13 +44,37 @@ ATT_BLOCK_N = 64
 PROBE_THREADS = 32
 
 
-def module_source(target: str = "hip") -> str:
+# Verification-only build options (never set on the product path), as `module_source` keywords:
+#   acc_trunc_bits      SG_EMU_ACC_TRUNC_BITS: the emulated fp8 WMMA (CUDA, host simulator) models an
+#                       accumulator keeping that many fraction bits (NVIDIA's FP8 MMA: ~13); 0 = exact
+#   f16_acc_trunc_bits  SG_EMU_F16_ACC_TRUNC_BITS: the same for the emulated f16 WMMA
+#   pv_single_chain     SG_PV_SINGLE_CHAIN: P.V accumulated in one WMMA chain over all key tiles (the former
+#                       kernel), instead of one chain per tile folded into the FP32 accumulator
+VERIFY_OPTIONS = {"acc_trunc_bits": "SG_EMU_ACC_TRUNC_BITS", "f16_acc_trunc_bits": "SG_EMU_F16_ACC_TRUNC_BITS",
+                  "pv_single_chain": "SG_PV_SINGLE_CHAIN"}
+
+
+def option_defines(**options) -> str:
+    """`#define` lines for verification options (see VERIFY_OPTIONS); '' when all are off."""
+    lines = []
+    for key, value in sorted(options.items()):
+        if key not in VERIFY_OPTIONS:
+            raise ValueError(f"unknown kernel build option {key!r} (known: {sorted(VERIFY_OPTIONS)})")
+        value = int(value)
+        if key.endswith("trunc_bits") and not 0 <= value <= 23:
+            raise ValueError(f"{key} must be in 0..23, got {value}")
+        if value:
+            lines.append(f"#define {VERIFY_OPTIONS[key]} {value}\n")
+    return "".join(lines)
+
+
+def module_source(target: str = "hip", **options) -> str:
     """The translation unit for 'hip' (hiprtc/clang AMDGPU) or 'cuda' (nvrtc/nvcc): the same text, the prelude
     picks its branch from the compiler's macros. The CPU simulator (kernels/verify/host_sim.py) puts its own
-    runtime header in front of this text."""
+    runtime header in front of this text. `options` (VERIFY_OPTIONS; verification only) prepend #defines."""
     if target not in ("hip", "cuda"):
         raise ValueError(f"unknown target {target!r}")
-    return "\n".join((SRC_DIR / name).read_text() for name in SOURCE_FILES)
+    return option_defines(**options) + "\n".join((SRC_DIR / name).read_text() for name in SOURCE_FILES)
 
 
 # ------------------------------------------------------------------------------------------ names
@@ -131,10 +156,12 @@ def raw_input_refusal(q, k, v) -> Optional[str]:
     return None
 
 
-def prologue_plan(q, k, v, *, sm_scale: float, smooth_k: bool, pv: str, qk_group: str = "token"):
+def prologue_plan(q, k, v, *, sm_scale: float, smooth_k: bool, pv: str, qk_group: str = "token",
+                  smooth_v: bool = False):
     """Allocate a QuantizedQKV (plus workspace) and return (qq, workspace, launches) for the HIP prologue.
 
-    Keep `workspace` alive until the launches have run."""
+    Keep `workspace` alive until the launches have run. smooth_v: V's channel mean (`v_mean`) is taken out
+    before V's scale and quantization (quant.quantize_qkv_torch's rule)."""
     reason = raw_input_refusal(q, k, v)
     if reason:
         raise ValueError(reason)
@@ -152,23 +179,26 @@ def prologue_plan(q, k, v, *, sm_scale: float, smooth_k: bool, pv: str, qk_group
     v_q = torch.empty((b, hkv, nk, dv), dtype=torch.float8_e4m3fn if pv == "fp8" else torch.float16, device=dev)
     v_scale = torch.empty((b, hkv, dv), dtype=torch.float32, device=dev)
     k_mean = torch.empty((b, hkv, d), dtype=torch.float32, device=dev) if smooth_k else None
+    v_mean = torch.empty((b, hkv, dv), dtype=torch.float32, device=dev) if smooth_v else None
     chunks = max(1, math.ceil(nk / STAT_CHUNK))
     ws = torch.empty((2, b * hkv * chunks * max(d, dv)), dtype=torch.float64, device=dev)
     ws_k, ws_v = ws[0], ws[1]
     block = (PRO_THREADS, 1, 1)
     launches: List[Launch] = []
 
-    def stats(x, width, mode, wsp, out):
+    def stats(x, width, mode, wsp, out, mean=None):
         launches.append(Launch(colstats_kernel(dt), (chunks, x.shape[1], b), block,
                                (_ptr(x), *_strides(x), _i32(x.shape[1]), _i32(nk), _i32(width), _i32(chunks),
-                                _i32(0 if mode == 0 else 1), _ptr(wsp))))
+                                _i32(0 if mode == 0 else 1), _ptr(mean), _ptr(wsp))))
         rows = b * x.shape[1]
         launches.append(Launch("sage_colstats_finalize", (math.ceil(rows * width / PRO_THREADS), 1, 1), block,
                                (_ptr(wsp), _i32(chunks), _i64(rows), _i32(width), _i32(nk), _i32(mode), _ptr(out))))
 
     if smooth_k:
         stats(k, d, 0, ws_k, k_mean)
-    stats(v, dv, 1 if pv == "fp8" else 2, ws_v, v_scale)
+    if smooth_v:  # the mean first; the amax pass then reuses the workspace (same stream, in order)
+        stats(v, dv, 0, ws_v, v_mean)
+    stats(v, dv, 1 if pv == "fp8" else 2, ws_v, v_scale, v_mean)
     tb = 32 if group == 1 else group
 
     def quant_qk(x, n, mult, mean, out, scale):
@@ -179,8 +209,9 @@ def prologue_plan(q, k, v, *, sm_scale: float, smooth_k: bool, pv: str, qk_group
     quant_qk(q, nq, quant.qk_multiplier(sm_scale), None, q8, q_scale)
     quant_qk(k, nk, 1.0, k_mean, k8, k_scale)
     launches.append(Launch(quant_v_kernel(pv, dt), (math.ceil(nk * (dv // 4) / PRO_THREADS), hkv, b), block,
-                           (_ptr(v), *_strides(v), _i32(hkv), _i32(nk), _i32(dv), _ptr(v_scale), _ptr(v_q))))
-    qq = quant.QuantizedQKV(q8, q_scale, k8, k_scale, v_q, v_scale, k_mean)
+                           (_ptr(v), *_strides(v), _i32(hkv), _i32(nk), _i32(dv), _ptr(v_scale), _ptr(v_mean),
+                            _ptr(v_q))))
+    qq = quant.QuantizedQKV(q8, q_scale, k8, k_scale, v_q, v_scale, k_mean, v_mean)
     return qq, ws, launches
 
 
@@ -213,8 +244,12 @@ def quantized_refusal(qq: quant.QuantizedQKV, pv: str) -> Optional[str]:
     for name in ("q8", "q_scale", "k8", "k_scale", "v", "v_scale"):
         if not getattr(qq, name).is_contiguous():
             return f"{name} must be contiguous"
-    if qq.k_mean is not None and not qq.k_mean.is_contiguous():
-        return "k_mean must be contiguous"
+    for name, width in (("k_mean", d), ("v_mean", dv)):
+        t = getattr(qq, name, None)
+        if t is None:
+            continue
+        if t.dtype != torch.float32 or tuple(t.shape) != (b, hkv, width) or not t.is_contiguous():
+            return f"{name} must be contiguous fp32 {(b, hkv, width)}, got {t.dtype} {tuple(t.shape)}"
     return None
 
 
@@ -244,7 +279,8 @@ def attention_plan(qq: quant.QuantizedQKV, *, pv: str, is_causal: bool, out_dtyp
     qs = _strides(q) if use_q else (_i64(0),) * 4
     launch = Launch(attention_kernel(pv, d, out_dtype), (math.ceil(nq / ATT_BLOCK_M), hq, b), (ATT_THREADS, 1, 1),
                     (_ptr(qq.q8), _ptr(qq.q_scale), _ptr(qq.k8), _ptr(qq.k_scale), _ptr(qq.v), _ptr(qq.v_scale),
-                     _i32(hq), _i32(hkv), _i32(nq), _i32(nk), _i32(1 if is_causal else 0),
+                     _ptr(getattr(qq, "v_mean", None)), _i32(hq), _i32(hkv), _i32(nq), _i32(nk),
+                     _i32(1 if is_causal else 0),
                      _ptr(out), _i64(out.stride(0)), _i64(out.stride(1)), _i64(out.stride(2)),
                      _ptr(lse), _ptr(q if use_q else None), *qs,
                      _ptr(qq.k_mean if use_q else None), _f32(sm_scale)))

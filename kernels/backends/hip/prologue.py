@@ -47,15 +47,18 @@ def hip_prologue_refusal(call: AttentionCall) -> Optional[str]:
 
 
 def hip_quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float, smooth_k: bool = True,
-                     pv: str = "fp8", qk_group: str = "token") -> quant.QuantizedQKV:
-    """Quantize HND views (any strides) on their GPU with the HIP prologue, on PyTorch's current stream."""
+                     pv: str = "fp8", qk_group: str = "token", smooth_v: bool = False) -> quant.QuantizedQKV:
+    """Quantize HND views (any strides) on their GPU with the HIP prologue, on PyTorch's current stream.
+
+    smooth_v: V's channel mean is taken out before its quantization and returned as `v_mean` (B, Hkv, Dv)
+    fp32, which both the HIP and the Triton attention add back to their output."""
     from ...call_spec import describe_call
-    call = describe_call(q, k, v, smooth_k=smooth_k, prologue="hip", qk_group=qk_group)
+    call = describe_call(q, k, v, smooth_k=smooth_k, prologue="hip", qk_group=qk_group, smooth_v=smooth_v)
     reason = hip_prologue_refusal(call)
     if reason:
         raise KernelRefused("prologue=hip", reason)
     qq, workspace, launches = _abi().prologue_plan(q, k, v, sm_scale=sm_scale, smooth_k=smooth_k, pv=pv,
-                                                   qk_group=qk_group)
+                                                   qk_group=qk_group, smooth_v=smooth_v)
     run_launches(q.device.index, kernel_bundle(), launches)
     del workspace  # freed in stream order: the allocator reuses it only after these launches
     return qq

@@ -332,6 +332,59 @@ SG_INLINE float wave_abs_max(float v) {
   return v;
 }
 
+// ---------------------------------------------------------------- truncating accumulator (emulation only)
+// Verification option: SG_EMU_ACC_TRUNC_BITS (fp8 builtin) and SG_EMU_F16_ACC_TRUNC_BITS (f16 builtin),
+// 0 = exact (default). N > 0 models a matrix unit whose accumulator keeps N fraction bits, as NVIDIA's
+// FP8 MMA does (~13 bits, an FP22; SageAttention2's paper): per output element the 17 terms, C and the
+// 16 products (each exact in fp32), are aligned to the largest exponent emax among the nonzero terms
+// and every bit below 2^(emax - N) is dropped (each term truncated toward zero to a multiple of
+// 2^(emax - N)); the aligned terms are summed exactly and the sum is normalised into the N-bit
+// accumulator, again truncating toward zero (N fraction bits below its leading bit). Terms that are
+// NaN or Inf give the plain sum. A pure-torch twin of this model is kernels/verify/hip_checks.py
+// (trunc_acc_model); tests compare the two bit for bit. It says nothing about what RDNA4 does: it lets
+// the emulation show which kernels survive a truncating accumulator.
+#if !defined(SG_AMD)
+#ifndef SG_EMU_ACC_TRUNC_BITS
+#define SG_EMU_ACC_TRUNC_BITS 0
+#endif
+#ifndef SG_EMU_F16_ACC_TRUNC_BITS
+#define SG_EMU_F16_ACC_TRUNC_BITS 0
+#endif
+// Exponent of the leading bit of a finite nonzero float (subnormals count as 2^-127 and below: -127).
+SG_INLINE int emu_exponent(float x) {
+  const int ef = (int)((bit_cast<u32>(x) >> 23) & 0xffu);
+  return ef ? ef - 127 : -127;
+}
+// x truncated toward zero to a multiple of 2^g (finite x; bit masking of the fp32 encoding).
+SG_INLINE float emu_trunc_to_grid(float x, int g) {
+  const u32 u = bit_cast<u32>(x);
+  const int ef = (int)((u >> 23) & 0xffu);
+  const int drop = g - ((ef ? ef : 1) - 150);  // bits below 2^g; the last mantissa bit is 2^(ef - 150)
+  if (drop <= 0) return x;
+  if (drop >= 24) return bit_cast<float>(u & 0x80000000u);  // |x| < 2^g: signed zero
+  return bit_cast<float>(u & ~((1u << drop) - 1u));
+}
+SG_INLINE float emu_trunc_acc(const float* t, int bits) {
+  int emax = -1000;
+  bool finite = true;
+  for (int i = 0; i < 17; ++i) {
+    if (!(fabs_(t[i]) <= 3.40282347e38f)) finite = false;
+    else if (t[i] != 0.0f && emu_exponent(t[i]) > emax) emax = emu_exponent(t[i]);
+  }
+  if (!finite) {
+    float acc = 0.0f;
+    for (int i = 1; i < 17; ++i) acc += t[i];
+    return acc + t[0];
+  }
+  if (emax == -1000) return t[0] + 0.0f;  // all terms zero
+  double sum = 0.0;  // multiples of 2^(emax - bits) below 17 * 2^(emax + 1): exact in double
+  for (int i = 0; i < 17; ++i) sum += (double)emu_trunc_to_grid(t[i], emax - bits);
+  float r = (float)sum;  // exact for bits <= 18
+  if (r == 0.0f) return r;
+  return emu_trunc_to_grid(r, emu_exponent(r) - bits);
+}
+#endif
+
 // ---------------------------------------------------------------- WMMA 16x16x16, wave32
 #if !defined(SG_AMD)
 // Each lane publishes its A row slice and B column slice (gfx12 layout), then computes its own
@@ -367,6 +420,7 @@ SG_EMU_FN i32x8 wmma_iu8(i32x2 a, i32x2 b, i32x8 c) {
 
 // fp8 e4m3 x fp8 e4m3 -> f32. Products are exact in f32; the emulation sums them in K order and
 // then adds C (the hardware's internal summation order is not documented: last-bit differences).
+// With SG_EMU_ACC_TRUNC_BITS > 0 it models a truncating accumulator instead (emu_trunc_acc).
 SG_EMU_FN f32x8 wmma_fp8(i32x2 a, i32x2 b, f32x8 c) {
 #if defined(SG_AMD)
   return __builtin_amdgcn_wmma_f32_16x16x16_fp8_fp8_w32_gfx12(a, b, c);
@@ -377,6 +431,13 @@ SG_EMU_FN f32x8 wmma_fp8(i32x2 a, i32x2 b, f32x8 c) {
   f32x8 d;
   for (int e = 0; e < 8; ++e) {
     int m = 8 * h + e;
+    if (SG_EMU_ACC_TRUNC_BITS > 0) {
+      float t[17];
+      t[0] = c[e];
+      for (int k = 0; k < 16; ++k) t[k + 1] = e4m3_to_f32(s.a[m * 16 + k]) * e4m3_to_f32(s.b[r * 16 + k]);
+      d[e] = emu_trunc_acc(t, SG_EMU_ACC_TRUNC_BITS);
+      continue;
+    }
     float acc = 0.0f;
     for (int k = 0; k < 16; ++k) acc = fma_(e4m3_to_f32(s.a[m * 16 + k]), e4m3_to_f32(s.b[r * 16 + k]), acc);
     d[e] = acc + c[e];
@@ -398,6 +459,13 @@ SG_EMU_FN f32x8 wmma_f16(f16x8 a, f16x8 b, f32x8 c) {
   f32x8 d;
   for (int e = 0; e < 8; ++e) {
     int m = 8 * h + e;
+    if (SG_EMU_F16_ACC_TRUNC_BITS > 0) {
+      float t[17];
+      t[0] = c[e];
+      for (int k = 0; k < 16; ++k) t[k + 1] = f16_to_f32(sa[m * 16 + k]) * f16_to_f32(sb[r * 16 + k]);
+      d[e] = emu_trunc_acc(t, SG_EMU_F16_ACC_TRUNC_BITS);
+      continue;
+    }
     float acc = 0.0f;
     for (int k = 0; k < 16; ++k) acc = fma_(f16_to_f32(sa[m * 16 + k]), f16_to_f32(sb[r * 16 + k]), acc);
     d[e] = acc + c[e];

@@ -139,32 +139,69 @@ template <int D, bool FP8PV> struct PFrag;
 template <int D> struct PFrag<D, true> { i32x2 p[4]; };
 template <int D> struct PFrag<D, false> { f16x8 p[4]; };
 
-// O^T[16tt + 8h + e][query r] += V^T P^T over the 64 keys of the tile.
+// O^T[16tt + 8h + e][query r] = alpha * O^T + V^T P^T over the 64 keys of the tile (the online-softmax
+// rescale folded in). Two-level accumulation: each 16-channel block's product over the tile is chained
+// through the tile's WMMA steps from a zero C and only then added to the FP32 accumulator, with one FMA
+// per element (o = fma(o, alpha, t), which replaces the separate o *= alpha). A matrix unit whose
+// accumulator keeps fewer bits than FP32 (NVIDIA's FP8 MMA keeps ~13) then only rounds one tile's sum,
+// never the small increment of a tile against the large running total of a long diffuse row.
+// SG_PV_SINGLE_CHAIN=1 (verification only) builds the former single chain instead: o *= alpha, then
+// every WMMA step accumulates into o itself.
+#ifndef SG_PV_SINGLE_CHAIN
+#define SG_PV_SINGLE_CHAIN 0
+#endif
+// o * alpha + t as one three-address v_fma_f32. Written as plain C, clang-19 selects v_fmac_f32 (destination
+// tied to the addend t) for some elements, which moves those accumulator elements into the WMMA temp's
+// registers, adds copies on the loop's back edge and costs ~30 VGPRs (FP8 D128: 167 -> 196-201, 9 -> 7
+// waves per SIMD); the VOP3 form keeps every accumulator element in its own register (167, as before).
+SG_INLINE float fold_acc(float o, float alpha, float t) {
+#if defined(SG_AMD)
+  float r;
+  asm("v_fma_f32 %0, %1, %2, %3" : "=v"(r) : "v"(o), "v"(alpha), "v"(t));
+  return r;
+#else
+  return fma_(o, alpha, t);
+#endif
+}
+SG_INLINE void pv_begin(f32x8& t, const f32x8& o, float alpha) {
+  #pragma unroll
+  for (int e = 0; e < 8; ++e) t[e] = SG_PV_SINGLE_CHAIN ? o[e] * alpha : 0.0f;
+}
+SG_INLINE void pv_end(f32x8& o, const f32x8& t, float alpha) {
+  #pragma unroll
+  for (int e = 0; e < 8; ++e) o[e] = SG_PV_SINGLE_CHAIN ? t[e] : fold_acc(o[e], alpha, t[e]);
+}
 template <int D>
-SG_INLINE void pv_tile(f32x8* o, const PFrag<D, true>& pf, const u8* vt, int vt_stride) {
+SG_INLINE void pv_tile(f32x8* o, float alpha, const PFrag<D, true>& pf, const u8* vt, int vt_stride) {
   const int l = lane_id();
   const u8* base = vt + (l & 15) * vt_stride + 16 * (l >> 4);
   #pragma unroll
   for (int tt = 0; tt < D / 16; ++tt) {
+    f32x8 t;
+    pv_begin(t, o[tt], alpha);
     #pragma unroll
     for (int m = 0; m < 2; ++m) {
       const u32x4 a = *(const u32x4*)(base + 16 * tt * vt_stride + 32 * m);
-      o[tt] = wmma_fp8(mk_i32x2(a.x, a.y), pf.p[2 * m], o[tt]);
-      o[tt] = wmma_fp8(mk_i32x2(a.z, a.w), pf.p[2 * m + 1], o[tt]);
+      t = wmma_fp8(mk_i32x2(a.x, a.y), pf.p[2 * m], t);
+      t = wmma_fp8(mk_i32x2(a.z, a.w), pf.p[2 * m + 1], t);
     }
+    pv_end(o[tt], t, alpha);
   }
 }
 template <int D>
-SG_INLINE void pv_tile(f32x8* o, const PFrag<D, false>& pf, const u8* vt, int vt_stride) {
+SG_INLINE void pv_tile(f32x8* o, float alpha, const PFrag<D, false>& pf, const u8* vt, int vt_stride) {
   const int l = lane_id();
   const u8* base = vt + (l & 15) * vt_stride + 16 * (l >> 4);
   #pragma unroll
   for (int tt = 0; tt < D / 16; ++tt) {
+    f32x8 t;
+    pv_begin(t, o[tt], alpha);
     #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const f16x8 a = bit_cast<f16x8>(*(const u32x4*)(base + 16 * tt * vt_stride + 32 * j));
-      o[tt] = wmma_f16(a, pf.p[j], o[tt]);
+      t = wmma_f16(a, pf.p[j], t);
     }
+    pv_end(o[tt], t, alpha);
   }
 }
 
@@ -232,12 +269,8 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
   }
   rs.l = fma_(rs.l, alpha, (part[0] + part[1]) + (part[2] + part[3]));
   rs.m = m_new;
-  #pragma unroll
-  for (int tt = 0; tt < D / 16; ++tt)
-    #pragma unroll
-    for (int e = 0; e < 8; ++e) rs.o[tt][e] *= alpha;
   sched_fence();
-  pv_tile<D>(rs.o, pf, sm.vt, M::VT_STRIDE);
+  pv_tile<D>(rs.o, alpha, pf, sm.vt, M::VT_STRIDE);
   sched_fence();
 }
 
@@ -245,7 +278,7 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
 // The whole attention for one block of BM query rows of one (batch, q head).
 template <int D, bool FP8PV, class T>
 SG_INLINE void attention(const i8* q8, const float* q_scale, const i8* k8, const float* k_scale, const u8* v,
-                         const float* v_scale, int Hq, int Hkv, int Nq, int Nk, int causal,
+                         const float* v_scale, const float* v_mean, int Hq, int Hkv, int Nq, int Nk, int causal,
                          u16* out, i64 osb, i64 osh, i64 osn, float* lse,
                          const u16* q, i64 qsb, i64 qsh, i64 qsn, i64 qsd, const float* k_mean, float sm_scale) {
   typedef AttnSmem<D, FP8PV> M;
@@ -293,26 +326,31 @@ SG_INLINE void attention(const i8* q8, const float* q_scale, const i8* k8, const
     block_sync();
   }
 
-  // Epilogue: out = acc / row_sum * v_scale (the x448 of FP8 P cancels between acc and sum). Dividing
-  // first keeps acc * v_scale from overflowing FP32 (V near the bf16 max); the cast saturates (FP8
-  // rounding of P lifts a convex combination of V up to ~6 % above max|V|: fp16 V at 65504 would be Inf)
-  // and keeps NaN. Only a row that saw no key has l_tot == 0 (zeros out); a NaN row sum (NaN or Inf in
-  // q or k) must stay NaN, so it is not tested with `> 0`.
+  // Epilogue: out = acc / row_sum * v_scale (the x448 of FP8 P cancels between acc and sum), plus V's
+  // channel mean with smooth_v (v_mean != nullptr). Dividing first keeps acc * v_scale from overflowing
+  // FP32 (V near the bf16 max); the cast saturates (FP8 rounding of P lifts a convex combination of V up
+  // to ~6 % above max|V|: fp16 V at 65504 would be Inf) and keeps NaN. Only a row that saw no key has
+  // l_tot == 0 (zeros out, without the mean); a NaN row sum (NaN or Inf in q or k) must stay NaN, so it
+  // is not tested with `> 0`.
   const float l_tot = rs.l + lane_xor<16>(rs.l);
   const float inv = l_tot == 0.0f ? 0.0f : 1.0f / l_tot;
   if (rs.qrow < Nq) {
     u16* orow = out + (i64)b * osb + (i64)hq * osh + (i64)rs.qrow * osn;
     const float* vs = v_scale + bhk * D;
+    const float* vm = v_mean && l_tot != 0.0f ? v_mean + bhk * D : nullptr;
     #pragma unroll
     for (int tt = 0; tt < D / 16; ++tt) {
       const int c0 = 16 * tt + 8 * h;
+      float y[8];
+      #pragma unroll
+      for (int e = 0; e < 8; ++e) y[e] = rs.o[tt][e] * inv * vs[c0 + e];
+      if (vm) {
+        #pragma unroll
+        for (int e = 0; e < 8; ++e) y[e] += vm[c0 + e];
+      }
       u32 w[4];
       #pragma unroll
-      for (int e = 0; e < 8; e += 2) {
-        const u32 lo = T::store_sat(rs.o[tt][e] * inv * vs[c0 + e]);
-        const u32 hi = T::store_sat(rs.o[tt][e + 1] * inv * vs[c0 + e + 1]);
-        w[e / 2] = lo | (hi << 16);
-      }
+      for (int e = 0; e < 8; e += 2) w[e / 2] = (u32)T::store_sat(y[e]) | ((u32)T::store_sat(y[e + 1]) << 16);
       u32x4 pk;
       pk.x = w[0]; pk.y = w[1]; pk.z = w[2]; pk.w = w[3];
       *(u32x4*)(orow + c0) = pk;
@@ -401,11 +439,11 @@ SG_INLINE void wmma_probe(int kind, const u32* a, const u32* b, const u32* c, u3
 #define SG_ATTN(PV, FP8, D, SUF, T)                                                                          \
   extern "C" __global__ SG_LAUNCH_BOUNDS(256) void sage_attn_i8##PV##_d##D##_##SUF(                          \
       const sg::i8* q8, const float* q_scale, const sg::i8* k8, const float* k_scale, const sg::u8* v,        \
-      const float* v_scale, int Hq, int Hkv, int Nq, int Nk, int causal, sg::u16* out, sg::i64 osb,          \
-      sg::i64 osh, sg::i64 osn, float* lse, const sg::u16* q, sg::i64 qsb, sg::i64 qsh, sg::i64 qsn,         \
-      sg::i64 qsd, const float* k_mean, float sm_scale) {                                                     \
-    sg::attention<D, FP8, sg::T>(q8, q_scale, k8, k_scale, v, v_scale, Hq, Hkv, Nq, Nk, causal, out, osb,    \
-                                 osh, osn, lse, q, qsb, qsh, qsn, qsd, k_mean, sm_scale);                     \
+      const float* v_scale, const float* v_mean, int Hq, int Hkv, int Nq, int Nk, int causal, sg::u16* out,  \
+      sg::i64 osb, sg::i64 osh, sg::i64 osn, float* lse, const sg::u16* q, sg::i64 qsb, sg::i64 qsh,         \
+      sg::i64 qsn, sg::i64 qsd, const float* k_mean, float sm_scale) {                                        \
+    sg::attention<D, FP8, sg::T>(q8, q_scale, k8, k_scale, v, v_scale, v_mean, Hq, Hkv, Nq, Nk, causal, out, \
+                                 osb, osh, osn, lse, q, qsb, qsh, qsn, qsd, k_mean, sm_scale);                \
   }
 SG_ATTN(f8, true, 128, f16, F16)
 SG_ATTN(f8, true, 128, bf16, BF16)

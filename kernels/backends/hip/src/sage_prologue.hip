@@ -8,12 +8,13 @@ constexpr int PRO_THREADS = 256;
 constexpr int STAT_CHUNK = 512;  // tokens per column-statistics block
 
 // Column statistics per (b, h, channel) over one chunk of tokens, into a f64 workspace
-// ws[((b*H + h)*chunks + chunk)*D + d]. mode 0: sum (for the key mean); mode 1: max |x|.
+// ws[((b*H + h)*chunks + chunk)*D + d]. mode 0: sum (for the key and value means); mode 1: max |x|,
+// or with `mean` (smooth_v) max |x - mean[b, h, d]| with the difference taken in FP32 as the spec does.
 // Both keep NaN as torch does (a sum does by itself; the max through abs_max), so a NaN or Inf
 // anywhere in a channel gives that channel a NaN/Inf statistic instead of a finite one.
 template <class T>
 SG_INLINE void colstats(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int N, int D, int chunks,
-                        int mode, double* ws) {
+                        int mode, const float* mean, double* ws) {
   SG_SHARED double part[PRO_THREADS];
   const int chunk = bid_x(), h = bid_y(), b = bid_z(), t = tid_x();
   const int rows = PRO_THREADS / D, d = t % D, r = t / D;
@@ -21,8 +22,10 @@ SG_INLINE void colstats(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int
   const int n_end = (chunk + 1) * STAT_CHUNK < N ? (chunk + 1) * STAT_CHUNK : N;
   double acc = 0.0;
   if (r < rows) {
+    const float mu = mean && mode != 0 ? mean[((i64)b * H + h) * D + d] : 0.0f;
     for (int n = chunk * STAT_CHUNK + r; n < n_end; n += rows) {
       float v = T::load(base[(i64)n * sn]);
+      if (mean && mode != 0) v = v - mu;
       if (mode == 0) acc += (double)v;
       else acc = abs_max(acc, (double)fabs_(v));
     }
@@ -40,7 +43,7 @@ SG_INLINE void colstats(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int
 }
 
 // Combine the chunks, in chunk order, and finish one statistic per (b, h, channel):
-//   mode 0: key mean   = float(sum / N)                         (torch: k.double().mean().float())
+//   mode 0: key/value mean = float(sum / N)                     (torch: x.double().mean().float())
 //   mode 1: fp8 scale  = max(amax / 448, tiny)                  (quant.quantize_v_fp8)
 //   mode 2: fp16 scale = smallest power of two >= max(amax / 32768, 1)   (quant.quantize_v_fp16)
 // A NaN amax gives a NaN scale and an Inf amax an Inf scale (torch's clamp_min keeps both).
@@ -138,12 +141,13 @@ SG_INLINE void quant_qk(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int
   }
 }
 
-// V for FP8 P.V: e4m3(clamp(v / scale, -448, 448)); for FP16 P.V: fp16(v / scale).
+// V for FP8 P.V: e4m3(clamp(v / scale, -448, 448)); for FP16 P.V: fp16(v / scale); with smooth_v
+// (mean != nullptr) v is float(x) - mean[b, h, d] first (FP32, as quant.smooth_values).
 // NaN (a NaN/Inf channel: its scale is NaN/Inf) stays NaN through the clamp and the e4m3 encoding.
 // One thread = 4 adjacent channels of one token; output (B, H, N, Dv) contiguous.
 template <bool FP8, class T>
 SG_INLINE void quant_v(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int N, int Dv,
-                       const float* vscale, void* out) {
+                       const float* vscale, const float* mean, void* out) {
   const int h = bid_y(), b = bid_z();
   const i64 bh = (i64)b * H + h;
   const i64 idx = (i64)bid_x() * PRO_THREADS + tid_x();
@@ -155,7 +159,9 @@ SG_INLINE void quant_v(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int 
   float y[4];
   #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    float f = T::load(src[(i64)i * sd]) / vscale[bh * Dv + d0 + i];
+    float f = T::load(src[(i64)i * sd]);
+    if (mean) f = f - mean[bh * Dv + d0 + i];
+    f = f / vscale[bh * Dv + d0 + i];
     y[i] = FP8 ? clamp_keep_nan(f, 448.0f) : f;
   }
   const i64 o = (bh * N + n) * Dv + d0;
@@ -175,8 +181,8 @@ SG_INLINE void quant_v(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int 
 #define SG_COLSTATS(SUF, T)                                                                              \
   extern "C" __global__ SG_LAUNCH_BOUNDS(256) void sage_colstats_##SUF(                                  \
       const sg::u16* x, sg::i64 sb, sg::i64 sh, sg::i64 sn, sg::i64 sd, int H, int N, int D, int chunks, \
-      int mode, double* ws) {                                                                             \
-    sg::colstats<sg::T>(x, sb, sh, sn, sd, H, N, D, chunks, mode, ws);                                  \
+      int mode, const float* mean, double* ws) {                                                          \
+    sg::colstats<sg::T>(x, sb, sh, sn, sd, H, N, D, chunks, mode, mean, ws);                            \
   }
 SG_COLSTATS(f16, F16)
 SG_COLSTATS(bf16, BF16)
@@ -202,8 +208,8 @@ SG_QUANT_QK_G(128, bf16, BF16)
 #define SG_QUANT_V(PV, FP8, SUF, T)                                                                          \
   extern "C" __global__ SG_LAUNCH_BOUNDS(256) void sage_quant_v_##PV##_##SUF(                                 \
       const sg::u16* x, sg::i64 sb, sg::i64 sh, sg::i64 sn, sg::i64 sd, int H, int N, int Dv,               \
-      const float* vscale, void* out) {                                                                       \
-    sg::quant_v<FP8, sg::T>(x, sb, sh, sn, sd, H, N, Dv, vscale, out);                                       \
+      const float* vscale, const float* mean, void* out) {                                                    \
+    sg::quant_v<FP8, sg::T>(x, sb, sh, sn, sd, H, N, Dv, vscale, mean, out);                                 \
   }
 SG_QUANT_V(fp8, true, f16, F16)
 SG_QUANT_V(fp8, true, bf16, BF16)
