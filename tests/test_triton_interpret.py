@@ -42,6 +42,42 @@ if not CHILD:
             with pytest.raises(KernelRefused, match="TRITON_INTERPRET=1"):
                 sage_attention(q, q, q, kernel=name)
 
+    def test_hip_prologue_without_smooth_v_is_refused_and_never_loses_the_mean(monkeypatch):
+        """prologue='hip' with smooth_v: refused while the HIP prologue has no smooth_v parameter; and a
+        prologue that ignores smooth_v (no v_mean back) fails the call instead of returning V without its mean."""
+        from comfyui_sage_rdna4.kernels.backends.triton import backend as tb
+
+        q = torch.randn(1, 2, 16, 64)
+        call = describe_call(q, q, q, prologue="hip", smooth_v=True)
+        b = get_backend("triton_int8_fp8")
+
+        def old_prologue(q, k, v, *, sm_scale, smooth_k=True, pv="fp8", qk_group="token"):
+            raise AssertionError("must not be called")
+
+        def new_prologue(q, k, v, *, sm_scale, smooth_k=True, pv="fp8", qk_group="token", smooth_v=False):
+            return quant.quantize_qkv_torch(q, k, v, sm_scale=sm_scale, smooth_k=smooth_k, pv=pv, qk_group=qk_group)
+
+        monkeypatch.setattr(tb, "_hip_prologue", lambda: (lambda c: None, old_prologue))
+        assert "smooth_v" in b.refuse(call) and "HIP prologue" in b.refuse(call)
+        assert b.refuse(describe_call(q, q, q, prologue="hip")) is None  # without smooth_v it serves
+        monkeypatch.setattr(tb, "_hip_prologue", lambda: (lambda c: None, new_prologue))
+        assert b.refuse(call) is None
+        with pytest.raises(RuntimeError, match="v_mean"):
+            b.launch(q, q, q, call, 0.125, None)  # new_prologue drops smooth_v: v_mean is None
+
+    def test_accumulation_modes_per_arch():
+        from comfyui_sage_rdna4.kernels.backends.triton import configs
+        assert configs.accumulation_of("sm_90", 128, "fp8") == "imprecise_k"
+        assert configs.accumulation_of("sm_89", 128, "fp8") == "split"
+        for arch in configs.RDNA4_ARCHS:
+            assert configs.accumulation_of(arch, 128, "fp8") == "split"
+        for arch in ("sm_90", "sm_89", "sm_80", "gfx1201", "cpu"):
+            for d in (64, 128, 256):
+                assert configs.accumulation_of(arch, d, "fp16") == "mma"
+        assert "pv_accumulate='imprecise_k'" in repr(configs.attention_config("sm_90", 128, "fp8"))
+        with pytest.raises(ValueError, match="pv_accumulate"):
+            configs.AttentionConfig(128, 64, 4, 1, pv_accumulate="fast")
+
     def test_interpreter_suite_in_child_process():
         env = dict(os.environ, TRITON_INTERPRET="1")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib",
@@ -53,31 +89,36 @@ if not CHILD:
 
 else:
     from comfyui_sage_rdna4.kernels.backends.triton.attention import attention_from_quantized_triton
-    from comfyui_sage_rdna4.kernels.backends.triton.configs import attention_config
+    import dataclasses
+
+    from comfyui_sage_rdna4.kernels.backends.triton.configs import PV_ACCUMULATE, attention_config
     from comfyui_sage_rdna4.kernels.backends.triton.prologue import triton_quantize_qkv
 
-    def make_qkv(b, hq, hkv, nq, nk, d, dtype=torch.float32, dv=None, seed=0, k_offset=3.0):
+    def make_qkv(b, hq, hkv, nq, nk, d, dtype=torch.float32, dv=None, seed=0, k_offset=3.0, v_offset=False):
         g = torch.Generator().manual_seed(seed)
         dv = dv or d
         q = torch.randn(b, hq, nq, d, generator=g)
         k = torch.randn(b, hkv, nk, d, generator=g) + k_offset * torch.randn(b, hkv, 1, d, generator=g)
         v = torch.randn(b, hkv, nk, dv, generator=g)
+        if v_offset:  # a per-channel V offset, as video models have: what smooth_v takes out
+            v = v + 2.0 + 2.0 * torch.randn(b, hkv, 1, dv, generator=g).abs()
         return q.to(dtype), k.to(dtype), v.to(dtype)
 
     def assert_same_quantization(got: quant.QuantizedQKV, want: quant.QuantizedQKV):
+        """Bit for bit. The means too: the prologue sums each chunk with TwoSum and the chunks in FP64, so its
+        mean is the spec's FP64 one before the final rounding (they could part only on an exact tie)."""
         assert torch.equal(got.q8, want.q8), "q8 differs from the torch spec"
         torch.testing.assert_close(got.q_scale, want.q_scale, rtol=0, atol=0)
-        # K is smoothed with a mean that may differ from the FP64 one in the last bit: allow a rare +-1.
-        diff = (got.k8.int() - want.k8.int()).abs()
-        assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3
-        torch.testing.assert_close(got.k_scale, want.k_scale, rtol=1e-5, atol=0)
+        assert torch.equal(got.k8, want.k8), "k8 differs from the torch spec"
+        torch.testing.assert_close(got.k_scale, want.k_scale, rtol=0, atol=0)
         assert got.v.dtype == want.v.dtype and got.v.shape == want.v.shape
         assert torch.equal(got.v.float(), want.v.float()), "V quantization differs from the torch spec"
         torch.testing.assert_close(got.v_scale, want.v_scale, rtol=0, atol=0)
-        if want.k_mean is None:
-            assert got.k_mean is None
-        else:
-            torch.testing.assert_close(got.k_mean, want.k_mean, rtol=1e-6, atol=1e-6)
+        for name in ("k_mean", "v_mean"):
+            if getattr(want, name) is None:
+                assert getattr(got, name) is None, f"{name} should be None"
+            else:
+                torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0)
 
     @pytest.mark.parametrize("pv", ["fp8", "fp16"])
     @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -91,15 +132,48 @@ else:
         assert_same_quantization(got, want)
 
     @pytest.mark.parametrize("pv", ["fp8", "fp16"])
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+    @pytest.mark.parametrize("smooth_k,qk_group,d,dv", [(True, "token", 64, 64), (False, "block32", 80, 40)])
+    def test_prologue_smooth_v_matches_torch_spec(pv, dtype, smooth_k, qk_group, d, dv):
+        # V with a per-channel offset (what smooth_v is for), GQA, tails, and V narrower than Q/K.
+        q, k, v = make_qkv(2, 4, 2, 45, 101, d, dtype, dv=dv, seed=11, v_offset=True)
+        sm = 1.0 / math.sqrt(d)
+        got = triton_quantize_qkv(q, k, v, sm_scale=sm, smooth_k=smooth_k, pv=pv, qk_group=qk_group, smooth_v=True)
+        want = quant.quantize_qkv_torch(q, k, v, sm_scale=sm, smooth_k=smooth_k, pv=pv, qk_group=qk_group,
+                                        smooth_v=True)
+        assert got.v_mean is not None and got.v_mean.shape == (2, 2, dv) and got.v_mean.dtype == torch.float32
+        assert_same_quantization(got, want)
+        # The point of it: V's FP8 scale shrinks by the offset.
+        plain = quant.quantize_qkv_torch(q, k, v, sm_scale=sm, pv=pv)
+        if pv == "fp8":
+            assert float((got.v_scale / plain.v_scale).mean()) < 0.7
+
+    def test_prologue_smooth_v_edge_values():
+        # A constant V channel (zero after its mean: amax 0, scale clamped to tiny, codes 0), a channel
+        # whose extremes sit on one side of the mean, and near-max values (the mean of 65504s is 65504).
+        q, k, v = make_qkv(1, 2, 2, 40, 70, 64, torch.float16, seed=4)
+        v[:, :, :, 0] = 3.0
+        v[:, :, :, 1] = 65504.0
+        v[:, :, 5, 2] = 60000.0
+        v[:, :, :, 3] = v[:, :, :, 3].abs() + 100.0
+        for pv in ("fp8", "fp16"):
+            got = triton_quantize_qkv(q, k, v, sm_scale=0.125, pv=pv, smooth_v=True)
+            want = quant.quantize_qkv_torch(q, k, v, sm_scale=0.125, pv=pv, smooth_v=True)
+            assert_same_quantization(got, want)
+            assert torch.isfinite(got.v.float()).all()
+            assert float(got.v_mean[0, 0, 1]) == 65504.0 and not got.v.float()[..., :2].any()
+
+    @pytest.mark.parametrize("pv", ["fp8", "fp16"])
     def test_prologue_long_sequence_path_with_separate_finalize(pv, monkeypatch):
         # Long sequences reduce the stats partials in their own launch, CH chunks per step; shrink CH
         # so 200 keys (4 chunks on the CPU) take that path and its loop runs twice.
         from comfyui_sage_rdna4.kernels.backends.triton import prologue
         monkeypatch.setattr(prologue, "STATS_CH", 2)
-        q, k, v = make_qkv(1, 2, 2, 50, 200, 64)
-        got = triton_quantize_qkv(q, k, v, sm_scale=0.125, smooth_k=True, pv=pv)
-        want = quant.quantize_qkv_torch(q, k, v, sm_scale=0.125, smooth_k=True, pv=pv)
-        assert_same_quantization(got, want)
+        q, k, v = make_qkv(1, 2, 2, 50, 200, 64, v_offset=True)
+        for smooth_v in (False, True):
+            got = triton_quantize_qkv(q, k, v, sm_scale=0.125, smooth_k=True, pv=pv, smooth_v=smooth_v)
+            want = quant.quantize_qkv_torch(q, k, v, sm_scale=0.125, smooth_k=True, pv=pv, smooth_v=smooth_v)
+            assert_same_quantization(got, want)
 
     def test_prologue_reads_fused_qkv_views_in_place():
         # (B, N, 3, H, D) projection output: q, k, v are strided NHD views, seen as HND.
@@ -108,11 +182,17 @@ else:
         qkv[:, :, 1] += 2.0 * torch.randn(64, generator=g)
         q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
         assert not q.is_contiguous()
-        for pv in ("fp8", "fp16"):
-            got = triton_quantize_qkv(q, k, v, sm_scale=0.125, smooth_k=True, pv=pv)
+        for pv, smooth_v in (("fp8", True), ("fp16", False)):
+            got = triton_quantize_qkv(q, k, v, sm_scale=0.125, smooth_k=True, pv=pv, smooth_v=smooth_v)
             want = quant.quantize_qkv_torch(q.contiguous(), k.contiguous(), v.contiguous(), sm_scale=0.125,
-                                            smooth_k=True, pv=pv)
+                                            smooth_k=True, pv=pv, smooth_v=smooth_v)
             assert_same_quantization(got, want)
+        # V^T storage (Hopper) carries the same values and the same mean.
+        got = triton_quantize_qkv(q, k, v, sm_scale=0.125, pv="fp8", smooth_v=True, v_transposed=True)
+        want = quant.quantize_qkv_torch(q.contiguous(), k.contiguous(), v.contiguous(), sm_scale=0.125,
+                                        smooth_v=True)
+        assert got.v.stride(-2) == 1
+        assert_same_quantization(got, want)
 
     def test_prologue_edge_values():
         # An all-zero token (0 * inf scale) quantizes to zeros; huge V never overflows FP8 or FP16.
@@ -128,12 +208,14 @@ else:
             torch.testing.assert_close(got.v_scale, want.v_scale, rtol=0, atol=0)
 
     @pytest.mark.parametrize("kernel", ["triton_int8_fp8", "triton_int8_fp16"])
-    def test_nan_inputs_give_nan_where_exact_attention_does(kernel):
-        # Hardware max drops NaNs; the prologue's amax must not, or a NaN would come out as a number.
-        for where in ("q", "k", "v"):
+    @pytest.mark.parametrize("smooth_v", [False, True])
+    def test_nan_inputs_give_nan_where_exact_attention_does(kernel, smooth_v):
+        # Hardware max drops NaNs; the prologue's amax (and smooth_v's max/min) must not, or a NaN would
+        # come out as a number.
+        for where in (("q", "k", "v") if not smooth_v else ("k", "v")):
             q, k, v = make_qkv(1, 2, 2, 40, 40, 64, torch.float16)
             {"q": q, "k": k, "v": v}[where][0, 1, 7, 3] = float("nan")
-            out = sage_attention(q, k, v, kernel=kernel)
+            out = sage_attention(q, k, v, kernel=kernel, smooth_v=smooth_v)
             exact, _ = reference.exact_attention(q, k, v)
             bad = ~torch.isfinite(exact)
             assert bad.any()
@@ -141,11 +223,15 @@ else:
             assert torch.isfinite(out[~bad]).all()
 
     @pytest.mark.parametrize("kernel", ["triton_int8_fp8", "triton_int8_fp16"])
-    def test_fp16_max_value_channel_stays_finite(kernel):
-        # A V channel holding 65504 everywhere averages to 65504; rounded P must not push it to Inf.
+    @pytest.mark.parametrize("smooth_v", [False, True])
+    def test_fp16_max_value_channel_stays_finite(kernel, smooth_v):
+        # A V channel holding 65504 everywhere averages to 65504; rounded P (or the mean added back to a
+        # rounded zero) must not push it to Inf.
         q, k, v = make_qkv(1, 2, 2, 64, 64, 64, torch.float16)
         v[..., 5] = 65504.0
-        out = sage_attention(q, k, v, kernel=kernel)
+        v[..., 6] = 65504.0
+        v[:, :, 3, 6] = 60000.0
+        out = sage_attention(q, k, v, kernel=kernel, smooth_v=smooth_v)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out[..., 5].float(), torch.full_like(out[..., 5].float(), 65504.0), rtol=0.07,
                                    atol=0)
@@ -174,6 +260,92 @@ else:
         assert metrics.cosine(out, ref) >= (0.99999 if pv == "fp16" else 0.9995)
         assert metrics.rel_l1(out, ref) <= (1e-3 if pv == "fp16" else 0.03)
         torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-4)  # LSE of the smoothed scores
+
+    def check_against_reference(qq, pv, cfg, causal, tol_scale=1.0):
+        out, lse = attention_from_quantized_triton(qq, pv=pv, config=cfg, is_causal=causal, return_lse=True,
+                                                   out_dtype=torch.float32)
+        ref, ref_lse = reference.attention_from_quantized(qq, pv=pv, is_causal=causal, return_lse=True)
+        # The same bounds as for the default configs above.
+        assert metrics.cosine(out, ref) >= (0.99999 if pv == "fp16" else 0.9995)
+        assert metrics.rel_l1(out, ref) <= (1e-3 if pv == "fp16" else 0.03) * tol_scale
+        torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-4)
+        return out, ref
+
+    MODE_CASES = [
+        # b, hq, hkv, nq, nk, d, causal, smooth_v
+        (2, 4, 2, 45, 130, 128, False, True),   # GQA, tails, V offset taken out
+        (1, 2, 1, 130, 45, 64, True, False),    # causal top-left, Nq > Nk
+    ]
+
+    @pytest.mark.parametrize("mode", PV_ACCUMULATE)
+    @pytest.mark.parametrize("pv", ["fp8", "fp16"])
+    @pytest.mark.parametrize("case", MODE_CASES)
+    def test_every_accumulation_mode_matches_reference(mode, pv, case):
+        b, hq, hkv, nq, nk, d, causal, smooth_v = case
+        q, k, v = make_qkv(b, hq, hkv, nq, nk, d, seed=5, v_offset=True)
+        qq = quant.quantize_qkv_torch(q, k, v, sm_scale=d ** -0.5, pv=pv, smooth_v=smooth_v)
+        cfg = dataclasses.replace(attention_config("cpu", d, pv), pv_accumulate=mode)
+        check_against_reference(qq, pv, cfg, causal)
+
+    @pytest.mark.parametrize("pv", ["fp8", "fp16"])
+    @pytest.mark.parametrize("case", [(2, 4, 2, 45, 130, 128, False), (1, 2, 1, 100, 100, 64, True),
+                                      (1, 1, 1, 33, 70, 160, True)])
+    def test_epilogue_adds_v_mean(pv, case):
+        """smooth_v's mean comes back per channel of each row's KV head (GQA), causal or not; LSE unchanged."""
+        b, hq, hkv, nq, nk, d, causal = case
+        q, k, v = make_qkv(b, hq, hkv, nq, nk, d, seed=9, v_offset=True)
+        qq = quant.quantize_qkv_torch(q, k, v, sm_scale=d ** -0.5, pv=pv, smooth_v=True)
+        cfg = attention_config("cpu", d, pv)
+        out, ref = check_against_reference(qq, pv, cfg, causal)
+        # Against the true output as well: the offset is about 2-8, the varying part about 1 (rows of P sum to 1).
+        exact, _ = reference.exact_attention(q, k, v, is_causal=causal)
+        assert metrics.rel_l1(out, exact) <= (0.002 if pv == "fp16" else 0.01)
+        # Without the mean the output would be off by it: the kernel really adds qq.v_mean.
+        no_mean = quant.QuantizedQKV(qq.q8, qq.q_scale, qq.k8, qq.k_scale, qq.v, qq.v_scale, qq.k_mean)
+        bare, _ = attention_from_quantized_triton(no_mean, pv=pv, config=cfg, is_causal=causal,
+                                                  out_dtype=torch.float32)
+        vm = reference.expand_kv_heads(qq.v_mean, hq).unsqueeze(2)
+        torch.testing.assert_close(out - bare, vm.expand_as(out), rtol=1e-5, atol=1e-5)
+
+    def test_epilogue_keeps_rows_without_keys_zero():
+        # A row that sees no key cannot arise through the public call (no masks); make one directly: an
+        # infinite q scale with a q row opposite to every key gives -inf for every score of that row.
+        q, k, v = make_qkv(1, 2, 1, 40, 70, 64, seed=3, v_offset=True)
+        for pv in ("fp8", "fp16"):
+            qq = quant.quantize_qkv_torch(q, k, v, sm_scale=0.125, pv=pv, smooth_v=True)
+            qq.k8 = qq.k8.abs().clamp_min(1)
+            qq.q8[0, 1, 17] = -1
+            qq.q_scale[0, 1, 17] = float("inf")
+            out, lse = attention_from_quantized_triton(qq, pv=pv, config=attention_config("cpu", 64, pv),
+                                                       return_lse=True, out_dtype=torch.float32)
+            ref, ref_lse = reference.attention_from_quantized(qq, pv=pv, return_lse=True)
+            assert not ref[0, 1, 17].any() and float(ref_lse[0, 1, 17]) == -math.inf
+            assert not out[0, 1, 17].any(), "a row without keys got V's mean (or NaN)"
+            live = torch.ones_like(out, dtype=torch.bool)
+            live[0, 1, 17] = False
+            assert metrics.rel_l1(out[live], ref[live]) <= (1e-3 if pv == "fp16" else 0.03)
+            lse_live = live[..., 0]
+            torch.testing.assert_close(lse[lse_live], ref_lse[lse_live], rtol=0, atol=1e-4)
+
+    @pytest.mark.parametrize("kernel", ["triton_int8_fp8", "triton_int8_fp16"])
+    @pytest.mark.parametrize("causal", [False, True])
+    def test_backend_smooth_v_end_to_end(kernel, causal):
+        """sage_attention(..., smooth_v=True) through the Triton prologue and kernel: the spec's result, the
+        exact one, and LSE as without smooth_v."""
+        q, k, v = make_qkv(1, 4, 2, 70, 90, 64, torch.float16, seed=8, v_offset=True)
+        qn, kn, vn = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        out, lse = sage_attention(qn, kn, vn, tensor_layout="NHD", is_causal=causal, kernel=kernel,
+                                  return_lse=True, smooth_v=True)
+        out = out.transpose(1, 2).float()
+        pv = kernel.rsplit("_", 1)[1]
+        spec, spec_lse = reference.reference_attention(q, k, v, is_causal=causal, pv=pv, return_lse=True,
+                                                       smooth_v=True)
+        exact, _ = reference.exact_attention(q, k, v, is_causal=causal)
+        assert metrics.rel_l1(out, spec.float()) <= (2e-3 if pv == "fp16" else 0.01)
+        assert metrics.rel_l1(out, exact) <= (3e-3 if pv == "fp16" else 0.01)
+        _, plain_lse = sage_attention(q, k, v, is_causal=causal, kernel=kernel, return_lse=True)
+        torch.testing.assert_close(lse, spec_lse, rtol=0, atol=2e-3)
+        torch.testing.assert_close(lse, plain_lse, rtol=0, atol=1e-5)
 
     @pytest.mark.parametrize("kernel", ["triton_int8_fp8", "triton_int8_fp16"])
     @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
@@ -206,6 +378,7 @@ else:
         big = torch.randn(1, 1, 4, 288)
         assert "256" in b.why_not(describe_call(big, big, big))
         assert "dtype" in b.why_not(describe_call(q.double(), q.double(), q.double()))
+        assert b.why_not(describe_call(q, q, q, smooth_v=True)) is None  # smooth_v is served (Triton prologue)
         reason = b.why_not(describe_call(q, q, q, prologue="hip"))
         # Without a HIP prologue (or a GPU for it) the call is refused, never silently re-routed.
         assert reason is None or "HIP" in reason

@@ -4,6 +4,11 @@
 RDNA4 configuration can be checked on a CPU: register use, spills, LDS, occupancy, and whether the
 ISA really uses the gfx12 WMMA instructions (int8 for Q.K^T, fp8 for P.V). The signature mirrors how
 the backend launches the kernels (16-byte aligned pointers and row strides, unit strides constant).
+
+It also reads how P.V is accumulated from the Triton IR: Triton's combiner folds `x + dot(a, b, 0)` back
+into `dot(a, b, x)` (accumulation inside the MMA) unless the dot carries max_num_imprecise_acc, so the
+"split" mode is only real if its P.V dots still start from a zero accumulator after compilation.
+`nvidia_pv_dots` checks the same for NVIDIA targets (Triton ships ptxas; no GPU needed).
 """
 from __future__ import annotations
 
@@ -31,12 +36,15 @@ class KernelReport:
     lds_bytes: int
     occupancy: Optional[int]  # waves per SIMD as LLVM reports it
     isa_ops: Dict[str, int] = field(default_factory=dict)
+    pv_dots: int = 0        # FP8/FP16 dots (P.V) in the Triton IR
+    pv_dots_fresh: int = 0  # of which start from a zero accumulator (the "split" form survived)
 
     def line(self) -> str:
         ops = ", ".join(f"{k}={v}" for k, v in self.isa_ops.items())
+        fresh = f"; P.V dots from zero {self.pv_dots_fresh}/{self.pv_dots}" if self.pv_dots else ""
         return (f"{self.arch} {self.label}: VGPRs {self.vgprs}, SGPRs {self.sgprs}, spills v{self.vgpr_spills}/"
                 f"s{self.sgpr_spills}, scratch {self.scratch_bytes} B, LDS {self.lds_bytes} B, "
-                f"occupancy {self.occupancy} waves/SIMD; {ops}")
+                f"occupancy {self.occupancy} waves/SIMD; {ops}{fresh}")
 
 
 def amd_backend_missing() -> Optional[str]:
@@ -56,8 +64,20 @@ def _meta_int(asm: str, key: str) -> int:
     return int(m.group(1)) if m else -1
 
 
+def pv_dots(ir: str):
+    """(P.V dots, of which with a constant accumulator) in Triton IR: dots on f8/f16 operands."""
+    total = fresh = 0
+    for line in ir.splitlines():
+        m = re.search(r"= (?:tt\.dot|ttng\.warp_group_dot) %[\w#]+, %[\w#]+, (%[\w#]+)", line)
+        if m and re.search(r": (?:tensor|!ttg\.memdesc)<\d+x\d+x(?:f8E4M3FN|f16)", line):
+            total += 1
+            fresh += m.group(1).startswith("%cst")
+    return total, fresh
+
+
 def _report(kernel, label: str, arch: str) -> KernelReport:
     asm = kernel.asm["amdgcn"]
+    dots, fresh = pv_dots(kernel.asm["ttir"])
     occ = re.search(r";\s*Occupancy:\s*(\d+)", asm)
     ops = {name: len(re.findall(rf"\b{name}\b", asm)) for name in (WMMA_INT8, WMMA_FP8, WMMA_F16)}
     return KernelReport(
@@ -66,11 +86,12 @@ def _report(kernel, label: str, arch: str) -> KernelReport:
         vgpr_spills=_meta_int(asm, "vgpr_spill_count"), sgpr_spills=_meta_int(asm, "sgpr_spill_count"),
         scratch_bytes=_meta_int(asm, "private_segment_fixed_size"),
         lds_bytes=int(kernel.metadata.shared), occupancy=int(occ.group(1)) if occ else None,
-        isa_ops=ops)
+        isa_ops=ops, pv_dots=dots, pv_dots_fresh=fresh)
 
 
 def _compile(fn, signature: Dict[str, str], constexprs: Dict[str, object], arch: str, num_warps: int,
              num_stages: int):
+    """Compile for gfx12 (`arch` "gfx1201"), or for NVIDIA with `arch` "sm_89"/"sm_90"."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -84,19 +105,47 @@ def _compile(fn, signature: Dict[str, str], constexprs: Dict[str, object], arch:
         elif name.startswith("s") and ty == "i32":  # row strides: multiples of 16 in the shipped layouts
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("hip", arch, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    target = GPUTarget("cuda", int(arch[3:]), 32) if arch.startswith("sm_") else GPUTarget("hip", arch, 32)
+    return triton.compile(src, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 def compile_attention(arch: str, head_dim: int, pv: str, config: AttentionConfig, *, is_causal: bool = False,
                       return_lse: bool = False, out_dtype: str = "bf16", kv_group: int = 1,
-                      v_head_dim: Optional[int] = None) -> KernelReport:
-    from ..backends.triton.attention import _sage_attn_fwd
+                      v_head_dim: Optional[int] = None, smooth_v: bool = False) -> KernelReport:
+    """One attention kernel as the backend launches it with `config` (its `pv_accumulate` included)."""
+    kernel, label = _compile_attention(arch, head_dim, pv, config, is_causal=is_causal, return_lse=return_lse,
+                                       out_dtype=out_dtype, kv_group=kv_group, v_head_dim=v_head_dim,
+                                       smooth_v=smooth_v)
+    return _report(kernel, label, arch)
+
+
+def nvidia_missing() -> Optional[str]:
+    """Why AOT compilation for NVIDIA cannot run here, or None."""
+    try:
+        from triton.backends import backends
+    except Exception as exc:
+        return f"triton is not importable: {exc}"
+    return None if "nvidia" in backends else "this triton has no NVIDIA backend"
+
+
+def nvidia_pv_dots(arch: str, head_dim: int, pv: str, config: AttentionConfig) -> Dict[str, object]:
+    """How the P.V dots come out for an NVIDIA target ("sm_89", "sm_90"): counts in the TTIR and TTGIR and
+    each TTGIR dot's maxNumImpreciseAcc (sm_90's wgmma flushes its FP8 accumulator every that many K)."""
+    kernel, _ = _compile_attention(arch, head_dim, pv, config)
+    ttgir = kernel.asm["ttgir"]
+    imprecise = [int(m) for line in ttgir.splitlines() if re.search(r"x(?:f8E4M3FN|f16)", line)
+                 for m in re.findall(r"maxNumImpreciseAcc = (\d+)", line)]
+    return {"ttir": pv_dots(kernel.asm["ttir"]), "ttgir": pv_dots(ttgir), "max_num_imprecise_acc": imprecise}
+
+
+def _compile_attention(arch, head_dim, pv, config, *, is_causal=False, return_lse=False, out_dtype="bf16",
+                       kv_group=1, v_head_dim=None, smooth_v=False):
+    from ..backends.triton.attention import ACC_MODES, _sage_attn_fwd
 
     dv = v_head_dim or head_dim
     d_pad, dv_pad = padded_head_dim(head_dim), padded_head_dim(dv)
     v_ty = "*fp8e4nv" if pv == "fp8" else "*fp16"
-    sig = {"Q8": "*i8", "QS": "*fp32", "K8": "*i8", "KS": "*fp32", "V": v_ty, "VS": "*fp32",
+    sig = {"Q8": "*i8", "QS": "*fp32", "K8": "*i8", "KS": "*fp32", "V": v_ty, "VS": "*fp32", "VM": "*fp32",
            "O": f"*{out_dtype}", "LSE": "*fp32"}
     strides = ["sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "svd", "sob", "soh", "son"]
     unit = "svn" if config.v_transposed else "svd"
@@ -107,16 +156,18 @@ def compile_attention(arch: str, head_dim: int, pv: str, config: AttentionConfig
     consts = {unit: 1, "KV_GROUP": kv_group, "HEAD_DIM": head_dim, "D_PAD": d_pad, "DV": dv, "DV_PAD": dv_pad,
               "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "IS_CAUSAL": is_causal,
               "PV_FP8": pv == "fp8", "STORE_LSE": return_lse, "V_T": config.v_transposed, "EXACT_P_ROUND": False,
-              "INTERPRETER": False}
+              "PV_ACC": ACC_MODES[config.pv_accumulate], "HAS_VMEAN": smooth_v, "INTERPRETER": False}
     for k in consts:
         sig[k] = "constexpr"
     kernel = _compile(_sage_attn_fwd, sig, consts, arch, config.num_warps, config.num_stages)
-    label = (f"attention D{head_dim}{'' if dv == head_dim else f'/{dv}'} {pv} BM{config.block_m} BN{config.block_n} w{config.num_warps} "
-             f"s{config.num_stages}{' causal' if is_causal else ''}{' lse' if return_lse else ''}")
-    return _report(kernel, label, arch)
+    label = (f"attention D{head_dim}{'' if dv == head_dim else f'/{dv}'} {pv} BM{config.block_m} "
+             f"BN{config.block_n} w{config.num_warps} s{config.num_stages} acc={config.pv_accumulate}"
+             f"{' causal' if is_causal else ''}{' lse' if return_lse else ''}{' smooth_v' if smooth_v else ''}")
+    return kernel, label
 
 
-def compile_prologue(arch: str, head_dim: int, pv: str, v_head_dim: Optional[int] = None) -> List[KernelReport]:
+def compile_prologue(arch: str, head_dim: int, pv: str, v_head_dim: Optional[int] = None,
+                     smooth_v: bool = False) -> List[KernelReport]:
     """The quantize kernels at the shipped prologue configuration (bf16 input)."""
     from ..backends.triton import prologue as p
     from ..backends.triton.configs import prologue_config
@@ -125,9 +176,10 @@ def compile_prologue(arch: str, head_dim: int, pv: str, v_head_dim: Optional[int
     dv = v_head_dim or head_dim
     d_pad, dv_pad = padded_head_dim(head_dim), padded_head_dim(dv)
     reports = []
+    sv = " smooth_v" if smooth_v else ""
     v_out = "*fp8e4nv" if pv == "fp8" else "*fp16"
-    sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KSUM": "*fp32", "VMAX": "*fp32", "KMEAN": "*fp32",
-           "VSCALE": "*fp32", "Q8": "*i8",
+    sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KSUM": "*fp64", "VMAX": "*fp32", "VSUM": "*fp64",
+           "VMIN": "*fp32", "KMEAN": "*fp32", "VSCALE": "*fp32", "VMEAN": "*fp32", "Q8": "*i8",
            "QS": "*fp32", "K8": "*i8", "KS": "*fp32", "VOUT": v_out, "mult": "fp32"}
     for t in ("q", "k", "v", "o"):
         for dim in "bhn":
@@ -139,26 +191,28 @@ def compile_prologue(arch: str, head_dim: int, pv: str, v_head_dim: Optional[int
     consts = {"sqd": 1, "skd": 1, "svd": 1, "sod": 1, "D": head_dim, "D_PAD": d_pad, "DV": dv,
               "DV_PAD": dv_pad, "QK_BLOCK": cfg.block_n, "V_BLOCK": cfg.block_n, "PER_BLOCK": False,
               "HAS_MEAN": True, "PV_FP8": pv == "fp8", "OUT_T": False, "FOLD_STATS": False,
-              "STATS_CH": p.STATS_CH, "INTERPRETER": False}
+              "STATS_CH": p.STATS_CH, "SMOOTH_V": smooth_v, "INTERPRETER": False}
     sig.update({k: "constexpr" for k in consts})
     for fold in (False, True):
         consts["FOLD_STATS"] = fold
         k = _compile(p._quantize_qkv, sig, consts, arch, cfg.num_warps, 1)
-        reports.append(_report(k, f"quantize_qkv D{head_dim}/{dv} {pv}{' fold' if fold else ''}", arch))
-    sig = {"K": "*bf16", "V": "*bf16", "KSUM": "*fp32", "VMAX": "*fp32",
+        reports.append(_report(k, f"quantize_qkv D{head_dim}/{dv} {pv}{' fold' if fold else ''}{sv}", arch))
+    sig = {"K": "*bf16", "V": "*bf16", "KSUM": "*fp64", "VMAX": "*fp32", "VSUM": "*fp64", "VMIN": "*fp32",
            "skb": "i32", "skh": "i32", "skn": "i32", "skd": "constexpr",
            "svb": "i32", "svh": "i32", "svn": "i32", "svd": "constexpr", "Hkv": "i32", "Nk": "i32", "n_chunks": "i32"}
     consts = {"skd": 1, "svd": 1, "D": head_dim, "D_PAD": d_pad, "DV": dv, "DV_PAD": dv_pad,
-              "CHUNK": cfg.stats_block_n, "SUB": 32, "DO_KSUM": True}
+              "CHUNK": cfg.stats_block_n, "SUB": p.stats_rows(d_pad, dv_pad, True, smooth_v), "DO_KSUM": True,
+              "SMOOTH_V": smooth_v}
     sig.update({k: "constexpr" for k in consts})
     k = _compile(p._kv_stats, sig, consts, arch, cfg.num_warps, 1)
-    reports.append(_report(k, f"kv_stats D{head_dim}", arch))
-    sig = {"KSUM": "*fp32", "VMAX": "*fp32", "KMEAN": "*fp32", "VSCALE": "*fp32", "n_chunks": "i32", "Nk": "i32"}
+    reports.append(_report(k, f"kv_stats D{head_dim}{sv}", arch))
+    sig = {"KSUM": "*fp64", "VMAX": "*fp32", "VSUM": "*fp64", "VMIN": "*fp32", "KMEAN": "*fp32", "VSCALE": "*fp32",
+           "VMEAN": "*fp32", "n_chunks": "i32", "Nk": "i32"}
     consts = {"D": head_dim, "D_PAD": d_pad, "DV": dv, "DV_PAD": dv_pad, "CH": p.STATS_CH, "DO_KSUM": True,
-              "PV_FP8": pv == "fp8"}
+              "PV_FP8": pv == "fp8", "SMOOTH_V": smooth_v}
     sig.update({k: "constexpr" for k in consts})
     k = _compile(p._kv_finalize, sig, consts, arch, 4, 1)
-    reports.append(_report(k, f"kv_finalize D{head_dim} {pv}", arch))
+    reports.append(_report(k, f"kv_finalize D{head_dim} {pv}{sv}", arch))
     return reports
 
 

@@ -6,6 +6,21 @@ lands in [0, 447.8] and goes to e4m3 without a multiply; the row sum carries the
 cancels in acc / l. Head dims are padded to a power of two inside the kernel (masked loads).
 Each program owns BLOCK_M query rows of one (batch, head); key tiles run in two stages: full tiles
 without masks, then the tail / causal-diagonal tiles with masks.
+
+How P.V reaches the FP32 accumulator (PV_ACC, from the config's `pv_accumulate`): NVIDIA's FP8 MMA
+(Hopper, Ada) keeps ~13 mantissa bits in its accumulator, so adding each key tile's small product
+to a large running sum inside the MMA truncates it; near-uniform attention over tens of thousands of
+keys with a V offset lost half its mass that way (rel L1 0.47 at N=32760 on an H200).
+  ACC_MMA (0):         acc = dot(p, v, acc)              accumulate in the MMA (FP16 P.V: full FP32)
+  ACC_IMPRECISE_K (1): dot(p, v, acc, max_num_imprecise_acc=BLOCK_N): Triton's sm_90 lowering keeps
+                       a zeroed partial accumulator per dot and adds it into acc in FP32
+  ACC_SPLIT (2):       acc = acc * alpha + dot(p, v)     a zero-initialised dot per tile, added in FP32.
+                       Its dot carries max_num_imprecise_acc=BLOCK_N only so that Triton's combiner
+                       does not fold the add back into the dot (it folds `x + dot(a, b, 0)` into
+                       `dot(a, b, x)` when that attribute is 0, the default off sm_90); no backend but
+                       sm_90 reads the attribute otherwise. triton_aot checks the compiled IR for this.
+With smooth_v (HAS_VMEAN) V's per-channel mean was taken out in the prologue and comes back here,
+after normalising, on every row that saw a key.
 """
 from __future__ import annotations
 
@@ -23,6 +38,9 @@ from .prologue import round_to_e4m3
 # exp2(P_SHIFT) stays below 448 even with an approximate exp2, so P never saturates e4m3.
 P_SHIFT = tl.constexpr(8.8067)  # log2(447.797)
 
+# PV_ACC values (the config's `pv_accumulate` names them).
+ACC_MODES = {"mma": 0, "imprecise_k": 1, "split": 2}
+
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -32,8 +50,8 @@ def interpreting() -> bool:
 def _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
               offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
-              MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
-              PV_FP8: tl.constexpr, V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr):
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+              PV_FP8: tl.constexpr, V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr, PV_ACC: tl.constexpr):
     cols = start_n + offs_n
     k_ptrs = k_base + cols[:, None] * skn + offs_d[None, :]
     if MASKED:
@@ -58,7 +76,6 @@ def _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
     p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
     if V_T:
         vt_ptrs = v_base + offs_dv[:, None] * svd + cols[None, :] * svn
         if MASKED or DV != DV_PAD:
@@ -75,9 +92,16 @@ def _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
     if PV_FP8:
         if EXACT_P_ROUND:
             p = round_to_e4m3(p)
-        acc = tl.dot(p.to(tl.float8e4nv), v, acc)
+        p = p.to(tl.float8e4nv)
     else:
-        acc = tl.dot(p.to(tl.float16), v, acc)
+        p = p.to(tl.float16)
+    if PV_ACC == 2:
+        # The attribute keeps the add from being folded back into the dot (see the module docstring).
+        acc = acc * alpha[:, None] + tl.dot(p, v, max_num_imprecise_acc=BLOCK_N)
+    elif PV_ACC == 1:
+        acc = tl.dot(p, v, acc * alpha[:, None], max_num_imprecise_acc=BLOCK_N)
+    else:
+        acc = tl.dot(p, v, acc * alpha[:, None])
     return acc, l_i, m_new
 
 
@@ -87,34 +111,35 @@ def _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, lo, hi,
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
                PV_FP8: tl.constexpr, V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr,
-               WHILE_LOOP: tl.constexpr):
+               PV_ACC: tl.constexpr, WHILE_LOOP: tl.constexpr):
     if WHILE_LOOP:
         # Interpreter only: Triton 3.6's interpreter cannot take runtime range() bounds with numpy 2.
         start_n = lo
         while start_n < hi:
             acc, l_i, m_i = _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
                                       offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
-                                      HEAD_DIM, D_PAD, DV, DV_PAD, MASKED, IS_CAUSAL, PV_FP8, V_T,
-                                      EXACT_P_ROUND)
+                                      HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, MASKED, IS_CAUSAL, PV_FP8, V_T,
+                                      EXACT_P_ROUND, PV_ACC)
             start_n += BLOCK_N
     else:
         # A for loop, so the software pipeliner can overlap loads with compute (num_stages > 1).
         for start_n in range(lo, hi, BLOCK_N):
             acc, l_i, m_i = _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
                                       offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
-                                      HEAD_DIM, D_PAD, DV, DV_PAD, MASKED, IS_CAUSAL, PV_FP8, V_T,
-                                      EXACT_P_ROUND)
+                                      HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, MASKED, IS_CAUSAL, PV_FP8, V_T,
+                                      EXACT_P_ROUND, PV_ACC)
     return acc, l_i, m_i
 
 
 @triton.jit
-def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, O, LSE,
+def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE,
                    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, svd, sob, soh, son,
                    Hq, Hkv, Nq, Nk,
                    KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                    DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, PV_FP8: tl.constexpr, STORE_LSE: tl.constexpr,
-                   V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr, INTERPRETER: tl.constexpr):
+                   V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr, PV_ACC: tl.constexpr,
+                   HAS_VMEAN: tl.constexpr, INTERPRETER: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
@@ -152,15 +177,20 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, O, LSE,
     acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, 0, full_end,
                                offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
                                HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, False, IS_CAUSAL, PV_FP8, V_T,
-                               EXACT_P_ROUND, INTERPRETER)
+                               EXACT_P_ROUND, PV_ACC, INTERPRETER)
     acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, full_end, hi,
                                offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
                                HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, True, IS_CAUSAL, PV_FP8, V_T,
-                               EXACT_P_ROUND, INTERPRETER)
+                               EXACT_P_ROUND, PV_ACC, INTERPRETER)
 
     v_scale = tl.load(VS + (b64 * Hkv + hk64) * DV + offs_dv, mask=offs_dv < DV, other=0.0)
     inv_l = 1.0 / l_i
     out = acc * (inv_l[:, None] * v_scale[None, :])
+    if HAS_VMEAN:
+        # smooth_v: each row of P sums to 1, so V's mean comes back whole. A row that saw no key (m_i -inf)
+        # stays zero; a NaN row (m_i NaN) stays NaN.
+        v_mean = tl.load(VM + (b64 * Hkv + hk64) * DV + offs_dv, mask=offs_dv < DV, other=0.0)
+        out = tl.where((m_i != float("-inf"))[:, None], out + v_mean[None, :], 0.0)
     if O.dtype.element_ty == tl.float16:
         # Rounding P (FP8: up to 6%) can lift a convex combination of V just past max|V|; at 65504 that
         # is Inf in FP16. Bring that small overshoot back to the largest FP16; real Inf/NaN stay as they are.
@@ -179,7 +209,8 @@ def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: 
                                     out_dtype: torch.dtype = torch.float16,
                                     out: Optional[torch.Tensor] = None):
     """Attention on a prologue's output. Returns (out (B, Hq, Nq, Dv) in out_dtype, LSE of the
-    smoothed scores (B, Hq, Nq) fp32 or None). The caller adds the smooth_k term to the LSE."""
+    smoothed scores (B, Hq, Nq) fp32 or None). The caller adds the smooth_k term to the LSE.
+    A `qq.v_mean` (smooth_v) is added back to the output; the LSE does not depend on it."""
     if pv not in ("fp8", "fp16"):
         raise ValueError(f"pv must be 'fp8' or 'fp16', got {pv!r}")
     b, hq, nq, d = qq.q8.shape
@@ -194,9 +225,14 @@ def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: 
     if out is None:
         out = torch.empty((b, hq, nq, dv), dtype=out_dtype, device=qq.q8.device)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=qq.q8.device) if return_lse else None
+    has_vmean = qq.v_mean is not None
+    if has_vmean and (qq.v_mean.shape != qq.v_scale.shape or not qq.v_mean.is_contiguous()
+                      or qq.v_mean.dtype != torch.float32):
+        raise ValueError("v_mean must be a contiguous FP32 (B, Hkv, Dv) tensor")
     grid = (triton.cdiv(nq, config.block_m), b * hq)
     _sage_attn_fwd[grid](
-        qq.q8, qq.q_scale, qq.k8, qq.k_scale, v, qq.v_scale, out, lse if return_lse else qq.q_scale,
+        qq.q8, qq.q_scale, qq.k8, qq.k_scale, v, qq.v_scale, qq.v_mean if has_vmean else qq.v_scale, out,
+        lse if return_lse else qq.q_scale,
         qq.q8.stride(0), qq.q8.stride(1), qq.q8.stride(2),
         qq.k8.stride(0), qq.k8.stride(1), qq.k8.stride(2),
         v.stride(0), v.stride(1), v.stride(2), v.stride(3),
@@ -204,6 +240,7 @@ def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: 
         hq, hkv, nq, nk,
         KV_GROUP=hq // hkv, HEAD_DIM=d, D_PAD=padded_head_dim(d), DV=dv, DV_PAD=padded_head_dim(dv),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_CAUSAL=bool(is_causal), PV_FP8=pv == "fp8",
-        STORE_LSE=bool(return_lse), V_T=v_t, EXACT_P_ROUND=interpreting(), INTERPRETER=interpreting(),
+        STORE_LSE=bool(return_lse), V_T=v_t, EXACT_P_ROUND=interpreting(),
+        PV_ACC=ACC_MODES[config.pv_accumulate], HAS_VMEAN=has_vmean, INTERPRETER=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out, lse

@@ -7,6 +7,7 @@ service there (the dispatcher then falls back with that reason).
 """
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Optional
 
@@ -43,6 +44,14 @@ def _hip_prologue():
     except Exception as exc:
         return f"the HIP prologue is not available: {type(exc).__name__}: {exc}"
     return hip_prologue_refusal, hip_quantize_qkv
+
+
+def _takes_smooth_v(fn) -> bool:
+    """Whether a prologue function has a `smooth_v` parameter (the HIP prologue gains it separately)."""
+    try:
+        return "smooth_v" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def lse_smooth_term(q: torch.Tensor, k_mean: torch.Tensor, sm_scale: float) -> torch.Tensor:
@@ -114,8 +123,6 @@ class TritonBackend(Backend):
             return f"head_dim {call.head_dim} / v_head_dim {call.v_head_dim} above {MAX_HEAD_DIM}"
         if call.mask != "none":
             return f"{call.mask} attention masks are not implemented in the Triton kernels"
-        if call.smooth_v:
-            return "smooth_v is not implemented in the Triton kernels yet"
         if call.prologue == "hip":
             hip = _hip_prologue()
             if isinstance(hip, str):
@@ -123,6 +130,8 @@ class TritonBackend(Backend):
             reason = hip[0](call)
             if reason:
                 return f"HIP prologue: {reason}"
+            if call.smooth_v and not _takes_smooth_v(hip[1]):
+                return "HIP prologue: smooth_v is not implemented there (use prologue='triton')"
             return None
         from .prologue import triton_prologue_refusal
         return triton_prologue_refusal(call)
@@ -131,12 +140,16 @@ class TritonBackend(Backend):
         from .attention import attention_from_quantized_triton
         cfg = attention_config(call.arch, max(call.head_dim, call.v_head_dim), self.pv)
         if call.prologue == "hip":
+            extra = {"smooth_v": True} if call.smooth_v else {}  # only asked of it when needed
             qq = _hip_prologue()[1](q, k, v, sm_scale=sm_scale, smooth_k=call.smooth_k, pv=self.pv,
-                                    qk_group=call.qk_group)
+                                    qk_group=call.qk_group, **extra)
         else:
             from .prologue import triton_quantize_qkv
             qq = triton_quantize_qkv(q, k, v, sm_scale=sm_scale, smooth_k=call.smooth_k, pv=self.pv,
-                                     qk_group=call.qk_group, v_transposed=cfg.v_transposed)
+                                     qk_group=call.qk_group, v_transposed=cfg.v_transposed, smooth_v=call.smooth_v)
+        if call.smooth_v and qq.v_mean is None:
+            # Never hand out an output that lacks V's mean: the prologue ignored smooth_v.
+            raise RuntimeError(f"the {call.prologue} prologue returned no v_mean for a smooth_v call")
         out = None
         if q.stride(1) < q.stride(2):
             # q is an NHD tensor seen as HND: write the output NHD too, so the caller's reshape is free.

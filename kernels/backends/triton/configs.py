@@ -13,6 +13,15 @@ from typing import Dict, Tuple
 RDNA4_ARCHS = ("gfx1200", "gfx1201")
 MAX_HEAD_DIM = 256
 
+# How each key tile's P.V product reaches the FP32 accumulator (attention.py explains the kernel side):
+#   "mma"          acc = dot(p, v, acc): accumulated inside the MMA. Exact enough where the MMA accumulates
+#                  in full FP32 (FP16 MMA on NVIDIA); NVIDIA's FP8 MMA keeps ~13 mantissa bits and loses
+#                  the small increments of diffuse attention over long sequences (rel L1 0.47 at N=32760).
+#   "imprecise_k"  dot(p, v, acc, max_num_imprecise_acc=block_n): Triton's own partial accumulator on
+#                  sm_90 (wgmma into a zeroed register tile, added into acc in FP32 after each tile).
+#   "split"        acc = acc * alpha + dot(p, v): a zero-initialised dot per tile, added in FP32.
+PV_ACCUMULATE = ("mma", "imprecise_k", "split")
+
 
 @dataclass(frozen=True)
 class AttentionConfig:
@@ -21,6 +30,11 @@ class AttentionConfig:
     num_warps: int
     num_stages: int
     v_transposed: bool = False  # V stored (Dv, Nk): K-major for the P.V dot (Hopper fp8 wgmma needs it)
+    pv_accumulate: str = "mma"  # one of PV_ACCUMULATE: how each tile's P.V reaches the FP32 accumulator
+
+    def __post_init__(self):
+        if self.pv_accumulate not in PV_ACCUMULATE:
+            raise ValueError(f"pv_accumulate must be one of {PV_ACCUMULATE}, got {self.pv_accumulate!r}")
 
 
 @dataclass(frozen=True)
@@ -38,16 +52,17 @@ def padded_head_dim(d: int) -> int:
     return p
 
 
-# Keyed by padded head dim. RDNA4: wave32, 64 KiB LDS, VGPRs decide occupancy; BM=128 with 8 waves
+# Keyed by (padded head dim, pv). RDNA4: wave32, 64 KiB LDS, VGPRs decide occupancy; BM=128 with 8 waves
 # gives each wave 16 query rows (one WMMA tile high), like the seed's HIP kernel.
 # Chosen from the AOT reports (aot.py) with Triton 3.6 and 3.8: the largest tiles that spill no VGPR
 # on gfx1201 under both (BN=64 at D128 spilled 29 VGPRs with 3.6; D256 needs BN=16 and 8 waves).
-# Each wave owns 16 query rows (one WMMA tile high) at BM=128 with 8 waves.
-_RDNA4: Dict[int, AttentionConfig] = {
-    32: AttentionConfig(128, 32, 8, 1),
-    64: AttentionConfig(128, 32, 8, 1),
-    128: AttentionConfig(128, 32, 8, 1),
-    256: AttentionConfig(64, 16, 8, 1),
+# FP8 P.V accumulates "split": nobody could tell whether gfx12's FP8 WMMA keeps a full FP32 accumulator,
+# and the split form compiles without VGPR spills for every entry (Triton 3.6, gfx1201; VGPRs mma -> split:
+# D32 110 -> 114, D64 138 -> 156, D128 225 -> 212, D256 215 -> 217; LDS unchanged). FP16 P.V stays "mma".
+_RDNA4_GEOMETRY = {32: (128, 32, 8), 64: (128, 32, 8), 128: (128, 32, 8), 256: (64, 16, 8)}
+_RDNA4: Dict[Tuple[int, str], AttentionConfig] = {
+    (d, pv): AttentionConfig(bm, bn, w, 1, pv_accumulate="split" if pv == "fp8" else "mma")
+    for d, (bm, bn, w) in _RDNA4_GEOMETRY.items() for pv in ("fp8", "fp16")
 }
 
 # Hopper (sm_90): Triton emits wgmma for the INT8 and FP8 dots; FP8 wgmma wants a K-major B, so V^T
@@ -55,27 +70,31 @@ _RDNA4: Dict[int, AttentionConfig] = {
 # time / cuDNN) at Wan 480p: BM128 BN64 w4 s3 0.96-0.97 (fp8) / 1.09-1.10 (fp16), s4 the same, s2
 # 1.19; BN128 w8 s3 1.07 / 1.21; BN64 w8 1.19 / 1.33; BN128 w4 1.56; BM64 BN64 1.12 / 1.35; BN32 1.26.
 # At Flux 1 MP s4 beats s3 (fp8 1.34 vs 1.37, fp16 1.70 vs 1.75); BM64 helps fp16 there (1.55) only.
+# FP8 P.V accumulates "imprecise_k" (wgmma's FP8 accumulator truncates; this was the cheapest accurate
+# variant on the H200: 1.19x cuDNN at Wan 480p, 1.10x at 720p; "mma" is faster, 1.00 / 0.94, but lost
+# half the output's mass on diffuse attention over 32k keys). FP16 wgmma accumulates in FP32: "mma".
 _HOPPER: Dict[Tuple[int, str], AttentionConfig] = {
-    (32, "fp8"): AttentionConfig(128, 64, 4, 4, True),
-    (64, "fp8"): AttentionConfig(128, 64, 4, 4, True),
-    (128, "fp8"): AttentionConfig(128, 64, 4, 4, True),
-    (256, "fp8"): AttentionConfig(64, 64, 4, 2, True),
+    (32, "fp8"): AttentionConfig(128, 64, 4, 4, True, "imprecise_k"),
+    (64, "fp8"): AttentionConfig(128, 64, 4, 4, True, "imprecise_k"),
+    (128, "fp8"): AttentionConfig(128, 64, 4, 4, True, "imprecise_k"),
+    (256, "fp8"): AttentionConfig(64, 64, 4, 2, True, "imprecise_k"),
     (32, "fp16"): AttentionConfig(128, 64, 4, 4),
     (64, "fp16"): AttentionConfig(128, 64, 4, 4),
     (128, "fp16"): AttentionConfig(128, 64, 4, 4),
     (256, "fp16"): AttentionConfig(64, 64, 4, 2),
 }
 
-# Other NVIDIA / other AMD GPUs: conservative, fits 100 KB of shared memory.
-_GENERIC: Dict[int, AttentionConfig] = {
-    32: AttentionConfig(128, 64, 4, 2),
-    64: AttentionConfig(128, 64, 4, 2),
-    128: AttentionConfig(128, 64, 8, 2),
-    256: AttentionConfig(64, 32, 4, 1),
+# Other NVIDIA / other AMD GPUs: conservative, fits 100 KB of shared memory. FP8 P.V accumulates "split":
+# Ada's (sm_89) FP8 mma truncates like Hopper's, and for the rest (Blackwell, gfx950) it is unmeasured.
+_GENERIC_GEOMETRY = {32: (128, 64, 4, 2), 64: (128, 64, 4, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 1)}
+_GENERIC: Dict[Tuple[int, str], AttentionConfig] = {
+    (d, pv): AttentionConfig(bm, bn, w, st, pv_accumulate="split" if pv == "fp8" else "mma")
+    for d, (bm, bn, w, st) in _GENERIC_GEOMETRY.items() for pv in ("fp8", "fp16")
 }
 
 # The interpreter (CPU): small tiles so tests with ~100 tokens still cross several tiles and tails.
-_INTERPRETER = AttentionConfig(32, 32, 4, 1)
+# FP8 accumulates "split" there (as on RDNA4); tests run every mode explicitly.
+_INTERPRETER = {"fp8": AttentionConfig(32, 32, 4, 1, pv_accumulate="split"), "fp16": AttentionConfig(32, 32, 4, 1)}
 
 _PROLOGUE_GPU = PrologueConfig(block_n=64, stats_block_n=256, num_warps=4)
 _PROLOGUE_INTERPRETER = PrologueConfig(block_n=32, stats_block_n=64, num_warps=4)
@@ -89,14 +108,17 @@ def attention_config(arch: str, head_dim: int, pv: str) -> AttentionConfig:
     if (arch, d, pv) in OVERRIDES:
         return OVERRIDES[(arch, d, pv)]
     if arch == "cpu":
-        return _INTERPRETER
-    if arch in RDNA4_ARCHS:
-        return _RDNA4[d]
+        return _INTERPRETER[pv]
+    if arch in RDNA4_ARCHS or arch.startswith("gfx12"):  # unknown future gfx12: same pipeliner hazard
+        return _RDNA4[(d, pv)]
     if arch == "sm_90":
         return _HOPPER[(d, pv)]
-    if arch.startswith("gfx12"):  # unknown future gfx12: same pipeliner hazard
-        return _RDNA4[d]
-    return _GENERIC[d]
+    return _GENERIC[(d, pv)]
+
+
+def accumulation_of(arch: str, head_dim: int, pv: str) -> str:
+    """How P.V is accumulated for this call ("mma", "imprecise_k" or "split"): for benchmarks and reports."""
+    return attention_config(arch, head_dim, pv).pv_accumulate
 
 
 def prologue_config(arch: str) -> PrologueConfig:
@@ -105,4 +127,4 @@ def prologue_config(arch: str) -> PrologueConfig:
 
 def shipped_rdna4_configs():
     """Every (padded head dim, pv, config) the RDNA4 path can launch: what the AOT check must compile."""
-    return [(d, pv, _RDNA4[d]) for d in sorted(_RDNA4) for pv in ("fp8", "fp16")]
+    return [(d, pv, _RDNA4[(d, pv)]) for d in sorted(_RDNA4_GEOMETRY) for pv in ("fp8", "fp16")]

@@ -1,11 +1,18 @@
-"""The Triton prologue: smooth_k, INT8 Q/K, FP8 or FP16 V, matching `quant.quantize_qkv_torch`.
+"""The Triton prologue: smooth_k, smooth_v, INT8 Q/K, FP8 or FP16 V, matching `quant.quantize_qkv_torch`.
 
 Three passes, all reading q/k/v through their strides (fused-qkv views and NHD-as-HND views are read
 in place, never copied):
-  1. `_kv_stats`: per chunk of keys, partial FP32 column sums of K and column amax of V.
-  2. `_kv_finalize`: per (batch, kv head), K mean (partials summed in FP64) and the V scale; for
+  1. `_kv_stats`: per chunk of keys, partial column sums of K (and of V with smooth_v) and V's column
+     amax (with smooth_v: V's column max and min instead).
+  2. `_kv_finalize`: per (batch, kv head), the means (partials summed in FP64) and the V scale; for
      short sequences (<= 32 chunks) this step runs inside 3 instead, saving a launch.
-  3. `_quantize_qkv`: INT8 Q, INT8 K minus its mean, FP8/FP16 V, in one launch.
+  3. `_quantize_qkv`: INT8 Q, INT8 K minus its mean, FP8/FP16 V (minus its mean), in one launch.
+
+Means: each chunk sums its column in FP32 with the rounding error of every add kept (TwoSum) and
+hands hi + lo over in FP64, so the mean equals the spec's FP64-summed one (to ~2**-48 relative before
+its final rounding to FP32: identical in all but astronomically rare ties).
+smooth_v's V scale needs amax|V - mean| before the mean is known: rounding is monotonic, so
+max_t |fl(v_t - m)| = max(fl(vmax - m), fl(m - vmin)) exactly, from the column max and min.
 Offsets of (batch, head) bases are 64-bit, so 100k+ tokens x 40 heads never overflow int32.
 
 Rounding follows quant.py exactly: q8 = rint(x * (1/amax * 127)) with ties to even, scale = amax / 127,
@@ -74,11 +81,30 @@ def round_to_e4m3(x):
 
 
 @triton.jit
-def _kv_stats(K, V, KSUM, VMAX,
+def _two_sum_add(hi, lo, x):
+    """hi + x with the add's exact rounding error collected in lo (Knuth's TwoSum; no FMA can form)."""
+    s = hi + x
+    bp = s - hi
+    err = (hi - (s - bp)) + (x - bp)
+    return s, lo + err
+
+
+@triton.jit
+def _column_total(hi, lo):
+    """FP64 column sums of hi + lo ([SUB, D] -> [D]); a hi that overflowed keeps its Inf (its lo is NaN)."""
+    hi64 = hi.to(tl.float64)
+    return tl.sum(tl.where(hi - hi == 0, hi64 + lo.to(tl.float64), hi64), 0)
+
+
+@triton.jit
+def _kv_stats(K, V, KSUM, VMAX, VSUM, VMIN,
               skb, skh, skn, skd, svb, svh, svn, svd,
               Hkv, Nk, n_chunks,
               D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
-              CHUNK: tl.constexpr, SUB: tl.constexpr, DO_KSUM: tl.constexpr):
+              CHUNK: tl.constexpr, SUB: tl.constexpr, DO_KSUM: tl.constexpr, SMOOTH_V: tl.constexpr):
+    """Per chunk: K column sums (FP64), and V's column amax, or with SMOOTH_V V's column sums (FP64),
+    max and min (signed). NaN anywhere in a V column makes its amax NaN; with SMOOTH_V its sum is NaN,
+    which makes the mean, hence the scale, NaN (max/min need no NaN flag then)."""
     pid_bh = tl.program_id(0)
     chunk = tl.program_id(1)
     b = (pid_bh // Hkv).to(tl.int64)
@@ -88,9 +114,13 @@ def _kv_stats(K, V, KSUM, VMAX,
     rows = tl.arange(0, SUB)
     k_base = K + b * skb + h * skh
     v_base = V + b * svb + h * svh
-    ksum = tl.zeros([SUB, D_PAD], dtype=tl.float32)  # NaN propagates through the sum by itself
-    vmax = tl.zeros([SUB, DV_PAD], dtype=tl.float32)
-    vnan = tl.zeros([SUB, DV_PAD], dtype=tl.int32)
+    k_hi = tl.zeros([SUB, D_PAD], dtype=tl.float32)  # NaN propagates through the sums by itself
+    k_lo = tl.zeros([SUB, D_PAD], dtype=tl.float32)
+    v_hi = tl.zeros([SUB, DV_PAD], dtype=tl.float32)
+    v_lo = tl.zeros([SUB, DV_PAD], dtype=tl.float32)
+    vmax = tl.zeros([SUB, DV_PAD], dtype=tl.float32) - float("inf")  # |v| max, or v max with SMOOTH_V
+    vmin = tl.zeros([SUB, DV_PAD], dtype=tl.float32) + float("inf")
+    vnan = tl.zeros([SUB, DV_PAD], dtype=tl.int32)  # without SMOOTH_V only
     start = chunk * CHUNK
     for s in range(0, CHUNK, SUB):
         n = (start + s + rows).to(tl.int64)
@@ -98,63 +128,100 @@ def _kv_stats(K, V, KSUM, VMAX,
         if DO_KSUM:
             k = tl.load(k_base + n[:, None] * skn + offs_d[None, :] * skd,
                         mask=live[:, None] & (offs_d[None, :] < D), other=0.0)
-            ksum += k.to(tl.float32)
-        v = tl.load(v_base + n[:, None] * svn + offs_dv[None, :] * svd,
-                    mask=live[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        vmax = tl.maximum(vmax, tl.abs(v.to(tl.float32)))
-        vnan += (v != v).to(tl.int32)
+            k_hi, k_lo = _two_sum_add(k_hi, k_lo, k.to(tl.float32))
+        v_live = live[:, None] & (offs_dv[None, :] < DV)
+        v = tl.load(v_base + n[:, None] * svn + offs_dv[None, :] * svd, mask=v_live, other=0.0)
+        v = v.to(tl.float32)
+        if SMOOTH_V:
+            v_hi, v_lo = _two_sum_add(v_hi, v_lo, v)
+            vmax = tl.maximum(vmax, tl.where(v_live, v, float("-inf")))
+            vmin = tl.minimum(vmin, tl.where(v_live, v, float("inf")))
+        else:
+            vmax = tl.maximum(vmax, tl.abs(v))
+            vnan += (v != v).to(tl.int32)
     out = pid_bh.to(tl.int64) * n_chunks + chunk
     if DO_KSUM:
-        tl.store(KSUM + out * D_PAD + offs_d, tl.sum(ksum, 0))
-    tl.store(VMAX + out * DV_PAD + offs_dv, tl.where(tl.sum(vnan, 0) > 0, float("nan"), tl.max(vmax, 0)))
+        tl.store(KSUM + out * D_PAD + offs_d, _column_total(k_hi, k_lo))
+    if SMOOTH_V:
+        tl.store(VMAX + out * DV_PAD + offs_dv, tl.max(vmax, 0))
+        tl.store(VMIN + out * DV_PAD + offs_dv, tl.min(vmin, 0))
+        tl.store(VSUM + out * DV_PAD + offs_dv, _column_total(v_hi, v_lo))
+    else:
+        tl.store(VMAX + out * DV_PAD + offs_dv, tl.where(tl.sum(vnan, 0) > 0, float("nan"), tl.max(vmax, 0)))
 
 
 @triton.jit
-def _head_stats(KSUM, VMAX, pid_bh, n_chunks, Nk,
+def _nan_or(a, b, x):
+    return tl.where((a != a) | (b != b), float("nan"), x)
+
+
+@triton.jit
+def _head_stats(KSUM, VMAX, VSUM, VMIN, pid_bh, n_chunks, Nk,
                 D_PAD: tl.constexpr, DV_PAD: tl.constexpr, CH: tl.constexpr,
-                DO_K: tl.constexpr, DO_V: tl.constexpr, PV_FP8: tl.constexpr):
-    """K mean ([D_PAD] FP32, partials summed in FP64) and V scale ([DV_PAD]) of one (batch, kv head)."""
+                DO_K: tl.constexpr, DO_V: tl.constexpr, PV_FP8: tl.constexpr, SMOOTH_V: tl.constexpr):
+    """K mean ([D_PAD] FP32, partials summed in FP64), V scale and V mean ([DV_PAD]; the mean is zero
+    without SMOOTH_V) of one (batch, kv head)."""
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
     offs_c = tl.arange(0, CH)
     row0 = pid_bh.to(tl.int64) * n_chunks
     ksum = tl.zeros([D_PAD], dtype=tl.float64)
-    vmax = tl.zeros([DV_PAD], dtype=tl.float32)
+    vsum = tl.zeros([DV_PAD], dtype=tl.float64)
+    vmax = tl.zeros([DV_PAD], dtype=tl.float32) - float("inf")
+    vmin = tl.zeros([DV_PAD], dtype=tl.float32) + float("inf")
     c = 0
     while c < n_chunks:  # a while loop: Triton 3.6's interpreter cannot take a runtime range() bound
         rows = c + offs_c
         live = rows < n_chunks
         if DO_K:
             part = tl.load(KSUM + (row0 + rows)[:, None] * D_PAD + offs_d[None, :], mask=live[:, None], other=0.0)
-            ksum += tl.sum(part.to(tl.float64), 0)
+            ksum += tl.sum(part, 0)
         if DO_V:
-            part = tl.load(VMAX + (row0 + rows)[:, None] * DV_PAD + offs_dv[None, :], mask=live[:, None], other=0.0)
+            ptrs = (row0 + rows)[:, None] * DV_PAD + offs_dv[None, :]
+            part = tl.load(VMAX + ptrs, mask=live[:, None], other=float("-inf"))
             step = _nan_max(part, 0)
-            vmax = tl.where((vmax != vmax) | (step != step), float("nan"), tl.maximum(vmax, step))
+            vmax = _nan_or(vmax, step, tl.maximum(vmax, step))
+            if SMOOTH_V:
+                vsum += tl.sum(tl.load(VSUM + ptrs, mask=live[:, None], other=0.0), 0)
+                part = tl.load(VMIN + ptrs, mask=live[:, None], other=float("inf"))
+                step = -_nan_max(-part, 0)
+                vmin = _nan_or(vmin, step, tl.minimum(vmin, step))
         c += CH
     mean = (ksum / Nk).to(tl.float32)
+    if SMOOTH_V:
+        v_mean = (vsum / Nk).to(tl.float32)
+        # amax|fl(v - m)| over tokens, exactly: rounding is monotonic, so the extremes come from vmax/vmin.
+        hi = vmax - v_mean
+        lo = v_mean - vmin
+        vamax = _nan_or(hi, lo, tl.maximum(hi, lo))
+    else:
+        v_mean = tl.zeros([DV_PAD], dtype=tl.float32)
+        vamax = vmax
     if PV_FP8:
-        scale = _floor_tiny(tl.math.div_rn(vmax, 448.0))
+        scale = _floor_tiny(tl.math.div_rn(vamax, 448.0))
     else:
         # Power of two >= amax / 32768 (1 for anything FP16 holds): round the ratio up to 2**k in bits.
-        over = tl.maximum(vmax * (1.0 / 32768.0), 1.0)  # exact: a power of two
+        over = tl.maximum(vamax * (1.0 / 32768.0), 1.0)  # exact: a power of two
         bits = over.to(tl.int32, bitcast=True)
         bits = tl.where((bits & 0x7FFFFF) != 0, (bits & 0x7F800000) + 0x800000, bits)
-        scale = tl.where(vmax != vmax, float("nan"), bits.to(tl.float32, bitcast=True))
-    return mean, scale
+        scale = tl.where(vamax != vamax, float("nan"), bits.to(tl.float32, bitcast=True))
+    return mean, scale, v_mean
 
 
 @triton.jit
-def _kv_finalize(KSUM, VMAX, KMEAN, VSCALE, n_chunks, Nk,
+def _kv_finalize(KSUM, VMAX, VSUM, VMIN, KMEAN, VSCALE, VMEAN, n_chunks, Nk,
                  D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
-                 CH: tl.constexpr, DO_KSUM: tl.constexpr, PV_FP8: tl.constexpr):
+                 CH: tl.constexpr, DO_KSUM: tl.constexpr, PV_FP8: tl.constexpr, SMOOTH_V: tl.constexpr):
     pid_bh = tl.program_id(0)
-    mean, scale = _head_stats(KSUM, VMAX, pid_bh, n_chunks, Nk, D_PAD, DV_PAD, CH, DO_KSUM, True, PV_FP8)
+    mean, scale, v_mean = _head_stats(KSUM, VMAX, VSUM, VMIN, pid_bh, n_chunks, Nk, D_PAD, DV_PAD, CH,
+                                      DO_KSUM, True, PV_FP8, SMOOTH_V)
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
     if DO_KSUM:
         tl.store(KMEAN + pid_bh.to(tl.int64) * D + offs_d, mean, mask=offs_d < D)
     tl.store(VSCALE + pid_bh.to(tl.int64) * DV + offs_dv, scale, mask=offs_dv < DV)
+    if SMOOTH_V:
+        tl.store(VMEAN + pid_bh.to(tl.int64) * DV + offs_dv, v_mean, mask=offs_dv < DV)
 
 
 @triton.jit
@@ -190,17 +257,21 @@ def _int8_tile(X, mean, Q8, SCALE, mult, sxb, sxh, sxn, sxd, H, N, pid_bh, blk,
 
 
 @triton.jit
-def _v_tile(V, scale, VOUT, svb, svh, svn, svd, sob, soh, son, sod, H, N, pid_bh, blk,
+def _v_tile(V, scale, v_mean, VOUT, svb, svh, svn, svd, sob, soh, son, sod, H, N, pid_bh, blk,
             DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK: tl.constexpr, PV_FP8: tl.constexpr,
-            OUT_T: tl.constexpr):
-    """FP8 or FP16 V of BLOCK tokens of one (batch, head), stored (N, Dv) or transposed (Dv, N)."""
+            OUT_T: tl.constexpr, SMOOTH_V: tl.constexpr):
+    """FP8 or FP16 V (minus its mean with SMOOTH_V) of BLOCK tokens of one (batch, head), stored (N, Dv)
+    or transposed (Dv, N)."""
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     offs_d = tl.arange(0, DV_PAD)
     n = (blk * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     live = (n[:, None] < N) & (offs_d[None, :] < DV)
     v = tl.load(V + b * svb + h * svh + n[:, None] * svn + offs_d[None, :] * svd, mask=live, other=0.0)
-    x = tl.math.div_rn(v.to(tl.float32), scale[None, :])
+    x = v.to(tl.float32)
+    if SMOOTH_V:
+        x = x - v_mean[None, :]
+    x = tl.math.div_rn(x, scale[None, :])
     if PV_FP8:
         x = round_to_e4m3(tl.minimum(tl.maximum(x, -448.0), 448.0))
         x = x.to(tl.float8e4nv)
@@ -215,13 +286,14 @@ def _v_tile(V, scale, VOUT, svb, svh, svn, svd, sob, soh, son, sod, H, N, pid_bh
 
 
 @triton.jit
-def _quantize_qkv(Q, K, V, KSUM, VMAX, KMEAN, VSCALE, Q8, QS, K8, KS, VOUT, mult,
+def _quantize_qkv(Q, K, V, KSUM, VMAX, VSUM, VMIN, KMEAN, VSCALE, VMEAN, Q8, QS, K8, KS, VOUT, mult,
                   sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
                   Hq, Hkv, Nq, Nk, n_chunks, q_blocks, k_blocks, v_blocks, q_programs, k_programs,
                   D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
                   QK_BLOCK: tl.constexpr, V_BLOCK: tl.constexpr, PER_BLOCK: tl.constexpr,
                   HAS_MEAN: tl.constexpr, PV_FP8: tl.constexpr, OUT_T: tl.constexpr,
-                  FOLD_STATS: tl.constexpr, STATS_CH: tl.constexpr, INTERPRETER: tl.constexpr):
+                  FOLD_STATS: tl.constexpr, STATS_CH: tl.constexpr, SMOOTH_V: tl.constexpr,
+                  INTERPRETER: tl.constexpr):
     """Q, K and V in one launch: programs [0, q_programs) quantize Q, the next k_programs K, the rest V.
 
     FOLD_STATS (few key chunks, i.e. short sequences where launches dominate): each K/V program
@@ -240,8 +312,8 @@ def _quantize_qkv(Q, K, V, KSUM, VMAX, KMEAN, VSCALE, Q8, QS, K8, KS, VOUT, mult
             if FOLD_STATS:
                 # Distinct names per branch: Triton unifies same-named variables across if/else, and the
                 # unused halves have different widths when D != DV.
-                mean, _v_unused = _head_stats(KSUM, VMAX, pid_bh, n_chunks, Nk, D_PAD, DV_PAD, STATS_CH,
-                                              True, False, PV_FP8)
+                mean, _vs_unused, _vm_unused = _head_stats(KSUM, VMAX, VSUM, VMIN, pid_bh, n_chunks, Nk,
+                                                           D_PAD, DV_PAD, STATS_CH, True, False, PV_FP8, False)
                 if blk == 0:
                     tl.store(KMEAN + pid_bh.to(tl.int64) * D + offs_d, mean, mask=offs_d < D)
             else:
@@ -255,14 +327,31 @@ def _quantize_qkv(Q, K, V, KSUM, VMAX, KMEAN, VSCALE, Q8, QS, K8, KS, VOUT, mult
         pid_bh = p // v_blocks
         blk = p % v_blocks
         if FOLD_STATS:
-            _k_unused, scale = _head_stats(KSUM, VMAX, pid_bh, n_chunks, Nk, D_PAD, DV_PAD, STATS_CH,
-                                           False, True, PV_FP8)
+            _k_unused, scale, v_mean = _head_stats(KSUM, VMAX, VSUM, VMIN, pid_bh, n_chunks, Nk, D_PAD, DV_PAD,
+                                                   STATS_CH, False, True, PV_FP8, SMOOTH_V)
             if blk == 0:
                 tl.store(VSCALE + pid_bh.to(tl.int64) * DV + offs_dv, scale, mask=offs_dv < DV)
+                if SMOOTH_V:
+                    tl.store(VMEAN + pid_bh.to(tl.int64) * DV + offs_dv, v_mean, mask=offs_dv < DV)
         else:
             scale = tl.load(VSCALE + pid_bh.to(tl.int64) * DV + offs_dv, mask=offs_dv < DV, other=1.0)
-        _v_tile(V, scale, VOUT, svb, svh, svn, svd, sob, soh, son, sod, Hkv, Nk, pid_bh, blk,
-                DV, DV_PAD, V_BLOCK, PV_FP8, OUT_T)
+            if SMOOTH_V:
+                v_mean = tl.load(VMEAN + pid_bh.to(tl.int64) * DV + offs_dv, mask=offs_dv < DV, other=0.0)
+            else:
+                v_mean = tl.zeros([DV_PAD], dtype=tl.float32)
+        _v_tile(V, scale, v_mean, VOUT, svb, svh, svn, svd, sob, soh, son, sod, Hkv, Nk, pid_bh, blk,
+                DV, DV_PAD, V_BLOCK, PV_FP8, OUT_T, SMOOTH_V)
+
+
+def stats_rows(d_pad: int, dv_pad: int, smooth_k: bool, smooth_v: bool) -> int:
+    """Rows per step of `_kv_stats`: it holds one [rows, D] FP32 tile per running statistic (K: sum and
+    its error; V: amax and a NaN count, or sum, error, max and min); keep them within 3 x 32 x 128
+    elements (what the kernel held before the error terms), so VGPRs stay unspilled on RDNA4."""
+    elements = (2 * d_pad if smooth_k else 0) + (4 if smooth_v else 2) * dv_pad
+    rows = 32
+    while rows > 4 and rows * elements > 3 * 32 * 128:
+        rows //= 2
+    return rows
 
 
 def triton_prologue_refusal(call) -> Optional[str]:
@@ -284,7 +373,8 @@ def _arch_of(t: torch.Tensor) -> str:
 
 
 def triton_quantize_qkv(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: str = "fp8",
-                        qk_group: str = "token", v_transposed: bool = False) -> quant.QuantizedQKV:
+                        qk_group: str = "token", v_transposed: bool = False,
+                        smooth_v: bool = False) -> quant.QuantizedQKV:
     """The spec's prologue as Triton kernels; returns what `quant.quantize_qkv_torch` returns.
 
     `v_transposed=True` (internal to the Triton attention on Hopper) stores V as (B, Hkv, Dv, Nk_pad)
@@ -299,26 +389,30 @@ def triton_quantize_qkv(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: 
     d_pad, dv_pad = padded_head_dim(d), padded_head_dim(dv)
     group = quant.group_size(qk_group)
 
-    # 1. Partial K column sums and V column amax per chunk of keys.
+    # 1. Per chunk of keys: K column sums (FP64 partials); V column amax, or with smooth_v V's column
+    #    sums, max and min. Buffers a pass does not use are stood in for by vmax (never touched).
     n_chunks = triton.cdiv(nk, cfg.stats_block_n)
-    ksum = torch.empty((b * hkv, n_chunks, d_pad), dtype=torch.float32, device=dev) if smooth_k else None
     vmax = torch.empty((b * hkv, n_chunks, dv_pad), dtype=torch.float32, device=dev)
-    sub = 32 if max(d_pad, dv_pad) <= 128 else 16
+    ksum = torch.empty((b * hkv, n_chunks, d_pad), dtype=torch.float64, device=dev) if smooth_k else vmax
+    vsum = torch.empty((b * hkv, n_chunks, dv_pad), dtype=torch.float64, device=dev) if smooth_v else vmax
+    vmin = torch.empty((b * hkv, n_chunks, dv_pad), dtype=torch.float32, device=dev) if smooth_v else vmax
+    sub = stats_rows(d_pad, dv_pad, smooth_k, smooth_v)
     _kv_stats[(b * hkv, n_chunks)](
-        k, v, ksum if smooth_k else vmax, vmax, *k.stride(), *v.stride(), hkv, nk, n_chunks,
+        k, v, ksum, vmax, vsum, vmin, *k.stride(), *v.stride(), hkv, nk, n_chunks,
         D=d, D_PAD=d_pad, DV=dv, DV_PAD=dv_pad, CHUNK=cfg.stats_block_n, SUB=sub, DO_KSUM=smooth_k,
-        num_warps=cfg.num_warps)
-    # 2. K mean and V scale per head: a launch of its own for long sequences, else folded into 3.
+        SMOOTH_V=smooth_v, num_warps=cfg.num_warps)
+    # 2. Means and V scale per head: a launch of its own for long sequences, else folded into 3.
     k_mean = torch.empty((b, hkv, d), dtype=torch.float32, device=dev) if smooth_k else None
     v_scale = torch.empty((b, hkv, dv), dtype=torch.float32, device=dev)
+    v_mean = torch.empty((b, hkv, dv), dtype=torch.float32, device=dev) if smooth_v else None
     fold = n_chunks <= STATS_CH
     if not fold:
         _kv_finalize[(b * hkv,)](
-            ksum if smooth_k else vmax, vmax, k_mean if smooth_k else v_scale, v_scale, n_chunks, nk,
-            D=d, D_PAD=d_pad, DV=dv, DV_PAD=dv_pad, CH=STATS_CH, DO_KSUM=smooth_k, PV_FP8=pv == "fp8",
-            num_warps=4)
+            ksum, vmax, vsum, vmin, k_mean if smooth_k else v_scale, v_scale, v_mean if smooth_v else v_scale,
+            n_chunks, nk, D=d, D_PAD=d_pad, DV=dv, DV_PAD=dv_pad, CH=STATS_CH, DO_KSUM=smooth_k,
+            PV_FP8=pv == "fp8", SMOOTH_V=smooth_v, num_warps=4)
 
-    # 3. One launch: INT8 Q (sm_scale*log2e folded in), INT8 K (minus its mean), FP8/FP16 V.
+    # 3. One launch: INT8 Q (sm_scale*log2e folded in), INT8 K (minus its mean), FP8/FP16 V (minus its mean).
     block = cfg.block_n if group == 1 else group
     q8 = torch.empty((b, hq, nq, d), dtype=torch.int8, device=dev)
     q_scale = torch.empty((b, hq, nq), dtype=torch.float32, device=dev)
@@ -339,11 +433,11 @@ def triton_quantize_qkv(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: 
     q_programs, k_programs = b * hq * q_blocks, b * hkv * k_blocks
     warps = cfg.num_warps if max(block * d_pad, vb * dv_pad) <= 64 * 128 else 8
     _quantize_qkv[(q_programs + k_programs + b * hkv * v_blocks,)](
-        q, k, v, ksum if smooth_k else vmax, vmax, k_mean if smooth_k else v_scale, v_scale,
+        q, k, v, ksum, vmax, vsum, vmin, k_mean if smooth_k else v_scale, v_scale, v_mean if smooth_v else v_scale,
         q8, q_scale, k8, k_scale, v_q,
         quant.qk_multiplier(sm_scale), *q.stride(), *k.stride(), *v.stride(), *v_q.stride(),
         hq, hkv, nq, nk, n_chunks, q_blocks, k_blocks, v_blocks, q_programs, k_programs,
         D=d, D_PAD=d_pad, DV=dv, DV_PAD=dv_pad, QK_BLOCK=block, V_BLOCK=vb, PER_BLOCK=group > 1,
         HAS_MEAN=smooth_k, PV_FP8=pv == "fp8", OUT_T=v_transposed, FOLD_STATS=fold, STATS_CH=STATS_CH,
-        INTERPRETER=os.environ.get("TRITON_INTERPRET", "0") == "1", num_warps=warps)
-    return quant.QuantizedQKV(q8, q_scale, k8, k_scale, v_q, v_scale, k_mean)
+        SMOOTH_V=smooth_v, INTERPRETER=os.environ.get("TRITON_INTERPRET", "0") == "1", num_warps=warps)
+    return quant.QuantizedQKV(q8, q_scale, k8, k_scale, v_q, v_scale, k_mean, v_mean)
