@@ -67,7 +67,10 @@ BOUNDS: Dict[str, Bound] = {
     "diffuse": Bound(max_rel_l1=0.08),
     "probe": Bound(max_rel_l1=0.015),
 }
-MAX_LSE_ERROR = 0.05  # natural-log units, max over rows; the reference reaches 0.017, a +0.2 offset fails
+# LSE error, natural-log units, max over rows. The reference (the spec) reaches 0.017 with smooth_k and 0.0695
+# without it (the case's K channel offset coarsens INT8 K; a kernel run with smooth_k off computes exactly
+# that, as seen on the H200); a +0.2 offset fails.
+MAX_LSE_ERROR = 0.1
 SCALE_LOSS_MUST_FAIL = 0.05  # the output scale loss the probe is built to reject (tests plant it)
 
 # What a sampled real call (the A/B node) may reach before it is flagged, by P.V precision: FP8 at the

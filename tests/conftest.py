@@ -17,6 +17,9 @@ except ImportError:  # stop in pytest_configure with one line, not an INTERNALER
 
 ROOT = Path(__file__).resolve().parents[1]
 PACK = "comfyui_sage_rdna4"
+# Tests never read or write the user's cache of self-check passes (a planted fault must be checked, not
+# answered by an earlier pass); the cache's own tests hand it a temporary folder.
+os.environ.setdefault("SAGE_RDNA4_SELF_CHECK_CACHE", "0")
 
 
 def load_pack():
