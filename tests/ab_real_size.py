@@ -41,7 +41,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--kernels", default="reference,auto")
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--model", default="flux", choices=["flux", "wan13b"])
+    ap.add_argument("--model", default="flux", choices=["flux", "wan13b", "wan14b"])
     ap.add_argument("--frames", type=int, default=33)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test of this script with the tiny models")
     args = ap.parse_args()
@@ -73,7 +73,8 @@ def main() -> int:
         latent = harness.image_latent(16, 1024, 1024)  # 64x64 patches = 4096 image tokens (+512 text)
         cfg_scale = 1.0  # Flux dev: guidance-distilled, one model evaluation per step
     else:
-        model = harness.build_model("WAN21_T2V", harness.WAN_13B, torch.bfloat16, seed=0, device="cuda")
+        size = harness.WAN_14B if args.model == "wan14b" else harness.WAN_13B
+        model = harness.build_model("WAN21_T2V", size, torch.bfloat16, seed=0, device="cuda")
         positive = harness.text_conditioning(512, 4096, seed=1)
         negative = harness.text_conditioning(512, 4096, seed=2)
         latent = harness.video_latent(args.frames, 480, 832)

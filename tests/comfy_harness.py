@@ -43,6 +43,8 @@ WAN_TINY = dict(image_model="wan2.1", model_type="t2v", patch_size=(1, 2, 2), te
 # Wan 2.1 T2V 1.3B as released: 12 heads of 128, 30 layers.
 WAN_13B = dict(WAN_TINY, text_len=512, dim=1536, ffn_dim=8960, freq_dim=256, text_dim=4096, num_heads=12,
                num_layers=30)
+# Wan 2.1 T2V 14B as released: 40 heads of 128, 40 blocks.
+WAN_14B = dict(WAN_13B, dim=5120, ffn_dim=13824, num_heads=40, num_layers=40)
 SD15_TINY = dict(use_checkpoint=False, image_size=32, out_channels=4, use_spatial_transformer=True,
                  legacy=False, adm_in_channels=None, in_channels=4, model_channels=32, num_res_blocks=1,
                  transformer_depth=[1], channel_mult=[1], transformer_depth_middle=1,

@@ -354,3 +354,8 @@ def test_the_spec_without_smooth_k_passes_too():
         out, lse = reference_attention(q, k, v, is_causal=is_causal, smooth_k=False, return_lse=return_lse)
         return (out, lse) if return_lse else out
     assert kernels.self_check(no_smooth_k, torch.device("cpu"), accepts=accept_all) is None
+
+
+def test_flag_levels_follow_the_p_v_precision():
+    assert sc.flag_level("reference") == sc.flag_level("triton_int8_fp8") == sc.FLAG_REL_L1["fp8"]
+    assert sc.flag_level("hip_int8_fp16") == sc.flag_level("sdpa") == sc.FLAG_REL_L1["fp16"]

@@ -65,12 +65,13 @@ _ACC = "imprecise_k"
 SWEEP = {
     "fp8": [C(128, 64, 4, 3, True, _ACC), C(128, 64, 4, 4, True, _ACC), C(128, 64, 4, 2, True, _ACC),
             C(64, 64, 4, 3, True, _ACC), C(128, 32, 4, 3, True, _ACC),
+            C(128, 64, 8, 3, True, _ACC), C(128, 128, 8, 3, True, _ACC),
             C(128, 64, 4, 4, True, "mma"), C(128, 64, 4, 4, True, "split")],
     "fp16": [C(128, 64, 4, 3), C(128, 64, 4, 4), C(64, 64, 4, 3)],
 }
 
 
-SWEEP_SHAPES = ("wan_480p", "flux_1mp")
+SWEEP_SHAPES = tuple(os.environ.get("SWEEP_SHAPES", "wan_480p,flux_1mp").split(","))
 
 
 def time_ms(fn, reps, warmup=1):
