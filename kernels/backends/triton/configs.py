@@ -70,13 +70,16 @@ _RDNA4: Dict[Tuple[int, str], AttentionConfig] = {
 # time / cuDNN) at Wan 480p: BM128 BN64 w4 s3 0.96-0.97 (fp8) / 1.09-1.10 (fp16), s4 the same, s2
 # 1.19; BN128 w8 s3 1.07 / 1.21; BN64 w8 1.19 / 1.33; BN128 w4 1.56; BM64 BN64 1.12 / 1.35; BN32 1.26.
 # At Flux 1 MP s4 beats s3 (fp8 1.34 vs 1.37, fp16 1.70 vs 1.75); BM64 helps fp16 there (1.55) only.
-# FP8 P.V accumulates "imprecise_k" (wgmma's FP8 accumulator truncates; this was the cheapest accurate
-# variant on the H200: 1.19x cuDNN at Wan 480p, 1.10x at 720p; "mma" is faster, 1.00 / 0.94, but lost
-# half the output's mass on diffuse attention over 32k keys). FP16 wgmma accumulates in FP32: "mma".
+# FP8 P.V accumulates "imprecise_k" (wgmma's FP8 accumulator truncates; "mma" is faster but lost half
+# the output's mass on diffuse attention over 32k keys). Its partial accumulator doubles the registers
+# of P.V: at BM128 BN64 w4 that spills, 1.59x cuDNN at Wan 480p; the 2026-12 sweep (attention alone,
+# Wan 480p, time / cuDNN): BM128 BN128 w8 s3 1.06, BM64 BN64 w4 s3 1.11, BM128 BN64 w8 s3 1.21,
+# BM128 BN32 w4 s3 1.22, BM128 BN64 w4 s2-s4 1.55-1.59; "mma" BN64 w4 s4 1.00, "split" 1.60. Whole calls
+# with BM128 BN128 w8 s3: Wan 480p 1.10x, 720p 0.97x cuDNN. FP16 wgmma accumulates in FP32: "mma".
 _HOPPER: Dict[Tuple[int, str], AttentionConfig] = {
-    (32, "fp8"): AttentionConfig(128, 64, 4, 4, True, "imprecise_k"),
-    (64, "fp8"): AttentionConfig(128, 64, 4, 4, True, "imprecise_k"),
-    (128, "fp8"): AttentionConfig(128, 64, 4, 4, True, "imprecise_k"),
+    (32, "fp8"): AttentionConfig(128, 128, 8, 3, True, "imprecise_k"),
+    (64, "fp8"): AttentionConfig(128, 128, 8, 3, True, "imprecise_k"),
+    (128, "fp8"): AttentionConfig(128, 128, 8, 3, True, "imprecise_k"),
     (256, "fp8"): AttentionConfig(64, 64, 4, 2, True, "imprecise_k"),
     (32, "fp16"): AttentionConfig(128, 64, 4, 4),
     (64, "fp16"): AttentionConfig(128, 64, 4, 4),
