@@ -359,3 +359,12 @@ def test_the_spec_without_smooth_k_passes_too():
 def test_flag_levels_follow_the_p_v_precision():
     assert sc.flag_level("reference") == sc.flag_level("triton_int8_fp8") == sc.FLAG_REL_L1["fp8"]
     assert sc.flag_level("hip_int8_fp16") == sc.flag_level("sdpa") == sc.FLAG_REL_L1["fp16"]
+
+
+def test_a_failure_with_weaker_options_refuses_only_those_options():
+    backend = FakeBackend(planted(repeated_batch))
+    check = sc.SelfCheck(SMALL)
+    reason = check.guard(backend, _call(qk_group="block64"))
+    assert reason and "self-check failed" in reason
+    assert backend.unavailable("cpu", None) is None  # the accurate options still get their own check
+    assert check.guard(backend, _call(qk_group="block64")) == reason
