@@ -43,6 +43,7 @@ class Shape:
 
 GPU_SHAPES = [
     Shape("flux_1mp", 1, 24, 4608, 128, "bfloat16"),        # Flux at 1024x1024: 4096 image + 512 text tokens
+    Shape("flux_2mp", 1, 24, 8704, 128, "bfloat16"),        # Flux at 1536x1536 (2.25 MP): 8192 + 512 tokens
     Shape("wan_480p", 1, 40, 32760, 128, "bfloat16"),       # Wan 2.x 832x480, 81 frames
     Shape("wan_720p", 1, 40, 75600, 128, "bfloat16"),       # Wan 2.x 1280x720, 81 frames
     Shape("sdxl_1mp_d64", 2, 10, 4096, 64, "float16"),      # SDXL at 1024x1024, first-level self attention

@@ -156,7 +156,8 @@ def _compile_attention(arch, head_dim, pv, config, *, is_causal=False, return_ls
     consts = {unit: 1, "KV_GROUP": kv_group, "HEAD_DIM": head_dim, "D_PAD": d_pad, "DV": dv, "DV_PAD": dv_pad,
               "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "IS_CAUSAL": is_causal,
               "PV_FP8": pv == "fp8", "STORE_LSE": return_lse, "V_T": config.v_transposed, "EXACT_P_ROUND": False,
-              "PV_ACC": ACC_MODES[config.pv_accumulate], "HAS_VMEAN": smooth_v, "INTERPRETER": False}
+              "PV_ACC": ACC_MODES[config.pv_accumulate], "HAS_VMEAN": smooth_v,
+              "FOLD_Q_SCALE": config.fold_q_scale, "INTERPRETER": False}
     for k in consts:
         sig[k] = "constexpr"
     kernel = _compile(_sage_attn_fwd, sig, consts, arch, config.num_warps, config.num_stages)

@@ -31,6 +31,7 @@ class AttentionConfig:
     num_stages: int
     v_transposed: bool = False  # V stored (Dv, Nk): K-major for the P.V dot (Hopper fp8 wgmma needs it)
     pv_accumulate: str = "mma"  # one of PV_ACCUMULATE: how each tile's P.V reaches the FP32 accumulator
+    fold_q_scale: bool = False  # multiply the scores by q's row scale inside exp2's FMA, not per score
 
     def __post_init__(self):
         if self.pv_accumulate not in PV_ACCUMULATE:
@@ -76,19 +77,24 @@ _RDNA4: Dict[Tuple[int, str], AttentionConfig] = {
 # Wan 480p, time / cuDNN): BM128 BN128 w8 s3 1.06, BM64 BN64 w4 s3 1.11, BM128 BN64 w8 s3 1.21,
 # BM128 BN32 w4 s3 1.22, BM128 BN64 w4 s2-s4 1.55-1.59; "mma" BN64 w4 s4 1.00, "split" 1.60. Whole calls
 # with BM128 BN128 w8 s3: Wan 480p 1.10x, 720p 0.97x cuDNN. FP16 wgmma accumulates in FP32: "mma".
+# fold_q_scale (attention alone / cuDNN, H200, 2026-12-01, .exp score sweep): D128 Wan 480p fp8 1.06 -> 1.00,
+# fp16 1.10 -> 1.06; Flux 1 MP fp8 1.29 -> 1.22, fp16 1.67 -> 1.34; D64 (SDXL) slower, fp8 1.64 -> 1.80,
+# fp16 1.59 -> 1.74, so D32/D64 keep the per-score multiply. Tried and dropped in the same sweep: int32 ->
+# FP32 by the 1.5 * 2**23 bit trick instead of I2F (1.00 -> 1.08 at Wan 480p) and exp2 in packed FP16 (1.14).
 _HOPPER: Dict[Tuple[int, str], AttentionConfig] = {
     (32, "fp8"): AttentionConfig(128, 128, 8, 3, True, "imprecise_k"),
     (64, "fp8"): AttentionConfig(128, 128, 8, 3, True, "imprecise_k"),
-    (128, "fp8"): AttentionConfig(128, 128, 8, 3, True, "imprecise_k"),
-    (256, "fp8"): AttentionConfig(64, 64, 4, 2, True, "imprecise_k"),
+    (128, "fp8"): AttentionConfig(128, 128, 8, 3, True, "imprecise_k", fold_q_scale=True),
+    (256, "fp8"): AttentionConfig(64, 64, 4, 2, True, "imprecise_k", fold_q_scale=True),
     (32, "fp16"): AttentionConfig(128, 64, 4, 4),
     (64, "fp16"): AttentionConfig(128, 64, 4, 4),
-    (128, "fp16"): AttentionConfig(128, 64, 4, 4),
-    (256, "fp16"): AttentionConfig(64, 64, 4, 2),
+    (128, "fp16"): AttentionConfig(128, 64, 4, 4, fold_q_scale=True),
+    (256, "fp16"): AttentionConfig(64, 64, 4, 2, fold_q_scale=True),
 }
 
 # Other NVIDIA / other AMD GPUs: conservative, fits 100 KB of shared memory. FP8 P.V accumulates "split":
 # Ada's (sm_89) FP8 mma truncates like Hopper's, and for the rest (Blackwell, gfx950) it is unmeasured.
+# fold_q_scale stays off here and on RDNA4: measured on the H200 only.
 _GENERIC_GEOMETRY = {32: (128, 64, 4, 2), 64: (128, 64, 4, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 1)}
 _GENERIC: Dict[Tuple[int, str], AttentionConfig] = {
     (d, pv): AttentionConfig(bm, bn, w, st, pv_accumulate="split" if pv == "fp8" else "mma")
@@ -96,8 +102,10 @@ _GENERIC: Dict[Tuple[int, str], AttentionConfig] = {
 }
 
 # The interpreter (CPU): small tiles so tests with ~100 tokens still cross several tiles and tails.
-# FP8 accumulates "split" there (as on RDNA4); tests run every mode explicitly.
-_INTERPRETER = {"fp8": AttentionConfig(32, 32, 4, 1, pv_accumulate="split"), "fp16": AttentionConfig(32, 32, 4, 1)}
+# FP8 accumulates "split" there (as on RDNA4); tests run every mode explicitly. FP16 folds q's scale into
+# exp2 (as on Hopper at D128) so the CPU tests run both score paths.
+_INTERPRETER = {"fp8": AttentionConfig(32, 32, 4, 1, pv_accumulate="split"),
+                "fp16": AttentionConfig(32, 32, 4, 1, fold_q_scale=True)}
 
 _PROLOGUE_GPU = PrologueConfig(block_n=64, stats_block_n=256, num_warps=4)
 _PROLOGUE_INTERPRETER = PrologueConfig(block_n=32, stats_block_n=64, num_warps=4)
