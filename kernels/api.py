@@ -25,8 +25,8 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_lay
 
     k/v may have fewer heads than q (GQA). `attn_mask` broadcasts to (B, Hq, Nq, Nk): bool selects,
     float is added to the scores (natural-log units). `kernel="auto"` picks the best backend that
-    accepts the call; an explicit name runs exactly that backend or raises KernelRefused with the
-    reason. `smooth_v` takes V's per-channel mean out before quantizing and adds it back to the
+    accepts the call (on a GPU: the fastest measured at first use, kernels/autotune.py); an explicit
+    name runs exactly that backend or raises KernelRefused with the reason. `smooth_v` takes V's per-channel mean out before quantizing and adds it back to the
     output (exact; see README "smooth_v" for when it helps). Returns the output in q's layout and dtype, and with `return_lse` also the natural-log
     LSE (B, Hq, Nq) in FP32.
     """
@@ -37,7 +37,7 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_lay
                          smooth_k=smooth_k, prologue=prologue, qk_group=qk_group, smooth_v=smooth_v)
     if sm_scale is None:
         sm_scale = default_sm_scale(call.head_dim)
-    backend, _ = choose_backend(call, kernel)
+    backend, _ = choose_backend(call, kernel, tensors=(qh, kh, vh), sm_scale=float(sm_scale), attn_mask=attn_mask)
     out, lse = backend(qh, kh, vh, call, float(sm_scale), attn_mask)
     out = to_hnd(out, tensor_layout)
     return (out, lse) if return_lse else out

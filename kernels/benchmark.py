@@ -146,7 +146,8 @@ def _sdpa_variant(name: str):
 
 
 def bench_shape(shape: Shape, device: torch.device, backends: List[str], reps: int,
-                warmup: int = 2, inputs: str = "standard", smooth_v: bool = False) -> List[Dict]:
+                warmup: int = 2, inputs: str = "standard", smooth_v: bool = False,
+                with_auto: bool = False) -> List[Dict]:
     q, k, v = make_inputs(shape, device, kind=inputs)
     exact = exact_fp32(q, k, v)
     rows: List[Dict] = []
@@ -178,6 +179,11 @@ def bench_shape(shape: Shape, device: torch.device, backends: List[str], reps: i
             rows.append({"backend": name, "status": f"skipped: {reason}", "quantized": backend.quantized})
             continue
         record(name, lambda name=name: sage_attention(q, k, v, kernel=name, smooth_v=smooth_v), backend.quantized)
+    if with_auto:  # one row: the backend auto takes, timed like the others, with auto's own measurement
+        chosen, note = auto_choice(q, k, v, call)
+        record(f"auto={chosen.name}", lambda: sage_attention(q, k, v, kernel="auto", smooth_v=smooth_v),
+               chosen.quantized)
+        rows[-1]["note"] = note
     base = next((r["ms"] for r in rows if r["backend"] == "sdpa" and r["status"] == "ok"), None)
     best = min((r["ms"] for r in rows if r["backend"].startswith("sdpa") and r["status"] == "ok"), default=None)
     for r in rows:
@@ -189,6 +195,16 @@ def bench_shape(shape: Shape, device: torch.device, backends: List[str], reps: i
     return rows
 
 
+def auto_choice(q, k, v, call):
+    """What `auto` takes for this shape and why: on a GPU its first-use measurement (kernels/autotune.py)."""
+    from .autotune import default_tuner
+    from .registry import choose_backend
+
+    backend, _ = choose_backend(call, "auto", tensors=(q, k, v))
+    decision = default_tuner().decision_for(call)
+    return backend, (decision.summary if decision is not None else "auto measured nothing here: static order")
+
+
 COLUMNS = """\
 columns: ms = median time per call over the timed repeats, and [fastest-slowest] repeat;
   /sdpa = this backend's median / PyTorch's default SDPA median on the same shape in this run
@@ -197,7 +213,9 @@ columns: ms = median time per call over the timed repeats, and [fastest-slowest]
           and sdpa_flash where this torch has them; on the CPU only sdpa, so /best = /sdpa);
   cosine, relL1 = accuracy against exact FP32 attention on the same inputs (1 and 0 are exact); a quantized
           backend below cosine {floor} (not applied to diffuse_voffset inputs), or above its input kind's rel L1
-          bound (diffuse 0.08, diffuse_voffset 0.02), fails the self-check."""
+          bound (diffuse 0.08, diffuse_voffset 0.02), fails the self-check;
+  auto=NAME (GPU, no --backends) = the backend kernel="auto" takes on this shape, timed like the others; its
+          note gives auto's own first-use measurement (each backend's time / SDPA's)."""
 
 CPU_NOTE = ("CPU figures are not speed claims: on the CPU the quantized path is the torch reference of the "
             "algorithm (or the Triton interpreter), a correctness check and no fast path, and timings on a shared CPU vary several-fold between "
@@ -225,17 +243,17 @@ def accuracy_problem(r: Dict) -> Optional[str]:
 
 def format_table(rows: List[Dict]) -> str:
     width = max([14] + [len(r["shape"]) for r in rows])
-    lines = [f"{'shape':<{width}} {'backend':<18} {'ms':>9} {'[fastest-slowest]':>19} {'/sdpa':>7} {'/best':>7} "
+    lines = [f"{'shape':<{width}} {'backend':<20} {'ms':>9} {'[fastest-slowest]':>19} {'/sdpa':>7} {'/best':>7} "
              f"{'cosine':>9} {'relL1':>8}  note"]
     for r in rows:
         if r["status"] == "ok":
-            flag = "SELF-CHECK FAIL" if accuracy_problem(r) else ""
+            flag = "SELF-CHECK FAIL" if accuracy_problem(r) else r.get("note", "")
             spread = f"[{r['ms_min']:.3f}-{r['ms_max']:.3f}]" if "ms_min" in r else ""
-            lines.append(f"{r['shape']:<{width}} {r['backend']:<18} {r['ms']:9.3f} {spread:>19} "
+            lines.append(f"{r['shape']:<{width}} {r['backend']:<20} {r['ms']:9.3f} {spread:>19} "
                          f"{_fmt(r['vs_sdpa'], 7, '.3f')} {_fmt(r['vs_best_sdpa'], 7, '.3f')} "
                          f"{r['cos']:9.5f} {r['rel_l1']:8.4f}  {flag}")
         else:
-            lines.append(f"{r['shape']:<{width}} {r['backend']:<18} {'-':>9} {'-':>19} {'-':>7} {'-':>7} {'-':>9} "
+            lines.append(f"{r['shape']:<{width}} {r['backend']:<20} {'-':>9} {'-':>19} {'-':>7} {'-':>7} {'-':>9} "
                          f"{'-':>8}  {r['status']}")
     return "\n".join(lines)
 
@@ -421,7 +439,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         for kind in kinds:
             say(f"-- {shape.name}: B{shape.batch} H{shape.heads} N{shape.seq} D{shape.head_dim} {shape.dtype}, "
                 f"{kind} inputs{', smooth_v' if args.smooth_v else ''}")
-            rows.extend(bench_shape(shape, device, backends, reps, warmup, kind, args.smooth_v))
+            rows.extend(bench_shape(shape, device, backends, reps, warmup, kind, args.smooth_v,
+                                    with_auto=device.type == "cuda" and not requested))
     say(f"{reps} timed repeats per backend after {warmup} untimed warm-up call(s), on {device}.")
     say(COLUMNS.format(floor=COSINE_FLOOR))
     say(format_table(rows))

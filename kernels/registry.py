@@ -148,17 +148,40 @@ def auto_order(call: AttentionCall) -> List[str]:
     return ["sdpa"]
 
 
-def choose_backend(call: AttentionCall, kernel: str = "auto",
-                   quantized_only: bool = False) -> Tuple[Optional[Backend], Dict[str, str]]:
+AUTO_VERDICT = "auto"  # the key in `skipped` under which a measured `auto` says why nothing quantized runs
+
+
+def auto_candidates(call: AttentionCall) -> List[str]:
+    """What a measuring `auto` weighs, in the static order (ties and the fallback keep that order).
+
+    On NVIDIA our Triton kernels and comfy-kitchen join SageAttention: measuring keeps a slower one out."""
+    order = auto_order(call)
+    if call.device_type == "cuda" and not call.rocm:
+        extra = [n for n in ("triton_int8_fp8", "triton_int8_fp16", "comfy_kitchen") if n not in order]
+        order = [n for n in order if n != "sdpa"] + extra + ["sdpa"]
+    return order
+
+
+def choose_backend(call: AttentionCall, kernel: str = "auto", quantized_only: bool = False, *,
+                   tensors=None, sm_scale: Optional[float] = None, attn_mask=None,
+                   on_choice: Optional[Callable] = None,
+                   tuner=None) -> Tuple[Optional[Backend], Dict[str, str]]:
     """Return the backend that will run `call` and the reasons of those passed over.
 
-    An explicit kernel is returned as is (it raises KernelRefused itself when called); `auto`
-    walks the device's preference list and takes the first backend whose rule accepts the call.
+    An explicit kernel is returned as is (it raises KernelRefused itself when called). `auto` given the
+    call's `tensors` (q, k, v in HND) on a GPU takes the fastest backend measured for this kind of call
+    (kernels/autotune.py; `on_choice(decision)` hears which); otherwise, and on the CPU, it walks the
+    device's preference list and takes the first backend whose rule accepts the call.
     With `quantized_only` (the ComfyUI override, whose fallback is the call site's own exact
-    attention) exact backends are skipped and None is returned when nothing quantized accepts.
+    attention) exact backends are skipped and None is returned when nothing quantized accepts, or when
+    SDPA measured fastest (then `skipped[AUTO_VERDICT]` says so).
     """
     if kernel != "auto":
         return get_backend(kernel), {}
+    if tensors is not None:
+        measured = _measured_choice(call, quantized_only, tensors, sm_scale, attn_mask, on_choice, tuner)
+        if measured is not None:
+            return measured
     skipped: Dict[str, str] = {}
     for name in auto_order(call):
         backend = get_backend(name)
@@ -172,6 +195,26 @@ def choose_backend(call: AttentionCall, kernel: str = "auto",
         return None, skipped
     # SDPA is last everywhere; reaching here means even it refused (e.g. LSE was asked for).
     return get_backend("reference"), skipped
+
+
+def _measured_choice(call, quantized_only, tensors, sm_scale, attn_mask, on_choice, tuner):
+    """choose_backend's answer from a measured decision, or None where nothing was measured."""
+    from . import autotune  # imported on first use: it reads the self-check's cache helpers
+    tuner = tuner or autotune.default_tuner()
+    if not tuner.applies(call, tensors):
+        return None
+    names = [n for n in auto_candidates(call) if n != "sdpa"]
+    candidates = [b for b in (get_backend(n) for n in names) if b.quantized]
+    sdpa = get_backend("sdpa")
+    picked = tuner.choose(call, candidates, sdpa, tensors, sm_scale, attn_mask)
+    if picked is None:
+        return None
+    backend, skipped, decision = picked
+    if on_choice is not None:
+        on_choice(decision)
+    if backend is sdpa and quantized_only:
+        return None, {**skipped, AUTO_VERDICT: decision.sdpa_reason()}
+    return backend, skipped
 
 
 def available_backends(device=None) -> Dict[str, Optional[str]]:

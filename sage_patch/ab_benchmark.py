@@ -210,6 +210,7 @@ def run_ab(model, positive, negative, latent: dict, seed: int, steps: int, cfg: 
         "fallbacks": run_b.fallbacks, "routed": run_b.routed, "skipped": run_b.skipped,
         "sdpa_fallbacks": run_a.fallbacks,
         "notes": ab_override.stats.snapshot()["notes"],
+        "auto_choices": ab_override.stats.snapshot()["auto_choices"],
     }
     text = format_report_text(report)
     plot = plot_step_times(summary["per_step"], title=f"time per step: SDPA vs {config.kernel}")

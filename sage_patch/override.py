@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from ..kernels.call_spec import describe_call
-from ..kernels.registry import KernelRefused, choose_backend
+from ..kernels.registry import AUTO_VERDICT, KernelRefused, choose_backend
 from .config import PatchConfig
 from .layouts import expand_mask, from_hnd, to_hnd
 from .policies import CallPolicies
@@ -110,17 +110,22 @@ class SageAttentionOverride:
                                  smooth_v=self.config.smooth_v)
         except ValueError as exc:
             return self._fallback(func, args, kwargs, f"malformed call: {exc}", self.config.kernel)
-        backend, skipped = choose_backend(call, self.config.kernel, quantized_only=True)
+        scale = kwargs.get("scale")
+        sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(max(1, call.head_dim))
+        # With the tensors, `auto` on a GPU takes the fastest backend measured for this kind of call.
+        backend, skipped = choose_backend(call, self.config.kernel, quantized_only=True, tensors=(q, k, v),
+                                          sm_scale=sm_scale, attn_mask=mask, on_choice=self.stats.record_choice)
         # Why each preferred backend did not take the call (not available, refused, failed its self-check).
         self.stats.record_skips(skipped, backend.name if backend is not None else None)
+        if backend is None and AUTO_VERDICT in skipped:  # SDPA measured fastest: exact attention by choice
+            self.stats.record_routed(skipped[AUTO_VERDICT])
+            return self._pass_on(func, args, kwargs)
         if backend is None:
             detail = "; ".join(f"{n}: {r}" for n, r in skipped.items()) or f"none is built for {call.arch}"
             return self._fallback(func, args, kwargs, f"auto: no quantized kernel takes this call ({detail})", "auto")
         reason = backend.why_not(call)
         if reason:
             return self._fallback(func, args, kwargs, f"{backend.name}: {reason}", backend.name)
-        scale = kwargs.get("scale")
-        sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(max(1, call.head_dim))
         timer = self.attention_timer
         try:
             if timer is not None:

@@ -125,6 +125,10 @@ def format_report_text(report: dict) -> str:
     if skipped:
         lines.append("kernels 'auto' passed over in the patched run, and why (calls per backend and reason):")
         lines.extend(format_skipped(skipped, indent="  "))
+    choices = report.get("auto_choices", [])
+    if choices:
+        lines.append("what 'auto' measured at first use of each kind of call (ratio = time / SDPA time):")
+        lines.extend(f"  {c}" for c in choices)
     for policy, n in sorted(report.get("routed", {}).items()):
         lines.append(f"exact by policy ({policy}): {n}")
     for note in report.get("notes", []):

@@ -1,5 +1,5 @@
-"""Per-patch counters: calls per backend, fallbacks per reason, calls routed by each policy, and the
-backends `auto` passed over per (backend, reason).
+"""Per-patch counters: calls per backend, fallbacks per reason, calls routed by each policy, the
+backends `auto` passed over per (backend, reason), and what a measuring `auto` chose per kind of call.
 
 Cheap and always on. Thread-safe, since ComfyUI may sample on a worker thread while the UI thread
 reads a snapshot. Each distinct fallback reason, and each distinct (backend, reason) that `auto` passed
@@ -12,6 +12,8 @@ import logging
 import threading
 from collections import Counter
 from typing import Dict, List, Optional
+
+from ..kernels.registry import AUTO_VERDICT
 
 log = logging.getLogger("sage_rdna4")
 
@@ -26,6 +28,7 @@ class PatchStats:
         self._skipped: Counter = Counter()   # (backend, reason) -> calls where auto passed over it
         self._logged = set()
         self._notes = []
+        self._choices: Dict[str, str] = {}  # auto's measured decision per kind of call -> its summary
 
     def record_call(self, backend: str) -> None:
         with self._lock:
@@ -42,6 +45,8 @@ class PatchStats:
     def record_skips(self, skipped: Dict[str, str], ran: Optional[str]) -> None:
         """`auto` passed over these backends (name -> reason) on one call; `ran` is what it took (None: nothing
         quantized took it, the call fell back). Not a call count of its own: the call is counted where it ran."""
+        # AUTO_VERDICT is auto's own verdict (SDPA measured fastest), counted where the call went.
+        skipped = {name: reason for name, reason in skipped.items() if name != AUTO_VERDICT}
         if not skipped:
             return
         new = []
@@ -58,6 +63,18 @@ class PatchStats:
             level = logging.WARNING if ("self-check" in reason or "failed" in reason) else logging.INFO
             log.log(level, "[%s] auto passes over %s: %s (%s; counted from now on, logged once)",
                     self.label, name, reason, then)
+
+    def record_choice(self, decision) -> None:
+        """What a measuring `auto` chose for one kind of call (kernels.autotune.Decision): kept once per kind,
+        logged once, never cleared by `reset` (the decision outlives a sampling run)."""
+        label = decision.key.ident()
+        if label in self._choices:  # the common case: no lock taken
+            return
+        with self._lock:
+            first = label not in self._choices
+            self._choices[label] = decision.summary
+        if first:
+            log.info("[%s] %s", self.label, decision.summary)
 
     def record_routed(self, policy: str) -> None:
         """A policy sent this call to exact attention on purpose (not a failure)."""
@@ -80,7 +97,7 @@ class PatchStats:
             for (name, reason), n in self._skipped.items():
                 skipped.setdefault(name, {})[reason] = n
             return {"calls": dict(self._calls), "fallbacks": dict(self._fallbacks), "routed": dict(self._routed),
-                    "skipped": skipped, "notes": list(self._notes)}
+                    "skipped": skipped, "notes": list(self._notes), "auto_choices": list(self._choices.values())}
 
     def reset(self) -> None:
         with self._lock:
@@ -100,6 +117,8 @@ class PatchStats:
         for reason, n in sorted(snap["fallbacks"].items(), key=lambda kv: -kv[1]):
             lines.append(f"  fell back ({reason}): {n}")
         lines.extend(format_skipped(snap["skipped"], indent="  "))
+        for choice in snap["auto_choices"]:
+            lines.append(f"  {choice}")
         for note in snap["notes"]:
             lines.append(f"  note: {note}")
         return "\n".join(lines)

@@ -20,6 +20,8 @@ PACK = "comfyui_sage_rdna4"
 # Tests never read or write the user's cache of self-check passes (a planted fault must be checked, not
 # answered by an earlier pass); the cache's own tests hand it a temporary folder.
 os.environ.setdefault("SAGE_RDNA4_SELF_CHECK_CACHE", "0")
+# Nor the user's file of auto's measured choices (kernels/autotune.py): a GPU test measures afresh, in memory.
+os.environ.setdefault("SAGE_RDNA4_AUTOTUNE_CACHE", "0")
 
 
 def load_pack():

@@ -195,7 +195,7 @@ def test_the_columns_are_explained_above_the_table_and_cpu_figures_are_flagged(c
 def test_cpu_defaults_to_more_repeats_than_before_and_shows_the_range(capsys, monkeypatch):
     seen = {}
 
-    def fake_bench(shape, device, backends, reps, warmup=2, inputs="standard", smooth_v=False):
+    def fake_bench(shape, device, backends, reps, warmup=2, inputs="standard", smooth_v=False, with_auto=False):
         seen["reps"] = reps
         return [{"backend": "sdpa", "status": "ok", "ms": 2.0, "ms_min": 1.0, "ms_max": 9.0, "reps": reps,
                  "cos": 1.0, "rel_l1": 0.0, "quantized": False, "finite": True, "shape": shape.name,

@@ -1,0 +1,419 @@
+"""`auto` that measures: the fastest backend per kind of call, timed on the user's GPU at first use.
+
+The static preference list (registry.auto_order) is a guess made on other GPUs. On a CUDA/ROCm device,
+the first call of each kind (TuneKey: dtype, head dims, causal, GQA, mask kind, quantization options and
+power-of-two buckets of the query and key lengths) times, on that call's own tensors, SDPA and every
+candidate that accepts the call (`why_not(call) is None`, which runs a backend's first-use self-check):
+one untimed warm-up (compilation, caches), then up to TIMED_REPEATS repeats timed with CUDA events, the
+median kept. A candidate whose first timed repeat is over DROP_FACTOR x the fastest so far is not
+repeated. A quantized backend is taken only when it beats SDPA by QUANTIZED_MUST_BEAT: `auto` never
+picks one slower than exact attention on the measured shape. A candidate that raises while measured is
+left out with its reason; nothing here ever raises to the caller.
+
+Decisions live in memory and on disk (one JSON file per GPU identity, driver, torch, pack version and
+kernel source digest, next to the self-check passes). SAGE_RDNA4_AUTOTUNE=0 turns measuring off (the
+static order decides); SAGE_RDNA4_AUTOTUNE_CACHE=0 keeps decisions in memory only. Never imports ComfyUI.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .cache_identity import code_digest, gpu_identity, pack_version
+
+log = logging.getLogger(__name__)
+
+ENV = "SAGE_RDNA4_AUTOTUNE"              # "0": no measuring, the static order decides
+CACHE_ENV = "SAGE_RDNA4_AUTOTUNE_CACHE"  # "0": decisions are kept in memory only
+SDPA = "sdpa"
+TIMED_REPEATS = 3        # per candidate after its warm-up; the median is kept
+DROP_FACTOR = 3.0        # a first timed repeat over 3x the fastest so far ends that candidate's measuring
+QUANTIZED_MUST_BEAT = 0.97  # a quantized backend must run under 0.97x SDPA: exact attention wins ties and noise
+FILE_FORMAT = 1
+
+# timer(fn, device) -> milliseconds of one call of fn; injectable so tests need no GPU.
+Timer = Callable[[Callable[[], object], torch.device], float]
+
+
+def length_bucket(n: int) -> int:
+    """The power of two at or above n: calls of similar length share one measurement."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class TuneKey:
+    """What, besides the GPU, makes one backend faster than another for a call."""
+    dtype: str
+    head_dim: int
+    v_head_dim: int
+    causal: bool
+    gqa: bool
+    q_bucket: int
+    k_bucket: int
+    mask: str
+    options: str  # prologue, qk_group, smooth_k, smooth_v: they select different code
+
+    def label(self) -> str:
+        """Short, for notes and reports."""
+        dims = f"D{self.head_dim}" + (f"/Dv{self.v_head_dim}" if self.v_head_dim != self.head_dim else "")
+        extras = "".join((", causal" if self.causal else "", ", GQA" if self.gqa else "",
+                          f", {self.mask} mask" if self.mask != "none" else ""))
+        return f"{self.dtype}, {dims}, Nq<={self.q_bucket}, Nk<={self.k_bucket}{extras}"
+
+    def ident(self) -> str:
+        """Complete and stable: the entry's name in the JSON file."""
+        return (f"{self.label()} | mask={self.mask} causal={int(self.causal)} gqa={int(self.gqa)} "
+                f"| {self.options}")
+
+
+def tune_key(call) -> TuneKey:
+    options = (f"prologue={call.prologue} qk={call.qk_group} smooth_k={int(call.smooth_k)} "
+               f"smooth_v={int(call.smooth_v)}")
+    return TuneKey(dtype=str(call.dtype).replace("torch.", ""), head_dim=call.head_dim, v_head_dim=call.v_head_dim,
+                   causal=call.is_causal, gqa=call.q_heads != call.kv_heads, q_bucket=length_bucket(call.q_len),
+                   k_bucket=length_bucket(call.kv_len), mask=call.mask, options=options)
+
+
+def cuda_event_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """One call of fn timed with CUDA events on the current stream (waits for it: first use only)."""
+    stream = torch.cuda.current_stream(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    fn()
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+@dataclass
+class Decision:
+    """What was measured for one key. `timings` holds median ms per backend, SDPA included."""
+    key: TuneKey
+    timings: Dict[str, float]
+    failed: Dict[str, str] = field(default_factory=dict)   # raised while measured
+    refused: Dict[str, str] = field(default_factory=dict)  # why_not at first use (not stored on disk)
+    source: str = "measured"                               # or "disk"
+
+    def __post_init__(self):
+        sdpa_ms = self.timings[SDPA]
+        quantized = sorted((ms, name) for name, ms in self.timings.items() if name != SDPA)
+        winners = [name for ms, name in quantized if ms < QUANTIZED_MUST_BEAT * sdpa_ms]
+        # Fastest first, SDPA after the quantized backends that beat it; nothing after SDPA is ever taken.
+        self.ranking: Tuple[str, ...] = tuple(winners) + (SDPA,)
+        self.best_quantized: Optional[Tuple[str, float]] = (
+            (quantized[0][1], self.ratio(quantized[0][1])) if quantized else None)
+        self.summary = self._summary()
+
+    def ratio(self, name: str) -> float:
+        sdpa_ms = self.timings[SDPA]
+        return self.timings[name] / sdpa_ms if sdpa_ms > 0 else math.inf
+
+    def sdpa_reason(self) -> str:
+        """Why a quantized-only caller gets nothing: exact attention is the fastest here."""
+        return f"auto: {self._why_sdpa()}"
+
+    def _why_sdpa(self) -> str:
+        if self.best_quantized is None:
+            return "no quantized kernel could be measured on this shape"
+        name, ratio = self.best_quantized
+        if ratio > 1.0:
+            return f"SDPA measured faster on this shape (best quantized: {name} {ratio:.2f}x SDPA)"
+        return f"SDPA kept on this shape (best quantized: {name} {ratio:.2f}x SDPA, not under {QUANTIZED_MUST_BEAT}x)"
+
+    def _summary(self) -> str:
+        chosen = self.ranking[0]
+        head = f"auto chose {chosen}: " + (f"{self.ratio(chosen):.2f}x SDPA" if chosen != SDPA else self._why_sdpa())
+        measured = ", ".join(f"{name} {self.ratio(name):.2f}x" for name in sorted(self.timings, key=self.timings.get))
+        failed = "".join(f"; {name}: {reason}" for name, reason in self.failed.items())
+        origin = "; from disk" if self.source == "disk" else ""
+        return f"{head} at ({self.key.label()}) [measured: {measured}{failed}{origin}]"
+
+    def to_json(self, candidates: Sequence[str]) -> dict:
+        return {"timings": self.timings, "failed": self.failed, "candidates": sorted(candidates)}
+
+    @classmethod
+    def from_json(cls, key: TuneKey, entry: dict) -> "Decision":
+        timings = {str(n): float(ms) for n, ms in entry["timings"].items()}
+        failed = {str(n): str(r) for n, r in entry.get("failed", {}).items()}
+        return cls(key, timings, failed, source="disk")
+
+
+class DecisionStore:
+    """Decisions on disk: one JSON file per GPU identity + pack version + code digest, in the cache folder
+    the self-check passes use. Unreadable or corrupt files are ignored (and replaced on the next write)."""
+
+    def __init__(self, root: Optional[str] = None, enabled: Optional[bool] = None,
+                 identity: Callable[[torch.device], Optional[dict]] = gpu_identity):
+        self._root = root
+        self._enabled = enabled
+        self._identity = identity
+        self._folder: Optional[str] = None
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled if self._enabled is not None else os.environ.get(CACHE_ENV, "1") != "0"
+
+    def folder(self) -> Optional[str]:
+        if self._folder is None:
+            from .backends.hip.cache import CodeObjectCache
+            self._folder = CodeObjectCache(self._root).root  # same folder and fallbacks as the pass cache
+        return self._folder
+
+    def header(self, device: torch.device) -> Optional[dict]:
+        identity = self._identity(device)
+        if identity is None:
+            return None
+        return {"format": FILE_FORMAT, "identity": identity, "pack": pack_version(), "code": code_digest()}
+
+    def path(self, header: dict) -> Optional[str]:
+        folder = self.folder()
+        if folder is None:
+            return None
+        digest = hashlib.sha256(json.dumps(header, sort_keys=True, default=str).encode()).hexdigest()[:20]
+        return os.path.join(folder, f"autotune-{digest}.json")
+
+    def _read(self, path: str, header: dict) -> Dict[str, dict]:
+        """The file's decisions, or {} when it is missing, unreadable, corrupt or written for another header."""
+        try:
+            with open(path, encoding="utf-8") as fh:
+                doc = json.load(fh)
+            if doc.get("header") != json.loads(json.dumps(header, default=str)):  # as it reads back from JSON
+                return {}
+            decisions = doc["decisions"]
+            return decisions if isinstance(decisions, dict) else {}
+        except FileNotFoundError:
+            return {}
+        except Exception as exc:  # a corrupt cache is never a reason to fail a call
+            log.info("ignoring unreadable autotune cache %s: %s: %s", path, type(exc).__name__, exc)
+            return {}
+
+    def load(self, device: torch.device, key: TuneKey, candidates: Sequence[str]) -> Optional[Decision]:
+        """The stored decision for key, if it was measured among exactly these candidates."""
+        if not self.enabled:
+            return None
+        try:
+            header = self.header(device)
+            path = header and self.path(header)
+            if not path:
+                return None
+            entry = self._read(path, header).get(key.ident())
+            if not isinstance(entry, dict) or entry.get("candidates") != sorted(candidates):
+                return None  # a backend came or went since: measure again
+            decision = Decision.from_json(key, entry)
+            return decision if set(decision.timings) <= set(candidates) | {SDPA} else None
+        except Exception:
+            return None
+
+    def save(self, device: torch.device, decision: Decision, candidates: Sequence[str]) -> Optional[str]:
+        """Merge one decision into the file, written atomically; None when nothing was written."""
+        if not self.enabled:
+            return None
+        tmp = None
+        try:
+            header = self.header(device)
+            path = header and self.path(header)
+            if not path:
+                return None
+            decisions = self._read(path, header)  # read again: another process may have added entries
+            decisions[decision.key.ident()] = decision.to_json(candidates)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-autotune-", suffix=".part", dir=os.path.dirname(path))
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump({"header": header, "decisions": decisions}, fh, indent=1, sort_keys=True, default=str)
+            os.replace(tmp, path)
+            return path
+        except Exception as exc:
+            log.info("could not write the autotune cache: %s: %s", type(exc).__name__, exc)
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            return None
+
+
+def _capturing_or_compiling() -> bool:
+    """Timing would break a CUDA graph capture or a torch.compile trace: those keep the static order."""
+    try:
+        if torch.cuda.is_current_stream_capturing():
+            return True
+    except Exception:
+        pass
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling and is_compiling())
+
+
+_NOT_DECIDED = object()
+
+
+class Autotuner:
+    """Measured decisions per (device, TuneKey); thread-safe. `timer` and `store` are injectable for tests."""
+
+    def __init__(self, timer: Optional[Timer] = None, store: Optional[DecisionStore] = None,
+                 enabled: Optional[bool] = None, require_cuda: bool = True):
+        self.timer = timer or cuda_event_ms
+        self.store = store if store is not None else DecisionStore()
+        self._enabled = enabled
+        self.require_cuda = require_cuda  # tests with fake timers run the same logic on the CPU
+        self._decisions: Dict[tuple, Optional[Decision]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled if self._enabled is not None else os.environ.get(ENV, "1") != "0"
+
+    def decisions(self) -> List[Decision]:
+        """Every decision made or loaded in this process (for reports and the benchmark)."""
+        return [d for d in list(self._decisions.values()) if d is not None]
+
+    def decision_for(self, call) -> Optional[Decision]:
+        return self._decisions.get((call.device_type, call.device_index, tune_key(call)))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._decisions.clear()
+
+    def applies(self, call, tensors) -> bool:
+        """Whether `auto` may answer this call from a measured decision (on the CPU it never does)."""
+        if not self.enabled or tensors is None:
+            return False
+        return call.device_type == "cuda" or not self.require_cuda
+
+    def may_measure_now(self, call, attn_mask) -> bool:
+        if self.require_cuda and _capturing_or_compiling():
+            return False
+        return call.mask == "none" or attn_mask is not None  # a masked call is timed with its mask only
+
+    def choose(self, call, candidates: Sequence, sdpa, tensors, sm_scale: Optional[float] = None,
+               attn_mask=None) -> Optional[Tuple[object, Dict[str, str], Decision]]:
+        """(backend, skipped, decision) from a measured decision, or None: use the static order.
+
+        `candidates` are the quantized backends in the static order; `sdpa` is the exact yardstick. The
+        backend returned is a candidate that accepts `call`, or `sdpa` when it is the fastest that does.
+        A decision made earlier also serves calls that could not be measured now (a CUDA graph capture)."""
+        if not self.applies(call, tensors):
+            return None
+        key = (call.device_type, call.device_index, tune_key(call))
+        decision = self._decisions.get(key, _NOT_DECIDED)
+        if decision is _NOT_DECIDED:
+            if not self.may_measure_now(call, attn_mask):
+                return None
+            decision = self._decide(key, call, candidates, sdpa, tensors, sm_scale, attn_mask)
+        if decision is None:
+            return None
+        return self._pick(decision, call, candidates, sdpa)
+
+    # -- one decision ------------------------------------------------------------------------------
+    def _decide(self, key, call, candidates, sdpa, tensors, sm_scale, attn_mask) -> Optional[Decision]:
+        with self._lock:
+            if key in self._decisions:  # another thread measured it while we waited
+                return self._decisions[key]
+            started = time.perf_counter()
+            try:
+                decision = self._measure_or_load(key[2], call, candidates, sdpa, tensors, sm_scale, attn_mask)
+            except Exception as exc:  # measuring must never take the call down: fall back to the static order
+                log.warning("auto could not measure %s: %s: %s; using the static order", call.short(),
+                            type(exc).__name__, exc)
+                decision = None
+            self._decisions[key] = decision
+        if decision is not None:  # the time says what measuring cost this first call
+            log.info("%s (%.2f s)", decision.summary, time.perf_counter() - started)
+        return decision
+
+    def _measure_or_load(self, key: TuneKey, call, candidates, sdpa, tensors, sm_scale, attn_mask):
+        if sdpa.why_not(call) is not None:
+            return None  # no yardstick (e.g. the LSE is asked for): the static order decides
+        accepted, refused = [], {}
+        for backend in candidates:
+            reason = backend.why_not(call)  # runs the backend's first-use self-check
+            if reason is None:
+                accepted.append(backend)
+            else:
+                refused[backend.name] = reason
+        if not accepted:
+            return None  # nothing quantized to weigh: the static order reports why
+        names = [b.name for b in accepted]
+        device = tensors[0].device
+        stored = self.store.load(device, key, names)
+        if stored is not None:
+            stored.refused = refused
+            return stored
+        if sm_scale is None:
+            sm_scale = 1.0 / math.sqrt(max(1, call.head_dim))
+        timings, failed, transient = self._measure([sdpa] + accepted, call, tensors, sm_scale, attn_mask)
+        if SDPA not in timings:
+            return None
+        decision = Decision(key, timings, failed, refused)
+        if not transient:  # an out-of-memory is this moment's, not the shape's: measure again next process
+            self.store.save(device, decision, names)
+        return decision
+
+    def _measure(self, backends, call, tensors, sm_scale, attn_mask):
+        """Median ms per backend (SDPA first, the yardstick), failures by name, and whether one ran out of memory."""
+        q, k, v = tensors
+        device = q.device
+        timings: Dict[str, float] = {}
+        failed: Dict[str, str] = {}
+        transient = False
+        best = math.inf
+        with torch.no_grad():
+            for backend in backends:
+                def run(backend=backend):
+                    return backend(q, k, v, call, sm_scale, attn_mask)
+                try:
+                    ms = self._median_ms(run, device, best)
+                except Exception as exc:
+                    transient |= isinstance(exc, torch.cuda.OutOfMemoryError)
+                    failed[backend.name] = f"failed while auto measured it: {type(exc).__name__}: {exc}"
+                    if backend.name == SDPA:
+                        break  # without the yardstick nothing can be judged
+                    continue
+                timings[backend.name] = ms
+                best = min(best, ms)
+        return timings, failed, transient
+
+    def _median_ms(self, run, device, best: float) -> float:
+        run()  # warm-up: compilation and caches, not timed (its time says nothing of the steady state)
+        first = self.timer(run, device)
+        if first > DROP_FACTOR * best:
+            return first  # clearly slower: one repeat is enough to rank it
+        times = [first] + [self.timer(run, device) for _ in range(TIMED_REPEATS - 1)]
+        return statistics.median(times)
+
+    # -- one call ----------------------------------------------------------------------------------
+    @staticmethod
+    def _pick(decision: Decision, call, candidates, sdpa):
+        """The fastest measured backend that accepts this very call; SDPA once none ahead of it does."""
+        by_name = {b.name: b for b in candidates}
+        skipped = {**decision.refused, **decision.failed}
+        for name in decision.ranking:
+            if name == SDPA:
+                break
+            backend = by_name.get(name)
+            if backend is None:
+                continue
+            reason = backend.why_not(call)  # a self-check failure since, or a limit this call hits in the bucket
+            if reason is None:
+                return backend, skipped, decision
+            skipped[name] = reason
+        return sdpa, skipped, decision
+
+
+_DEFAULT: Optional[Autotuner] = None
+
+
+def default_tuner() -> Autotuner:
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = Autotuner()
+    return _DEFAULT

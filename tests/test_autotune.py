@@ -1,0 +1,407 @@
+"""`auto` that measures (kernels/autotune.py), with fake backends and an injected timer: no GPU needed.
+
+The fake call says it is on a ROCm GPU (so the real rules for measuring apply) while its tensors stay on
+the CPU; the timer returns each fake backend's set time for the backend that just ran.
+"""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from comfyui_sage_rdna4.kernels import autotune, registry
+from comfyui_sage_rdna4.kernels.call_spec import describe_call
+from comfyui_sage_rdna4.kernels.registry import AUTO_VERDICT, Backend
+from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride
+from comfyui_sage_rdna4.sage_patch.report import format_report_text
+
+IDENTITY = {"gpu": "AMD Radeon RX 9070 XT", "arch": "gfx1201", "driver": 60342134, "torch": "2.9", "hip": "6.4",
+            "cuda": None, "triton": "3.6"}
+
+
+class FakeBackend(Backend):
+    def __init__(self, name, ms, ran, quantized=True, refuse=None, raises=None):
+        super().__init__()
+        self.name, self.ms, self.ran, self.quantized = name, ms, ran, quantized
+        self._refuse, self._raises = refuse, raises
+
+    def _unavailable(self, device_type, index):
+        return None
+
+    def refuse(self, call):
+        return self._refuse
+
+    def launch(self, q, k, v, call, sm_scale, attn_mask):
+        self.ran.append(self.name)
+        if self._raises is not None:
+            raise self._raises
+        return q.clone(), None
+
+
+class Clock:
+    """timer(fn, device): runs fn and answers the time set for the backend that ran; counts timed calls."""
+
+    def __init__(self, ran, times):
+        self.ran, self.times, self.timed = ran, times, []
+
+    def __call__(self, fn, device):
+        fn()
+        self.timed.append(self.ran[-1])
+        return self.times[self.ran[-1]]
+
+
+def tensors(nq=4000, nk=4000, hq=2, hkv=2, d=64, dtype=torch.float16):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(1, hq, nq, d, generator=g).to(dtype), torch.randn(1, hkv, nk, d, generator=g).to(dtype),
+            torch.randn(1, hkv, nk, d, generator=g).to(dtype))
+
+
+def gpu_call(qkv, **kw):
+    """The call as a ROCm GPU would describe it (the tensors stay on the CPU: the timer is fake)."""
+    return dataclasses.replace(describe_call(*qkv, **kw), device_type="cuda", device_index=0, rocm=True,
+                               arch="gfx1201")
+
+
+def setup(times, refuse=None, raises=None):
+    """Fakes named like real quantized backends (SDPA first in `times`), a clock, and a memory-only tuner."""
+    ran = []
+    backends = {name: FakeBackend(name, ms, ran, quantized=name != "sdpa", refuse=(refuse or {}).get(name),
+                                  raises=(raises or {}).get(name)) for name, ms in times.items()}
+    clock = Clock(ran, times)
+    tuner = autotune.Autotuner(timer=clock, store=autotune.DecisionStore(enabled=False), enabled=True)
+    return backends, clock, tuner
+
+
+def choose(tuner, backends, call, qkv):
+    quantized = [b for n, b in backends.items() if n != "sdpa"]
+    return tuner.choose(call, quantized, backends["sdpa"], qkv)
+
+
+def test_the_fastest_is_chosen_and_ranked_against_sdpa():
+    backends, clock, tuner = setup({"sdpa": 10.0, "triton_int8_fp8": 8.0, "triton_int8_fp16": 5.0})
+    qkv = tensors()
+    backend, skipped, decision = choose(tuner, backends, gpu_call(qkv), qkv)
+    assert backend.name == "triton_int8_fp16" and skipped == {}
+    assert decision.ranking == ("triton_int8_fp16", "triton_int8_fp8", "sdpa")
+    assert decision.ratio("triton_int8_fp16") == pytest.approx(0.5)
+    assert decision.summary.startswith("auto chose triton_int8_fp16: 0.50x SDPA at (float16, D64, Nq<=4096")
+    # one warm-up and TIMED_REPEATS timed calls each, SDPA (the yardstick) first
+    assert clock.timed[:autotune.TIMED_REPEATS] == ["sdpa"] * autotune.TIMED_REPEATS
+    assert len(clock.timed) == 3 * autotune.TIMED_REPEATS
+    assert len(clock.ran) == 3 * (1 + autotune.TIMED_REPEATS)
+
+
+def test_a_quantized_backend_slower_than_sdpa_is_never_chosen():
+    backends, _, tuner = setup({"sdpa": 5.0, "triton_int8_fp8": 6.0, "triton_int8_fp16": 5.0})
+    qkv = tensors()
+    backend, _, decision = choose(tuner, backends, gpu_call(qkv), qkv)
+    assert backend.name == "sdpa" and decision.ranking == ("sdpa",)
+    # a tie is no gain: exact attention keeps it (QUANTIZED_MUST_BEAT)
+    assert decision.best_quantized == ("triton_int8_fp16", 1.0)
+    assert decision.sdpa_reason() == ("auto: SDPA kept on this shape (best quantized: triton_int8_fp16 1.00x SDPA, "
+                                      "not under 0.97x)")
+
+
+def test_a_candidate_far_slower_is_timed_once_only():
+    backends, clock, tuner = setup({"sdpa": 10.0, "triton_int8_fp8": 31.0, "triton_int8_fp16": 8.0})
+    qkv = tensors()
+    choose(tuner, backends, gpu_call(qkv), qkv)
+    assert clock.timed.count("triton_int8_fp8") == 1  # 3.1x the fastest so far: not repeated
+    assert clock.timed.count("triton_int8_fp16") == autotune.TIMED_REPEATS
+
+
+def test_a_candidate_that_raises_or_refuses_is_left_out_with_its_reason():
+    backends, clock, tuner = setup({"sdpa": 10.0, "hip_int8_fp8": 1.0, "triton_int8_fp8": 2.0, "triton_int8_fp16": 4.0},
+                                   refuse={"hip_int8_fp8": "hiprtc not found"},
+                                   raises={"triton_int8_fp8": RuntimeError("boom")})
+    qkv = tensors()
+    backend, skipped, decision = choose(tuner, backends, gpu_call(qkv), qkv)
+    assert backend.name == "triton_int8_fp16"
+    assert skipped["hip_int8_fp8"] == "hiprtc not found"
+    assert skipped["triton_int8_fp8"] == "failed while auto measured it: RuntimeError: boom"
+    assert "hip_int8_fp8" not in clock.ran and "triton_int8_fp8" not in decision.timings
+    assert "; triton_int8_fp8: failed while auto measured it: RuntimeError: boom" in decision.summary
+
+
+def test_sdpa_raising_means_no_measurement_and_the_static_order():
+    backends, _, tuner = setup({"sdpa": 1.0, "triton_int8_fp8": 2.0}, raises={"sdpa": RuntimeError("no")})
+    qkv = tensors()
+    assert choose(tuner, backends, gpu_call(qkv), qkv) is None
+
+
+def test_length_buckets_and_keys():
+    assert [autotune.length_bucket(n) for n in (1, 2, 3, 64, 65, 4096, 4097, 75600)] == [1, 2, 4, 64, 128, 4096,
+                                                                                          8192, 131072]
+    key = autotune.tune_key(gpu_call(tensors(nq=3000, nk=4000)))
+    assert key == autotune.tune_key(gpu_call(tensors(nq=4096, nk=2049)))
+    assert (key.q_bucket, key.k_bucket, key.gqa, key.causal) == (4096, 4096, False, False)
+    for other in (gpu_call(tensors(nq=4097)), gpu_call(tensors(nk=300)), gpu_call(tensors(hkv=1)),
+                  gpu_call(tensors(d=128)), gpu_call(tensors(dtype=torch.bfloat16)),
+                  gpu_call(tensors(), is_causal=True), gpu_call(tensors(), smooth_k=False)):
+        assert autotune.tune_key(other) != key
+
+
+def test_one_measurement_per_key_in_memory():
+    backends, clock, tuner = setup({"sdpa": 10.0, "triton_int8_fp8": 5.0})
+    qkv = tensors(nq=3000)
+    choose(tuner, backends, gpu_call(qkv), qkv)
+    timed = len(clock.timed)
+    same_bucket = tensors(nq=4000)
+    assert choose(tuner, backends, gpu_call(same_bucket), same_bucket)[0].name == "triton_int8_fp8"
+    assert len(clock.timed) == timed
+    other = tensors(nq=5000)
+    choose(tuner, backends, gpu_call(other), other)
+    assert len(clock.timed) == 2 * timed
+
+
+def test_a_backend_disabled_after_measuring_is_passed_over_per_call():
+    backends, _, tuner = setup({"sdpa": 10.0, "triton_int8_fp8": 5.0, "triton_int8_fp16": 7.0})
+    qkv = tensors()
+    choose(tuner, backends, gpu_call(qkv), qkv)
+    backends["triton_int8_fp8"].disable("cuda", 0, "self-check failed")
+    backend, skipped, _ = choose(tuner, backends, gpu_call(qkv), qkv)
+    assert backend.name == "triton_int8_fp16" and skipped == {"triton_int8_fp8": "self-check failed"}
+
+
+# -- through choose_backend (the real registry, fakes under real names) -------------------------------------
+
+@pytest.fixture
+def registered(monkeypatch):
+    def install(times, **kw):
+        backends, clock, tuner = setup(times, **kw)
+        for name, backend in backends.items():
+            monkeypatch.setitem(registry._REGISTRY, name, backend)
+        monkeypatch.setattr(registry, "auto_order", lambda call: list(times)[1:] + ["sdpa"])
+        return backends, clock, tuner
+    return install
+
+
+def test_quantized_only_gets_none_and_the_reason_when_sdpa_is_fastest(registered):
+    _, _, tuner = registered({"sdpa": 5.0, "triton_int8_fp8": 6.0})
+    qkv = tensors()
+    backend, skipped = registry.choose_backend(gpu_call(qkv), "auto", quantized_only=True, tensors=qkv, tuner=tuner)
+    assert backend is None
+    assert skipped == {AUTO_VERDICT: "auto: SDPA measured faster on this shape (best quantized: triton_int8_fp8 "
+                                     "1.20x SDPA)"}
+    backend, skipped = registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner)
+    assert backend.name == "sdpa" and skipped == {}
+
+
+def test_choose_backend_reports_the_decision(registered):
+    _, _, tuner = registered({"sdpa": 5.0, "triton_int8_fp8": 4.0})
+    heard = []
+    qkv = tensors()
+    backend, _ = registry.choose_backend(gpu_call(qkv), "auto", quantized_only=True, tensors=qkv, tuner=tuner,
+                                         on_choice=heard.append)
+    assert backend.name == "triton_int8_fp8" and heard[0].ranking == ("triton_int8_fp8", "sdpa")
+
+
+def test_env_switch_off_keeps_the_static_order(registered, monkeypatch):
+    # the static order prefers the slow one: measuring would not
+    backends, clock, _ = registered({"sdpa": 5.0, "triton_int8_fp8": 50.0, "triton_int8_fp16": 1.0})
+    tuner = autotune.Autotuner(timer=clock, store=autotune.DecisionStore(enabled=False))
+    qkv = tensors()
+    monkeypatch.setenv(autotune.ENV, "0")
+    assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner)[0].name == "triton_int8_fp8"
+    assert clock.timed == []
+    monkeypatch.setenv(autotune.ENV, "1")
+    assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner)[0].name == "triton_int8_fp16"
+
+
+def test_no_tensors_cpu_or_a_first_call_in_capture_keep_the_static_order(registered, monkeypatch):
+    backends, clock, tuner = registered({"sdpa": 5.0, "triton_int8_fp8": 50.0, "triton_int8_fp16": 1.0})
+    qkv = tensors()
+    cpu_call = describe_call(*qkv)
+    assert cpu_call.device_type == "cpu"
+    assert registry.choose_backend(cpu_call, "auto", tensors=qkv, tuner=tuner)[0].name == "triton_int8_fp8"
+    assert registry.choose_backend(gpu_call(qkv), "auto", tuner=tuner)[0].name == "triton_int8_fp8"
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner)[0].name == "triton_int8_fp8"
+    assert clock.timed == [] and clock.ran == []
+    capturing[0] = False
+    assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner)[0].name == "triton_int8_fp16"
+    timed = len(clock.timed)
+    capturing[0] = True  # a decision made before a capture serves the captured calls, without timing
+    assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner)[0].name == "triton_int8_fp16"
+    assert len(clock.timed) == timed
+
+
+def test_a_masked_call_is_measured_only_with_its_mask(registered):
+    _, clock, tuner = registered({"sdpa": 5.0, "triton_int8_fp8": 50.0, "triton_int8_fp16": 1.0})
+    qkv = tensors()
+    mask = torch.ones(4000, 4000, dtype=torch.bool)
+    call = gpu_call(qkv, attn_mask=mask)
+    assert registry.choose_backend(call, "auto", tensors=qkv, tuner=tuner)[0].name == "triton_int8_fp8"
+    assert clock.timed == []
+    assert registry.choose_backend(call, "auto", tensors=qkv, attn_mask=mask, tuner=tuner)[0].name == \
+        "triton_int8_fp16"
+
+
+def test_nvidia_weighs_our_triton_kernels_and_comfy_kitchen_too():
+    call = dataclasses.replace(describe_call(*tensors()), device_type="cuda", device_index=0, rocm=False, arch="sm_90")
+    assert registry.auto_candidates(call) == ["sageattention", "triton_int8_fp8", "triton_int8_fp16", "comfy_kitchen",
+                                              "sdpa"]
+    assert registry.auto_order(call) == ["sageattention", "sdpa"]  # the static order is unchanged
+
+
+# -- on disk -----------------------------------------------------------------------------------------------
+
+def disk_tuner(tmp_path, times, identity=IDENTITY, **kw):
+    backends, clock, _ = setup(times, **kw)
+    store = autotune.DecisionStore(str(tmp_path), enabled=True, identity=lambda device: identity)
+    return backends, clock, autotune.Autotuner(timer=clock, store=store, enabled=True)
+
+
+TIMES = {"sdpa": 10.0, "triton_int8_fp8": 4.0, "triton_int8_fp16": 6.0}
+
+
+def test_a_decision_survives_on_disk_and_is_reused(tmp_path):
+    backends, clock, tuner = disk_tuner(tmp_path, TIMES)
+    qkv = tensors()
+    first = choose(tuner, backends, gpu_call(qkv), qkv)[2]
+    files = list(tmp_path.glob("autotune-*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["header"]["identity"] == IDENTITY
+    backends, clock, tuner = disk_tuner(tmp_path, TIMES)  # a new process
+    backend, _, again = choose(tuner, backends, gpu_call(qkv), qkv)
+    assert clock.timed == [] and again.source == "disk"
+    assert backend.name == "triton_int8_fp8" and again.timings == first.timings
+    assert again.summary.endswith("from disk]")
+
+
+def test_the_disk_cache_is_per_gpu_driver_pack_version_and_candidates(tmp_path, monkeypatch):
+    backends, _, tuner = disk_tuner(tmp_path, TIMES)
+    qkv = tensors()
+    choose(tuner, backends, gpu_call(qkv), qkv)
+
+    def measured_again(identity=IDENTITY, times=TIMES):
+        backends, clock, tuner = disk_tuner(tmp_path, times, identity)
+        choose(tuner, backends, gpu_call(qkv), qkv)
+        return bool(clock.timed)
+
+    assert not measured_again()
+    assert measured_again(identity={**IDENTITY, "gpu": "AMD Radeon RX 9060 XT"})
+    assert measured_again(identity={**IDENTITY, "driver": 60400000})
+    with monkeypatch.context() as m:
+        m.setattr(autotune, "pack_version", lambda: "99.0.0")
+        assert measured_again()
+    assert not measured_again()  # none of the above replaced the first entry
+    assert measured_again(times={**TIMES, "comfy_kitchen": 3.0})  # a backend came: measure again
+
+
+def test_a_corrupt_or_unreadable_cache_file_is_ignored(tmp_path):
+    backends, _, tuner = disk_tuner(tmp_path, TIMES)
+    qkv = tensors()
+    choose(tuner, backends, gpu_call(qkv), qkv)
+    path = next(tmp_path.glob("autotune-*.json"))
+    doc = json.loads(path.read_text())
+    entry = next(iter(doc["decisions"]))
+    for content in ("{not json", json.dumps({"header": doc["header"], "decisions": {entry: {"timings": "x"}}}),
+                    json.dumps({"header": doc["header"], "decisions": []}), "\x00\xff"):
+        path.write_text(content, encoding="latin-1")
+        backends, clock, tuner = disk_tuner(tmp_path, TIMES)
+        backend, _, decision = choose(tuner, backends, gpu_call(qkv), qkv)
+        assert clock.timed and backend.name == "triton_int8_fp8" and decision.source == "measured"
+        assert json.loads(path.read_text())["decisions"][entry]["timings"] == decision.timings  # rewritten whole
+    path.unlink()
+    path.mkdir()  # a folder where the file should be: unreadable, and unwritable
+    backends, clock, tuner = disk_tuner(tmp_path, TIMES)
+    assert choose(tuner, backends, gpu_call(qkv), qkv)[0].name == "triton_int8_fp8"
+
+
+def test_no_identity_means_memory_only(tmp_path):
+    backends, _, tuner = disk_tuner(tmp_path, TIMES, identity=None)
+    qkv = tensors()
+    assert choose(tuner, backends, gpu_call(qkv), qkv)[0].name == "triton_int8_fp8"
+    assert list(tmp_path.glob("autotune-*.json")) == []
+
+
+def test_the_cache_env_switch_keeps_decisions_in_memory(tmp_path, monkeypatch):
+    monkeypatch.setenv(autotune.CACHE_ENV, "0")
+    backends, clock, _ = setup(TIMES)
+    store = autotune.DecisionStore(str(tmp_path), identity=lambda device: IDENTITY)
+    qkv = tensors()
+    choose(autotune.Autotuner(timer=clock, store=store, enabled=True), backends, gpu_call(qkv), qkv)
+    assert clock.timed and list(tmp_path.glob("autotune-*.json")) == []
+
+
+# -- the ComfyUI override, its stats and the A/B report ------------------------------------------------------
+
+def comfy_attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,
+                    **kwargs):
+    comfy_attention.calls += 1
+    return "call site"
+
+
+comfy_attention.calls = 0
+
+
+def patched(registered, monkeypatch, times):
+    backends, _, tuner = registered(times)
+    tuner.require_cuda = False  # the override's own tensors are on the CPU here; the decision logic is the same
+    monkeypatch.setattr(autotune, "_DEFAULT", tuner)
+    return SageAttentionOverride(PatchConfig(kernel="auto")), backends
+
+
+def test_override_passes_the_call_on_when_sdpa_measured_faster(registered, monkeypatch):
+    ov, _ = patched(registered, monkeypatch, {"sdpa": 5.0, "triton_int8_fp8": 6.0})
+    q, k, v = (t.transpose(1, 2).reshape(1, 4000, 128) for t in tensors())
+    comfy_attention.calls = 0
+    assert ov(comfy_attention, q, k, v, 2) == "call site"
+    assert ov(comfy_attention, q, k, v, 2) == "call site"
+    snap = ov.stats.snapshot()
+    reason = "auto: SDPA measured faster on this shape (best quantized: triton_int8_fp8 1.20x SDPA)"
+    assert comfy_attention.calls == 2 and snap["routed"] == {reason: 2}
+    assert snap["fallbacks"] == {} and snap["skipped"] == {} and snap["calls"] == {}
+    assert snap["auto_choices"] == ["auto chose sdpa: SDPA measured faster on this shape (best quantized: "
+                                    "triton_int8_fp8 1.20x SDPA) at (float16, D64, Nq<=4096, Nk<=4096) "
+                                    "[measured: sdpa 1.00x, triton_int8_fp8 1.20x]"]
+
+
+def test_override_runs_the_measured_choice_and_the_report_shows_it(registered, monkeypatch):
+    ov, backends = patched(registered, monkeypatch, {"sdpa": 5.0, "triton_int8_fp8": 6.0, "triton_int8_fp16": 4.0})
+    qkv = tensors()
+    q, k, v = (t.transpose(1, 2).reshape(1, 4000, 128) for t in qkv)
+    out = ov(comfy_attention, q, k, v, 2)
+    assert torch.equal(out, q)  # the fake returns q: the chosen backend's output, untouched by measuring
+    snap = ov.stats.snapshot()
+    assert snap["calls"] == {"triton_int8_fp16": 1}
+    assert snap["auto_choices"][0].startswith("auto chose triton_int8_fp16: 0.80x SDPA at (float16, D64")
+    assert snap["auto_choices"][0] in ov.stats.summary()
+    text = format_report_text({"auto_choices": snap["auto_choices"]})
+    assert "what 'auto' measured" in text and "auto chose triton_int8_fp16: 0.80x SDPA" in text
+
+
+def test_the_benchmark_has_a_row_for_what_auto_takes(registered, monkeypatch):
+    from comfyui_sage_rdna4.kernels import benchmark
+
+    tiny, cpu = benchmark.SMOKE_SHAPES[0], torch.device("cpu")
+    rows = benchmark.bench_shape(tiny, cpu, ["sdpa"], reps=1, warmup=0, with_auto=True)
+    assert [(r["backend"], r["note"]) for r in rows if "note" in r] == [("auto=sdpa", "auto measured nothing here: "
+                                                                         "static order")]
+    _, _, tuner = registered({"sdpa": 5.0, "triton_int8_fp8": 2.0})
+    tuner.require_cuda = False
+    monkeypatch.setattr(autotune, "_DEFAULT", tuner)
+    rows = benchmark.bench_shape(tiny, cpu, ["sdpa"], reps=1, warmup=0, with_auto=True)
+    auto = [r for r in rows if r["backend"].startswith("auto=")]
+    assert len(auto) == 1 and auto[0]["backend"] == "auto=triton_int8_fp8" and auto[0]["status"] == "ok"
+    assert auto[0]["note"].startswith("auto chose triton_int8_fp8: 0.40x SDPA at (float16, D64, Nq<=128")
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_auto_measures_real_backends_and_is_never_slower_than_sdpa():
+    from comfyui_sage_rdna4.kernels import sage_attention
+
+    tuner = autotune.Autotuner(store=autotune.DecisionStore(enabled=False), enabled=True)
+    q, k, v = (t.cuda() for t in tensors(nq=2048, nk=2048, d=128, dtype=torch.bfloat16))
+    call = describe_call(q, k, v)
+    backend, skipped = registry.choose_backend(call, "auto", quantized_only=True, tensors=(q, k, v), tuner=tuner)
+    decision = tuner.decision_for(call)
+    assert decision is not None and "sdpa" in decision.timings and all(ms > 0 for ms in decision.timings.values())
+    if backend is None:
+        assert skipped[AUTO_VERDICT].startswith("auto: SDPA")
+    else:
+        assert decision.ratio(backend.name) < autotune.QUANTIZED_MUST_BEAT
+        # measuring does not change the result: the chosen backend's output, as when named explicitly
+        torch.testing.assert_close(sage_attention(q, k, v, kernel=backend.name),
+                                   backend(q, k, v, call, q.shape[-1] ** -0.5)[0], rtol=0, atol=0)
