@@ -95,27 +95,34 @@ class Timing:
     low: float     # the fastest repeat
     high: float    # the slowest repeat
     reps: int
+    host: Optional[float] = None  # median ms the host spent issuing one call, without waiting for the device
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 2) -> Timing:
-    """Milliseconds per call over `reps` timed repeats after `warmup` untimed ones: median and range."""
+    """Milliseconds per call over `reps` timed repeats after `warmup` untimed ones: median and range, and the
+    median host time of issuing the call (the wall time of `fn()` itself, not waiting for the device: Python,
+    checks, allocations, launches). On the CPU nothing runs asynchronously, so both are the same wall time."""
     for _ in range(warmup):
         fn()
     times: List[float] = []
+    host: List[float] = []
     if device.type == "cuda":
         for _ in range(reps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             fn()
+            host.append((time.perf_counter() - t0) * 1e3)
             end.record()
-            end.synchronize()
+            end.synchronize()  # each repeat starts on an idle device, so issuing never waits for earlier work
             times.append(start.elapsed_time(end))
     else:
         for _ in range(reps):
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return Timing(statistics.median(times), min(times), max(times), len(times))
+        host = times
+    return Timing(statistics.median(times), min(times), max(times), len(times), statistics.median(host))
 
 
 def median_time_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 2) -> float:
@@ -160,8 +167,8 @@ def bench_shape(shape: Shape, device: torch.device, backends: List[str], reps: i
             rows.append({"backend": name, "status": f"error: {type(exc).__name__}: {exc}", "quantized": quantized})
             return
         rows.append({"backend": name, "status": "ok", "ms": t.median, "ms_min": t.low, "ms_max": t.high,
-                     "reps": t.reps, "cos": cosine(out, exact), "rel_l1": rel_l1(out, exact), "quantized": quantized,
-                     "finite": bool(torch.isfinite(out).all())})
+                     "reps": t.reps, "host_us": t.host * 1e3, "cos": cosine(out, exact), "rel_l1": rel_l1(out, exact),
+                     "quantized": quantized, "finite": bool(torch.isfinite(out).all())})
 
     record("sdpa", lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), False)
     if device.type == "cuda":
@@ -207,6 +214,9 @@ def auto_choice(q, k, v, call):
 
 COLUMNS = """\
 columns: ms = median time per call over the timed repeats, and [fastest-slowest] repeat;
+  host_us = median microseconds the host spent issuing one call (Python, checks, allocations, kernel launches),
+          timed without waiting for the GPU; on the CPU there is no separate device, so it is the same wall
+          time as ms (in microseconds);
   /sdpa = this backend's median / PyTorch's default SDPA median on the same shape in this run
           (1 = as fast as SDPA, above 1 = slower, below 1 = faster);
   /best = the same ratio against the fastest SDPA variant measured here (sdpa, and on a GPU sdpa_cudnn
@@ -243,18 +253,18 @@ def accuracy_problem(r: Dict) -> Optional[str]:
 
 def format_table(rows: List[Dict]) -> str:
     width = max([14] + [len(r["shape"]) for r in rows])
-    lines = [f"{'shape':<{width}} {'backend':<20} {'ms':>9} {'[fastest-slowest]':>19} {'/sdpa':>7} {'/best':>7} "
-             f"{'cosine':>9} {'relL1':>8}  note"]
+    lines = [f"{'shape':<{width}} {'backend':<20} {'ms':>9} {'[fastest-slowest]':>19} {'host_us':>9} {'/sdpa':>7} "
+             f"{'/best':>7} {'cosine':>9} {'relL1':>8}  note"]
     for r in rows:
         if r["status"] == "ok":
             flag = "SELF-CHECK FAIL" if accuracy_problem(r) else r.get("note", "")
             spread = f"[{r['ms_min']:.3f}-{r['ms_max']:.3f}]" if "ms_min" in r else ""
             lines.append(f"{r['shape']:<{width}} {r['backend']:<20} {r['ms']:9.3f} {spread:>19} "
-                         f"{_fmt(r['vs_sdpa'], 7, '.3f')} {_fmt(r['vs_best_sdpa'], 7, '.3f')} "
-                         f"{r['cos']:9.5f} {r['rel_l1']:8.4f}  {flag}")
+                         f"{_fmt(r.get('host_us'), 9, '.1f')} {_fmt(r['vs_sdpa'], 7, '.3f')} "
+                         f"{_fmt(r['vs_best_sdpa'], 7, '.3f')} {r['cos']:9.5f} {r['rel_l1']:8.4f}  {flag}")
         else:
-            lines.append(f"{r['shape']:<{width}} {r['backend']:<20} {'-':>9} {'-':>19} {'-':>7} {'-':>7} {'-':>9} "
-                         f"{'-':>8}  {r['status']}")
+            lines.append(f"{r['shape']:<{width}} {r['backend']:<20} {'-':>9} {'-':>19} {'-':>9} {'-':>7} {'-':>7} "
+                         f"{'-':>9} {'-':>8}  {r['status']}")
     return "\n".join(lines)
 
 
@@ -338,6 +348,9 @@ def parse_device(parser: argparse.ArgumentParser, text: Optional[str]) -> torch.
 EPILOG = """\
 What the table shows:
   ms            median milliseconds per call over the timed repeats (--reps), then [fastest-slowest] repeat
+  host_us       median microseconds the host spends issuing one call (Python, checks, allocations, kernel
+                launches), timed without waiting for the GPU: the CPU cost per call beside the device time.
+                On the CPU there is no separate device: host time is the call's wall time, the same as ms
   /sdpa         median / PyTorch's default SDPA median on the same shape in the same run:
                 1 = as fast as SDPA, above 1 = slower, below 1 = faster
   /best         the same ratio against the fastest SDPA variant measured (sdpa; on a GPU also sdpa_cudnn and

@@ -5,6 +5,9 @@ A backend answers two questions, both with a reason string or None:
   * `refuse(call)`: can it take this particular call (dtype, head_dim, mask, ...)?
 `why_not(call)` joins the two; the dispatcher asks it, and `backend(q, k, v, call, ...)` asks it
 again before launching, so a forced kernel can never be answered by another one.
+
+Callers that cache decisions per call signature (the ComfyUI override) keep them only while
+`decision_generation()` is unchanged: anything that can change a backend's answer bumps it.
 """
 from __future__ import annotations
 
@@ -26,6 +29,25 @@ BACKEND_NAMES = (
     "sdpa",
     "reference",
 )
+
+
+_generation = 0
+_generation_lock = threading.Lock()
+
+
+def decision_generation() -> int:
+    """A number that changes whenever a decision made earlier may no longer hold: a backend disabled (by its
+    self-check or by hand) or a failed self-check verdict recorded. A cache of decisions compares it to the one
+    it read before deciding. (Replacing `_REGISTRY` entries or `_disabled` directly, as tests do, bumps nothing:
+    call `invalidate_decisions` after such a change.)"""
+    return _generation
+
+
+def invalidate_decisions() -> None:
+    """Tell every cache of backend decisions that its entries are stale (see `decision_generation`)."""
+    global _generation
+    with _generation_lock:  # two bumps at once must not collapse into one
+        _generation += 1
 
 
 class KernelRefused(RuntimeError):
@@ -69,6 +91,7 @@ class Backend:
         """Take the backend out of service on one device for the rest of the process."""
         with self._lock:
             self._disabled[(device_type, index)] = reason
+        invalidate_decisions()  # after the write: a decision cached from now on sees the backend disabled
 
     # -- one call ----------------------------------------------------------------------------
     def refuse(self, call: AttentionCall) -> Optional[str]:

@@ -461,6 +461,9 @@ class SelfCheck:
                 if cache_key:
                     self.cache.store_pass(cache_key, backend.name, result)
             self._verdicts[key] = reason
+            if reason:
+                from .registry import invalidate_decisions
+                invalidate_decisions()  # calls with this variant are refused from now on
             return reason
 
 

@@ -26,29 +26,40 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from ..kernels.call_spec import describe_call
-from ..kernels.registry import AUTO_VERDICT, KernelRefused, choose_backend
+from ..kernels.call_spec import AttentionCall, describe_call
+from ..kernels.registry import AUTO_VERDICT, KernelRefused, choose_backend, decision_generation
+from .call_plans import CallPlan, PlanCache, call_signature
 from .config import PatchConfig
-from .layouts import expand_mask, from_hnd, to_hnd
+from .layouts import expand_mask, from_hnd, head_split_shapes, hnd_views
 from .policies import CallPolicies
 from .stats import PatchStats
 
 _POSITIONAL = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
+_DEFAULTS = {"mask": None, "attn_precision": None, "skip_reshape": False, "skip_output_reshape": False}
+_REQUIRED = ("q", "k", "v", "heads")
 
 
 def bind_attention_args(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """Name ComfyUI's attention arguments whether they came by position or keyword."""
     if len(args) > len(_POSITIONAL):
         raise TypeError(f"attention called with {len(args)} positional arguments")
-    bound = {"mask": None, "attn_precision": None, "skip_reshape": False, "skip_output_reshape": False}
+    bound = dict(_DEFAULTS)
     bound.update(zip(_POSITIONAL, args))
     for name in _POSITIONAL[len(args):]:
         if name in kwargs:
             bound[name] = kwargs[name]
-    missing = [n for n in ("q", "k", "v", "heads") if n not in bound]
-    if missing:
-        raise TypeError(f"attention called without {', '.join(missing)}")
+    if len(args) < len(_REQUIRED):
+        missing = [n for n in _REQUIRED if n not in bound]
+        if missing:
+            raise TypeError(f"attention called without {', '.join(missing)}")
     return bound
+
+
+def _view_shapes(bound: Dict[str, Any]):
+    """How q, k, v are viewed as HND (layouts.head_split_shapes), None when they came HND already."""
+    if bound["skip_reshape"]:
+        return None
+    return head_split_shapes(bound["q"], bound["k"], bound["v"], bound["heads"])
 
 
 class SageAttentionOverride:
@@ -61,6 +72,7 @@ class SageAttentionOverride:
         self.policies = CallPolicies(config)
         self.previous = previous
         self.attention_timer = None  # set by the step timer when attention time is measured
+        self.plans = PlanCache()  # per call signature: the described call and the backend decision
 
     def __deepcopy__(self, memo):
         # ModelPatcher.clone() deep-copies model_options; a clone of a patched model is the same patch.
@@ -78,6 +90,22 @@ class SageAttentionOverride:
         self.stats.record_fallback(reason)
         return self._pass_on(func, args, kwargs)
 
+    def _make_plan(self, call: AttentionCall, view_shapes, generation: int, backend, skipped) -> CallPlan:
+        """The decision `choose_backend` made for `call`, with the chosen backend's own answer (`why_not`)."""
+        refusal = routed = None
+        if backend is None and AUTO_VERDICT in skipped:  # SDPA measured fastest: exact attention by choice
+            routed = skipped[AUTO_VERDICT]
+        elif backend is None:
+            detail = "; ".join(f"{n}: {r}" for n, r in skipped.items()) or f"none is built for {call.arch}"
+            refusal = (f"auto: no quantized kernel takes this call ({detail})", "auto")
+        else:
+            reason = backend.why_not(call)
+            if reason:
+                refusal = (f"{backend.name}: {reason}", backend.name)
+        return CallPlan(view_shapes=view_shapes, call=call, backend=backend, skipped=skipped, refusal=refusal,
+                        default_scale=1.0 / math.sqrt(max(1, call.head_dim)), generation=generation,
+                        routed=routed)
+
     def __call__(self, func, *args, **kwargs):
         try:
             a = bind_attention_args(args, kwargs)
@@ -86,53 +114,65 @@ class SageAttentionOverride:
         if kwargs.get("low_precision_attention", True) is False:
             self.stats.record_routed("low_precision_attention=False")
             return self._pass_on(func, args, kwargs)
+        # A call whose signature was seen before reuses that call's plan (call_plans.py); only what the plan
+        # cannot know (policies, scale, enable_gqa) is judged again below.
+        key = call_signature(a)
+        plan = self.plans.get(key)
         try:
-            q, k, v = to_hnd(a["q"], a["k"], a["v"], a["heads"], a["skip_reshape"])
+            view_shapes = plan.view_shapes if plan is not None else _view_shapes(a)
+            q, k, v = hnd_views(a["q"], a["k"], a["v"], view_shapes)
         except (RuntimeError, ValueError, TypeError, AttributeError, IndexError, ZeroDivisionError) as exc:
             # A call we cannot read (heads not dividing the width, a batch of 0, not tensors) is handed to
             # the call site unchanged: it is ComfyUI's to accept or reject, never ours to crash on.
             return self._fallback(func, args, kwargs, f"malformed call: {type(exc).__name__}: {exc}",
                                   self.config.kernel)
-        if k.shape[1] != q.shape[1] and not kwargs.get("enable_gqa", False):
+        q_shape, k_shape = q.shape, k.shape
+        if k_shape[1] != q_shape[1] and not kwargs.get("enable_gqa", False):
             # ComfyUI only groups heads when the call says so; anything else is the call site's to judge.
-            return self._fallback(func, args, kwargs, f"malformed call: k/v have {k.shape[1]} heads, q {q.shape[1]}, "
+            return self._fallback(func, args, kwargs, f"malformed call: k/v have {k_shape[1]} heads, q {q_shape[1]}, "
                                   "without enable_gqa", self.config.kernel)
-        policy, inactive = self.policies.route_exact(kwargs.get("transformer_options"), q.shape[2], k.shape[2])
+        policy, inactive = self.policies.route_exact(kwargs.get("transformer_options"), q_shape[2], k_shape[2])
         if inactive:
             self.stats.note(inactive)
         if policy:
             self.stats.record_routed(policy)
             return self._pass_on(func, args, kwargs)
         mask = expand_mask(a["mask"])
-        try:
-            call = describe_call(q, k, v, attn_mask=mask, smooth_k=self.config.smooth_k,
-                                 prologue=self.config.prologue, qk_group=self.config.qk_group,
-                                 smooth_v=self.config.smooth_v)
-        except ValueError as exc:
-            return self._fallback(func, args, kwargs, f"malformed call: {exc}", self.config.kernel)
-        scale = kwargs.get("scale")
-        sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(max(1, call.head_dim))
-        # With the tensors, `auto` on a GPU takes the fastest backend measured for this kind of call.
-        backend, skipped = choose_backend(call, self.config.kernel, quantized_only=True, tensors=(q, k, v),
-                                          sm_scale=sm_scale, attn_mask=mask, on_choice=self.stats.record_choice)
+        if plan is None:
+            try:
+                call = describe_call(q, k, v, attn_mask=mask, smooth_k=self.config.smooth_k,
+                                     prologue=self.config.prologue, qk_group=self.config.qk_group,
+                                     smooth_v=self.config.smooth_v)
+            except ValueError as exc:
+                return self._fallback(func, args, kwargs, f"malformed call: {exc}", self.config.kernel)
+            generation = decision_generation()  # read before deciding: a change meanwhile leaves the plan stale
+            scale = kwargs.get("scale")
+            sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(max(1, call.head_dim))
+            # With the tensors, `auto` on a GPU takes the fastest backend measured for this kind of call.
+            backend, skipped = choose_backend(call, self.config.kernel, quantized_only=True, tensors=(q, k, v),
+                                              sm_scale=sm_scale, attn_mask=mask,
+                                              on_choice=self.stats.record_choice)
+            plan = self._make_plan(call, view_shapes, generation, backend, skipped)
+            self.plans.store(key, plan)
         # Why each preferred backend did not take the call (not available, refused, failed its self-check).
-        self.stats.record_skips(skipped, backend.name if backend is not None else None)
-        if backend is None and AUTO_VERDICT in skipped:  # SDPA measured fastest: exact attention by choice
-            self.stats.record_routed(skipped[AUTO_VERDICT])
+        self.stats.record_skips(plan.skipped, plan.ran)
+        if plan.routed is not None:
+            self.stats.record_routed(plan.routed)
             return self._pass_on(func, args, kwargs)
-        if backend is None:
-            detail = "; ".join(f"{n}: {r}" for n, r in skipped.items()) or f"none is built for {call.arch}"
-            return self._fallback(func, args, kwargs, f"auto: no quantized kernel takes this call ({detail})", "auto")
-        reason = backend.why_not(call)
-        if reason:
-            return self._fallback(func, args, kwargs, f"{backend.name}: {reason}", backend.name)
+        if plan.refusal is not None:
+            return self._fallback(func, args, kwargs, *plan.refusal)
+        backend = plan.backend
+        scale = kwargs.get("scale")
+        sm_scale = float(scale) if scale is not None else plan.default_scale
         timer = self.attention_timer
         try:
+            # The plan holds this backend's why_not answer, made under the current decision generation, so
+            # launch directly (calling the backend would ask why_not again).
             if timer is not None:
                 with timer.measure():
-                    out, _ = backend(q, k, v, call, sm_scale, mask)
+                    out, _ = backend.launch(q, k, v, plan.call, sm_scale, mask)
             else:
-                out, _ = backend(q, k, v, call, sm_scale, mask)
+                out, _ = backend.launch(q, k, v, plan.call, sm_scale, mask)
         except KernelRefused as exc:
             return self._fallback(func, args, kwargs, f"{backend.name}: {exc.reason}", backend.name)
         except torch.cuda.OutOfMemoryError:

@@ -158,6 +158,9 @@ def test_json_dash_is_pure_json_on_stdout_with_the_table_on_stderr():
     assert {r["backend"] for r in doc["rows"]} == {"sdpa", "reference"}
     row = next(r for r in doc["rows"] if r["backend"] == "reference")
     assert row["ms_min"] <= row["ms"] <= row["ms_max"] and row["reps"] == 1
+    # host time per call: on the CPU the very same wall time as ms, in microseconds
+    for r in doc["rows"]:
+        assert r["host_us"] == pytest.approx(r["ms"] * 1e3)
     assert "self-check passed" in proc.stderr and "/sdpa" in proc.stderr
 
 
@@ -178,7 +181,8 @@ def test_help_explains_the_columns_and_the_exit_status(capsys):
     assert exc.value.code == 0
     text = capsys.readouterr().out
     for words in ("/sdpa", "/best", "above 1 = slower", "fastest SDPA variant", "Exit status", "not speed claims",
-                  "TRITON_INTERPRET=1", "--json PATH"):
+                  "TRITON_INTERPRET=1", "--json PATH", "host_us", "without waiting for the GPU",
+                  "On the CPU there is no separate device"):
         assert words in text, words
 
 
@@ -190,6 +194,12 @@ def test_the_columns_are_explained_above_the_table_and_cpu_figures_are_flagged(c
     assert "/sdpa = " in above and "/best = " in above and "above 1 = slower" in above
     assert "not speed claims" in above
     assert "[fastest-slowest]" in lines[header]
+    assert "host_us = " in above and "without waiting for the GPU" in above and "same wall" in above
+    columns = lines[header].split()
+    assert columns.index("host_us") == columns.index("[fastest-slowest]") + 1  # beside the device time
+    row = next(line for line in lines[header + 1:] if line.startswith("tiny ") and " reference " in line)
+    host_us, ms = float(row.split()[4]), float(row.split()[2])
+    assert host_us == pytest.approx(ms * 1e3, rel=1e-3, abs=0.1)  # on the CPU: the same wall time
 
 
 def test_cpu_defaults_to_more_repeats_than_before_and_shows_the_range(capsys, monkeypatch):
@@ -204,6 +214,15 @@ def test_cpu_defaults_to_more_repeats_than_before_and_shows_the_range(capsys, mo
     _, out, _ = main(capsys, "--backends", "sdpa", "--device", "cpu", "--shapes", "tiny")
     assert seen["reps"] == benchmark.CPU_REPS >= 5
     assert "[1.000-9.000]" in out
+    assert "[1.000-9.000]         -" in out  # a row without host time shows '-' in its column
+
+
+def test_host_time_is_timed_without_waiting_for_the_device():
+    """time_ms on the CPU: host time is the wall time itself; its median sits within the range."""
+    calls = []
+    t = benchmark.time_ms(lambda: calls.append(1), torch.device("cpu"), reps=5, warmup=1)
+    assert len(calls) == 6 and t.reps == 5
+    assert t.host == t.median and t.low <= t.host <= t.high
 
 
 def test_triton_under_the_interpreter_on_the_cpu_warns_of_minutes(capsys, monkeypatch):

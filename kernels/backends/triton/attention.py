@@ -24,7 +24,7 @@ after normalising, on every row that saw a key.
 """
 from __future__ import annotations
 
-import os
+import functools
 from typing import Optional
 
 import torch
@@ -32,18 +32,14 @@ import triton
 import triton.language as tl
 
 from ... import quant
-from .configs import AttentionConfig, padded_head_dim
-from .prologue import round_to_e4m3
+from .configs import AttentionConfig, ceil_div, padded_head_dim
+from .prologue import INTERPRETED, round_to_e4m3
 
 # exp2(P_SHIFT) stays below 448 even with an approximate exp2, so P never saturates e4m3.
 P_SHIFT = tl.constexpr(8.8067)  # log2(447.797)
 
 # PV_ACC values (the config's `pv_accumulate` names them).
 ACC_MODES = {"mma": 0, "imprecise_k": 1, "split": 2}
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -218,6 +214,20 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE,
         tl.store(LSE + q_row0 + offs_m, lse, mask=m_live)
 
 
+@functools.lru_cache(maxsize=256)
+def attention_launch(b: int, hq: int, nq: int, d: int, hkv: int, dv: int, config: AttentionConfig, pv: str,
+                     is_causal: bool, return_lse: bool, v_t: bool, has_vmean: bool):
+    """(grid, constexprs and launch options) of `_sage_attn_fwd` for one signature: computed once per signature."""
+    grid = (ceil_div(nq, config.block_m), b * hq)
+    meta = dict(KV_GROUP=hq // hkv, HEAD_DIM=d, D_PAD=padded_head_dim(d), DV=dv, DV_PAD=padded_head_dim(dv),
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_CAUSAL=is_causal, PV_FP8=pv == "fp8",
+                STORE_LSE=return_lse, V_T=v_t, EXACT_P_ROUND=INTERPRETED, PV_ACC=ACC_MODES[config.pv_accumulate],
+                HAS_VMEAN=has_vmean, FOLD_Q_SCALE=config.fold_q_scale, INTERPRETER=INTERPRETED,
+                num_warps=config.num_warps,
+                num_stages=config.num_stages)
+    return grid, meta
+
+
 def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: AttentionConfig,
                                     is_causal: bool = False, return_lse: bool = False,
                                     out_dtype: torch.dtype = torch.float16,
@@ -227,35 +237,30 @@ def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: 
     A `qq.v_mean` (smooth_v) is added back to the output; the LSE does not depend on it."""
     if pv not in ("fp8", "fp16"):
         raise ValueError(f"pv must be 'fp8' or 'fp16', got {pv!r}")
-    b, hq, nq, d = qq.q8.shape
-    _, hkv, nk, dv = qq.v.shape
+    q8, k8, v = qq.q8, qq.k8, qq.v
+    b, hq, nq, d = q8.shape
+    _, hkv, nk, dv = v.shape
     if config.block_m % config.block_n:
         raise ValueError("block_m must be a multiple of block_n (causal tiling)")
-    for name in ("q8", "k8"):
-        if getattr(qq, name).stride(-1) != 1:
+    q_strides, k_strides, v_strides = q8.stride(), k8.stride(), v.stride()
+    for name, strides in (("q8", q_strides), ("k8", k_strides)):
+        if strides[-1] != 1:
             raise ValueError(f"{name} must have a contiguous last dim")
-    v = qq.v
-    v_t = v.stride(-2) == 1 and v.stride(-1) != 1  # the (Dv, Nk) storage the Hopper config asks for
+    v_t = v_strides[-2] == 1 and v_strides[-1] != 1  # the (Dv, Nk) storage the Hopper config asks for
+    device = q8.device
     if out is None:
-        out = torch.empty((b, hq, nq, dv), dtype=out_dtype, device=qq.q8.device)
-    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=qq.q8.device) if return_lse else None
+        out = torch.empty((b, hq, nq, dv), dtype=out_dtype, device=device)
+    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=device) if return_lse else None
     has_vmean = qq.v_mean is not None
     if has_vmean and (qq.v_mean.shape != qq.v_scale.shape or not qq.v_mean.is_contiguous()
                       or qq.v_mean.dtype != torch.float32):
         raise ValueError("v_mean must be a contiguous FP32 (B, Hkv, Dv) tensor")
-    grid = (triton.cdiv(nq, config.block_m), b * hq)
+    grid, meta = attention_launch(b, hq, nq, d, hkv, dv, config, pv, bool(is_causal), bool(return_lse), v_t,
+                                  has_vmean)
+    o_strides = out.stride()
     _sage_attn_fwd[grid](
-        qq.q8, qq.q_scale, qq.k8, qq.k_scale, v, qq.v_scale, qq.v_mean if has_vmean else qq.v_scale, out,
+        q8, qq.q_scale, k8, qq.k_scale, v, qq.v_scale, qq.v_mean if has_vmean else qq.v_scale, out,
         lse if return_lse else qq.q_scale,
-        qq.q8.stride(0), qq.q8.stride(1), qq.q8.stride(2),
-        qq.k8.stride(0), qq.k8.stride(1), qq.k8.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), v.stride(3),
-        out.stride(0), out.stride(1), out.stride(2),
-        hq, hkv, nq, nk,
-        KV_GROUP=hq // hkv, HEAD_DIM=d, D_PAD=padded_head_dim(d), DV=dv, DV_PAD=padded_head_dim(dv),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_CAUSAL=bool(is_causal), PV_FP8=pv == "fp8",
-        STORE_LSE=bool(return_lse), V_T=v_t, EXACT_P_ROUND=interpreting(),
-        PV_ACC=ACC_MODES[config.pv_accumulate], HAS_VMEAN=has_vmean, FOLD_Q_SCALE=config.fold_q_scale,
-        INTERPRETER=interpreting(),
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        *q_strides[:3], *k_strides[:3], *v_strides, *o_strides[:3],
+        hq, hkv, nq, nk, **meta)
     return out, lse

@@ -137,29 +137,44 @@ class TritonBackend(Backend):
         return triton_prologue_refusal(call)
 
     def launch(self, q, k, v, call, sm_scale, attn_mask):
-        from .attention import attention_from_quantized_triton
+        prologue, attention = _kernel_modules()
         cfg = attention_config(call.arch, max(call.head_dim, call.v_head_dim), self.pv)
         if call.prologue == "hip":
             extra = {"smooth_v": True} if call.smooth_v else {}  # only asked of it when needed
             qq = _hip_prologue()[1](q, k, v, sm_scale=sm_scale, smooth_k=call.smooth_k, pv=self.pv,
                                     qk_group=call.qk_group, **extra)
         else:
-            from .prologue import triton_quantize_qkv
-            qq = triton_quantize_qkv(q, k, v, sm_scale=sm_scale, smooth_k=call.smooth_k, pv=self.pv,
-                                     qk_group=call.qk_group, v_transposed=cfg.v_transposed, smooth_v=call.smooth_v)
+            qq = prologue.triton_quantize_qkv(q, k, v, sm_scale=sm_scale, smooth_k=call.smooth_k, pv=self.pv,
+                                              qk_group=call.qk_group, v_transposed=cfg.v_transposed,
+                                              smooth_v=call.smooth_v)
         if call.smooth_v and qq.v_mean is None:
             # Never hand out an output that lacks V's mean: the prologue ignored smooth_v.
             raise RuntimeError(f"the {call.prologue} prologue returned no v_mean for a smooth_v call")
         out = None
-        if q.stride(1) < q.stride(2):
+        q_strides = q.stride()
+        if q_strides[1] < q_strides[2]:
             # q is an NHD tensor seen as HND: write the output NHD too, so the caller's reshape is free.
             b, hq, nq, _ = q.shape
             out = torch.empty((b, nq, hq, call.v_head_dim), dtype=q.dtype, device=q.device).transpose(1, 2)
-        out, lse = attention_from_quantized_triton(qq, pv=self.pv, config=cfg, is_causal=call.is_causal,
-                                                   return_lse=call.return_lse, out_dtype=q.dtype, out=out)
+        out, lse = attention.attention_from_quantized_triton(qq, pv=self.pv, config=cfg, is_causal=call.is_causal,
+                                                             return_lse=call.return_lse, out_dtype=q.dtype, out=out)
         if lse is not None and qq.k_mean is not None:
             lse += lse_smooth_term(q, qq.k_mean, sm_scale)
         return out, lse
+
+
+_modules = None
+
+
+def _kernel_modules():
+    """(prologue, attention) modules, imported at the first launch (this module must import without triton,
+    whose absence `_unavailable` reports) and kept, not imported again per call. Their functions are read
+    from the modules at each call, so a test may still replace one."""
+    global _modules
+    if _modules is None:
+        from . import attention, prologue
+        _modules = (prologue, attention)
+    return _modules
 
 
 def make_backend(pv: str) -> Backend:

@@ -7,6 +7,7 @@ gfx1201 by `aot.py` and checked for spills and LDS there.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, Tuple
 
@@ -47,10 +48,13 @@ class PrologueConfig:
 
 def padded_head_dim(d: int) -> int:
     """Head dims are padded inside the kernels to a power of two >= 32 (the INT8 dot's K on NVIDIA)."""
-    p = 32
-    while p < d:
-        p *= 2
-    return p
+    return 1 << (d - 1).bit_length() if d > 32 else 32
+
+
+def ceil_div(a: int, b: int) -> int:
+    """Host-side ceiling division: `triton.cdiv` is a constexpr function in Triton 3.6 and costs
+    microseconds per host call (it unwraps constexpr arguments)."""
+    return -(-a // b)
 
 
 # Keyed by (padded head dim, pv). RDNA4: wave32, 64 KiB LDS, VGPRs decide occupancy; BM=128 with 8 waves
@@ -120,8 +124,14 @@ OVERRIDES: Dict[Tuple[str, int, str], AttentionConfig] = {}
 
 def attention_config(arch: str, head_dim: int, pv: str) -> AttentionConfig:
     d = padded_head_dim(head_dim)
-    if (arch, d, pv) in OVERRIDES:
+    if OVERRIDES and (arch, d, pv) in OVERRIDES:
         return OVERRIDES[(arch, d, pv)]
+    return _table_config(arch, d, pv)
+
+
+@functools.lru_cache(maxsize=None)
+def _table_config(arch: str, d: int, pv: str) -> AttentionConfig:
+    """The shipped entry for a padded head dim (pure: the tables never change at run time)."""
     if arch == "cpu":
         return _INTERPRETER[pv]
     if arch in RDNA4_ARCHS or arch.startswith("gfx12"):  # unknown future gfx12: same pipeliner hazard

@@ -22,16 +22,19 @@ own FP32->FP8 cast drops carries, and doing it ourselves keeps one code path on 
 """
 from __future__ import annotations
 
-import os
-from typing import Optional
+import functools
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.runtime.jit import JITFunction
 
 from ... import quant
-from .configs import MAX_HEAD_DIM, padded_head_dim, prologue_config
+from ...call_spec import device_arch
+from .configs import MAX_HEAD_DIM, ceil_div, padded_head_dim, prologue_config
 
 # 1.5 * 2**23: adding and subtracting it rounds an FP32 of magnitude < 2**22 to an integer, ties to even.
 _RINT_MAGIC = tl.constexpr(12582912.0)
@@ -367,9 +370,66 @@ def triton_prologue_refusal(call) -> Optional[str]:
     return None
 
 
-def _arch_of(t: torch.Tensor) -> str:
-    from ...call_spec import device_arch
-    return device_arch(t.device.type, t.device.index)
+# Whether these kernels run in Triton's interpreter: triton.jit decided it when this module was imported (from
+# TRITON_INTERPRET then), so it is read from the kernel once, not from the environment on every launch.
+INTERPRETED = not isinstance(_quantize_qkv, JITFunction)
+
+
+@dataclass(frozen=True, eq=False)
+class PrologueLaunch:
+    """What the three launches of one prologue call take besides the tensors: a function of the shapes and
+    options only, so it is computed once per signature (`prologue_launch`)."""
+    k_stats_shape: Tuple[int, ...]  # (B*Hkv, chunks, D_PAD) FP64 K partial sums
+    v_stats_shape: Tuple[int, ...]  # (B*Hkv, chunks, DV_PAD) V statistics
+    stats_grid: Tuple[int, ...]
+    stats_meta: Dict[str, object]  # constexprs and num_warps of _kv_stats
+    n_chunks: int
+    fold: bool  # stats reduced inside the quantize launch (no _kv_finalize launch)
+    finalize_meta: Dict[str, object]
+    v_dtype: torch.dtype
+    v_store_shape: Optional[Tuple[int, ...]]  # (B, Hkv, Dv, Nk_pad) when V is stored transposed
+    quantize_grid: Tuple[int, ...]
+    quantize_sizes: Tuple[int, ...]  # the runtime size arguments of _quantize_qkv, in order
+    quantize_meta: Dict[str, object]
+
+
+@functools.lru_cache(maxsize=256)
+def prologue_launch(b: int, hq: int, nq: int, d: int, hkv: int, nk: int, dv: int, arch: str, smooth_k: bool,
+                    smooth_v: bool, pv: str, qk_group: str, v_transposed: bool) -> PrologueLaunch:
+    """The launch geometry of `triton_quantize_qkv` for these shapes and options (the tensors' strides and
+    data are passed per call)."""
+    cfg = prologue_config(arch)
+    d_pad, dv_pad = padded_head_dim(d), padded_head_dim(dv)
+    group = quant.group_size(qk_group)
+    n_chunks = ceil_div(nk, cfg.stats_block_n)
+    fold = n_chunks <= STATS_CH
+    stats_meta = dict(D=d, D_PAD=d_pad, DV=dv, DV_PAD=dv_pad, CHUNK=cfg.stats_block_n,
+                      SUB=stats_rows(d_pad, dv_pad, smooth_k, smooth_v), DO_KSUM=smooth_k, SMOOTH_V=smooth_v,
+                      num_warps=cfg.num_warps)
+    finalize_meta = dict(D=d, D_PAD=d_pad, DV=dv, DV_PAD=dv_pad, CH=STATS_CH, DO_KSUM=smooth_k, PV_FP8=pv == "fp8",
+                         SMOOTH_V=smooth_v, num_warps=4)
+    v_store_shape = None
+    if v_transposed:
+        # 64-byte aligned rows; a row stride that is a multiple of 1 KiB is skewed by 64 bytes (at
+        # Wan 480p the 32 KiB power-of-two stride made the transposed stores twice as slow).
+        nk_pad = ceil_div(nk, 64) * 64
+        nk_pad += 64 if nk_pad % 1024 == 0 else 0
+        v_store_shape = (b, hkv, dv, nk_pad)  # the tail is never read
+    block = cfg.block_n if group == 1 else group
+    vb = cfg.block_n
+    q_blocks, k_blocks, v_blocks = ceil_div(nq, block), ceil_div(nk, block), ceil_div(nk, vb)
+    q_programs, k_programs = b * hq * q_blocks, b * hkv * k_blocks
+    warps = cfg.num_warps if max(block * d_pad, vb * dv_pad) <= 64 * 128 else 8
+    quantize_meta = dict(D=d, D_PAD=d_pad, DV=dv, DV_PAD=dv_pad, QK_BLOCK=block, V_BLOCK=vb, PER_BLOCK=group > 1,
+                         HAS_MEAN=smooth_k, PV_FP8=pv == "fp8", OUT_T=v_transposed, FOLD_STATS=fold,
+                         STATS_CH=STATS_CH, SMOOTH_V=smooth_v, INTERPRETER=INTERPRETED, num_warps=warps)
+    return PrologueLaunch(
+        k_stats_shape=(b * hkv, n_chunks, d_pad), v_stats_shape=(b * hkv, n_chunks, dv_pad),
+        stats_grid=(b * hkv, n_chunks), stats_meta=stats_meta, n_chunks=n_chunks, fold=fold,
+        finalize_meta=finalize_meta, v_dtype=torch.float8_e4m3fn if pv == "fp8" else torch.float16,
+        v_store_shape=v_store_shape, quantize_grid=(q_programs + k_programs + b * hkv * v_blocks,),
+        quantize_sizes=(hq, hkv, nq, nk, n_chunks, q_blocks, k_blocks, v_blocks, q_programs, k_programs),
+        quantize_meta=quantize_meta)
 
 
 def triton_quantize_qkv(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: str = "fp8",
@@ -385,59 +445,41 @@ def triton_quantize_qkv(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: 
     b, hq, nq, d = q.shape
     _, hkv, nk, dv = v.shape
     dev = q.device
-    cfg = prologue_config(_arch_of(q))
-    d_pad, dv_pad = padded_head_dim(d), padded_head_dim(dv)
-    group = quant.group_size(qk_group)
+    smooth_k, smooth_v = bool(smooth_k), bool(smooth_v)
+    plan = prologue_launch(b, hq, nq, d, hkv, nk, dv, device_arch(dev.type, dev.index), smooth_k, smooth_v, pv,
+                           qk_group, bool(v_transposed))
+    f32 = torch.float32
+    k_strides, v_strides = k.stride(), v.stride()
 
     # 1. Per chunk of keys: K column sums (FP64 partials); V column amax, or with smooth_v V's column
     #    sums, max and min. Buffers a pass does not use are stood in for by vmax (never touched).
-    n_chunks = triton.cdiv(nk, cfg.stats_block_n)
-    vmax = torch.empty((b * hkv, n_chunks, dv_pad), dtype=torch.float32, device=dev)
-    ksum = torch.empty((b * hkv, n_chunks, d_pad), dtype=torch.float64, device=dev) if smooth_k else vmax
-    vsum = torch.empty((b * hkv, n_chunks, dv_pad), dtype=torch.float64, device=dev) if smooth_v else vmax
-    vmin = torch.empty((b * hkv, n_chunks, dv_pad), dtype=torch.float32, device=dev) if smooth_v else vmax
-    sub = stats_rows(d_pad, dv_pad, smooth_k, smooth_v)
-    _kv_stats[(b * hkv, n_chunks)](
-        k, v, ksum, vmax, vsum, vmin, *k.stride(), *v.stride(), hkv, nk, n_chunks,
-        D=d, D_PAD=d_pad, DV=dv, DV_PAD=dv_pad, CHUNK=cfg.stats_block_n, SUB=sub, DO_KSUM=smooth_k,
-        SMOOTH_V=smooth_v, num_warps=cfg.num_warps)
+    vmax = torch.empty(plan.v_stats_shape, dtype=f32, device=dev)
+    ksum = torch.empty(plan.k_stats_shape, dtype=torch.float64, device=dev) if smooth_k else vmax
+    vsum = torch.empty(plan.v_stats_shape, dtype=torch.float64, device=dev) if smooth_v else vmax
+    vmin = torch.empty(plan.v_stats_shape, dtype=f32, device=dev) if smooth_v else vmax
+    _kv_stats[plan.stats_grid](k, v, ksum, vmax, vsum, vmin, *k_strides, *v_strides, hkv, nk, plan.n_chunks,
+                               **plan.stats_meta)
     # 2. Means and V scale per head: a launch of its own for long sequences, else folded into 3.
-    k_mean = torch.empty((b, hkv, d), dtype=torch.float32, device=dev) if smooth_k else None
-    v_scale = torch.empty((b, hkv, dv), dtype=torch.float32, device=dev)
-    v_mean = torch.empty((b, hkv, dv), dtype=torch.float32, device=dev) if smooth_v else None
-    fold = n_chunks <= STATS_CH
-    if not fold:
-        _kv_finalize[(b * hkv,)](
-            ksum, vmax, vsum, vmin, k_mean if smooth_k else v_scale, v_scale, v_mean if smooth_v else v_scale,
-            n_chunks, nk, D=d, D_PAD=d_pad, DV=dv, DV_PAD=dv_pad, CH=STATS_CH, DO_KSUM=smooth_k,
-            PV_FP8=pv == "fp8", SMOOTH_V=smooth_v, num_warps=4)
+    k_mean = torch.empty((b, hkv, d), dtype=f32, device=dev) if smooth_k else None
+    v_scale = torch.empty((b, hkv, dv), dtype=f32, device=dev)
+    v_mean = torch.empty((b, hkv, dv), dtype=f32, device=dev) if smooth_v else None
+    k_mean_arg = k_mean if smooth_k else v_scale
+    v_mean_arg = v_mean if smooth_v else v_scale
+    if not plan.fold:
+        _kv_finalize[(b * hkv,)](ksum, vmax, vsum, vmin, k_mean_arg, v_scale, v_mean_arg, plan.n_chunks, nk,
+                                 **plan.finalize_meta)
 
     # 3. One launch: INT8 Q (sm_scale*log2e folded in), INT8 K (minus its mean), FP8/FP16 V (minus its mean).
-    block = cfg.block_n if group == 1 else group
     q8 = torch.empty((b, hq, nq, d), dtype=torch.int8, device=dev)
-    q_scale = torch.empty((b, hq, nq), dtype=torch.float32, device=dev)
+    q_scale = torch.empty((b, hq, nq), dtype=f32, device=dev)
     k8 = torch.empty((b, hkv, nk, d), dtype=torch.int8, device=dev)
-    k_scale = torch.empty((b, hkv, nk), dtype=torch.float32, device=dev)
-    v_dtype = torch.float8_e4m3fn if pv == "fp8" else torch.float16
-    if v_transposed:
-        # 64-byte aligned rows; a row stride that is a multiple of 1 KiB is skewed by 64 bytes (at
-        # Wan 480p the 32 KiB power-of-two stride made the transposed stores twice as slow).
-        nk_pad = triton.cdiv(nk, 64) * 64
-        nk_pad += 64 if nk_pad % 1024 == 0 else 0
-        store = torch.empty((b, hkv, dv, nk_pad), dtype=v_dtype, device=dev)  # the tail is never read
-        v_q = store.transpose(2, 3)[:, :, :nk]
+    k_scale = torch.empty((b, hkv, nk), dtype=f32, device=dev)
+    if plan.v_store_shape is not None:
+        v_q = torch.empty(plan.v_store_shape, dtype=plan.v_dtype, device=dev).transpose(2, 3)[:, :, :nk]
     else:
-        v_q = torch.empty((b, hkv, nk, dv), dtype=v_dtype, device=dev)
-    vb = cfg.block_n
-    q_blocks, k_blocks, v_blocks = triton.cdiv(nq, block), triton.cdiv(nk, block), triton.cdiv(nk, vb)
-    q_programs, k_programs = b * hq * q_blocks, b * hkv * k_blocks
-    warps = cfg.num_warps if max(block * d_pad, vb * dv_pad) <= 64 * 128 else 8
-    _quantize_qkv[(q_programs + k_programs + b * hkv * v_blocks,)](
-        q, k, v, ksum, vmax, vsum, vmin, k_mean if smooth_k else v_scale, v_scale, v_mean if smooth_v else v_scale,
-        q8, q_scale, k8, k_scale, v_q,
-        quant.qk_multiplier(sm_scale), *q.stride(), *k.stride(), *v.stride(), *v_q.stride(),
-        hq, hkv, nq, nk, n_chunks, q_blocks, k_blocks, v_blocks, q_programs, k_programs,
-        D=d, D_PAD=d_pad, DV=dv, DV_PAD=dv_pad, QK_BLOCK=block, V_BLOCK=vb, PER_BLOCK=group > 1,
-        HAS_MEAN=smooth_k, PV_FP8=pv == "fp8", OUT_T=v_transposed, FOLD_STATS=fold, STATS_CH=STATS_CH,
-        SMOOTH_V=smooth_v, INTERPRETER=os.environ.get("TRITON_INTERPRET", "0") == "1", num_warps=warps)
+        v_q = torch.empty((b, hkv, nk, dv), dtype=plan.v_dtype, device=dev)
+    _quantize_qkv[plan.quantize_grid](
+        q, k, v, ksum, vmax, vsum, vmin, k_mean_arg, v_scale, v_mean_arg, q8, q_scale, k8, k_scale, v_q,
+        quant.qk_multiplier(sm_scale), *q.stride(), *k_strides, *v_strides, *v_q.stride(), *plan.quantize_sizes,
+        **plan.quantize_meta)
     return quant.QuantizedQKV(q8, q_scale, k8, k_scale, v_q, v_scale, k_mean, v_mean)

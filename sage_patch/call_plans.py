@@ -1,0 +1,91 @@
+"""What the override decides once per call signature, and keeps for the next calls with that signature.
+
+A Flux step makes ~57 attention calls of a handful of signatures; describing each call and asking every
+backend's rule again (arch, availability, shape limits, the self-check verdict) cost more host time than
+some of those calls take on the GPU. A signature is everything those decisions read: shapes, strides,
+dtypes and devices of q, k, v and the mask, `heads` and `skip_reshape`; the patch's config is fixed per
+cache. A plan is trusted only while `registry.decision_generation()` is the one it was made under, so a
+backend that its self-check (or anything else) disables is never served from here.
+
+What depends on the call itself and not on its signature (transformer_options: step, block_index;
+`scale`, `enable_gqa`, `low_precision_attention`) is not in a plan: the override reads it on every call.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from ..kernels.call_spec import AttentionCall
+from ..kernels.registry import Backend, decision_generation
+
+MAX_PLANS = 256  # distinct signatures kept per patch; a long session of changing sizes evicts the oldest
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    view_shapes: Optional[tuple]      # layouts.head_split_shapes, None when the call came HND (skip_reshape)
+    call: AttentionCall
+    backend: Optional[Backend]        # None: no quantized backend takes the call
+    skipped: Mapping[str, str]        # backends `auto` passed over -> why; counted on every call (never mutated)
+    refusal: Optional[Tuple[str, str]]  # (fallback reason, kernel named when raising), or None: the backend runs
+    default_scale: float              # 1/sqrt(head_dim), for calls without `scale`
+    generation: int                   # registry.decision_generation() before the decision was made
+    routed: Optional[str] = None      # auto measured SDPA faster: the call site's own attention runs, this says why
+
+    @property
+    def ran(self) -> Optional[str]:
+        return self.backend.name if self.backend is not None else None
+
+
+def call_signature(bound: Dict[str, Any]) -> Optional[tuple]:
+    """The key of a bound attention call (override.bind_attention_args), or None when its parts are not
+    tensors (such a call takes the uncached path, which reports it)."""
+    q, k, v, mask = bound["q"], bound["k"], bound["v"], bound["mask"]
+    try:
+        return (bound["heads"], bool(bound["skip_reshape"]),
+                q.shape, q.stride(), q.dtype, q.device,
+                k.shape, k.stride(), k.dtype, k.device,
+                v.shape, v.stride(), v.dtype, v.device,
+                None if mask is None else (mask.shape, mask.dtype, mask.device))
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+
+
+class PlanCache:
+    """Plans by signature, for one patch (one config). Lookups take no lock (a dict read is atomic); stores do."""
+
+    def __init__(self, max_entries: int = MAX_PLANS):
+        self.max_entries = max_entries
+        self._plans: Dict[tuple, CallPlan] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Optional[tuple]) -> Optional[CallPlan]:
+        if key is None:
+            return None
+        try:
+            plan = self._plans.get(key)
+        except TypeError:  # an unhashable `heads`: nothing to cache
+            return None
+        if plan is None or plan.generation != decision_generation():
+            return None
+        return plan
+
+    def store(self, key: Optional[tuple], plan: CallPlan) -> None:
+        if key is None:
+            return
+        with self._lock:
+            try:
+                self._plans.pop(key, None)  # a replaced (stale) plan counts as new: evicted last
+                self._plans[key] = plan
+            except TypeError:
+                return
+            while len(self._plans) > self.max_entries:
+                del self._plans[next(iter(self._plans))]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
