@@ -65,6 +65,9 @@ def test_qk_scores_bit_exact(d, nq, nk, hq, hkv):
     ("fp16", 64, torch.bfloat16, True, 130, 70, 2, 1, "hnd"),
     ("fp16", 128, torch.float16, False, 40, 130, 1, 1, "nhd"),
     ("fp8", 64, torch.float16, True, 20, 200, 1, 1, "hnd"),
+    # Several whole key tiles: the unmasked key loop with its unclamped prefetch, then the masked tail/diagonal.
+    ("fp8", 128, torch.bfloat16, False, 40, 300, 1, 1, "hnd"),
+    ("fp16", 64, torch.float16, True, 300, 300, 1, 1, "hnd"),
 ])
 def test_attention_matches_reference(pv, d, dtype, causal, nq, nk, hq, hkv, layout):
     q, k, v = hip_checks.make_qkv(1, hq, hkv, nq, nk, d, dtype, CPU, layout=layout)
@@ -96,6 +99,28 @@ def test_lse_without_smooth_k_and_gqa():
     hip_checks.assert_attention_ok(rep, "fp8")
     assert rep["lse_max_abs_vs_exact"] < 0.05, rep
 
+
+
+def test_biased_qk_accumulator_gives_the_exact_score():
+    """The attention kernels start the INT32 Q.K chain from C = 0x3E22F983 (1/(2 pi), an inline constant) and
+    compute a score as (bits(C + dot) as float - 1/(2 pi)) * (k_scale * 2^26): the same FP32 bits as
+    float(dot) * k_scale for every |dot| <= 2^21 (D <= 128) and every k_scale below 2^102, NaN/Inf included."""
+    g = torch.Generator().manual_seed(11)
+    lim = 2 ** 21
+    dot = torch.cat([torch.tensor([0, 1, -1, lim, -lim, lim - 1, 1 - lim], dtype=torch.int32),
+                     torch.randint(-lim, lim + 1, (200_000,), generator=g, dtype=torch.int32)])
+    ks = torch.exp2(torch.rand(dot.shape, generator=g) * 200 - 140).float()  # 2^-140 .. 2^60: subnormal to huge
+    ks[:7] = torch.tensor([1.0, 3e-39, 7.3e-5, 2.0 ** 101, 0.0, 1.17549435e-38, 5.9e29])
+    bias = torch.tensor(0x3E22F983, dtype=torch.int32)
+    f = (dot + bias).view(torch.float32)
+    got = (f - bias.view(torch.float32)) * (ks * 2.0 ** 26)
+    want = dot.float() * ks
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    for special in (math.inf, -math.inf, math.nan):  # 0 * inf = NaN, sign(dot) * inf otherwise, as the FP32 product
+        ksx = torch.full_like(ks, special)
+        got = (f - bias.view(torch.float32)) * (ksx * 2.0 ** 26)
+        want = dot.float() * ksx
+        assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(got[~torch.isnan(got)], want[~torch.isnan(want)])
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@
 //
 // Three targets:
 //   SG_AMD   clang AMDGPU device compile (__AMDGCN__): real gfx12 builtins (v_wmma_*, v_permlanex16,
-//            ds_swizzle, v_perm_b32, v_cvt_pk_fp8_f32, v_exp_f32).
+//            ds_swizzle, v_perm_b32, v_cvt_pk_fp8_f32, v_exp_f32, v_dot2_f32_f16) and a few instructions
+//            as inline asm (v_fma_mixlo/mixhi_f16, v_fma_f32, v_cvt_pk_fp8_f32, v_permlanex16).
 //   SG_CUDA  nvrtc / nvcc: a wave32 is one CUDA warp; every gfx12 WMMA builtin is EMULATED lane by
 //            lane: each lane stores the fragment it holds in the gfx12 layout to shared memory, the
 //            warp syncs, and each lane computes exactly the 8 accumulator elements gfx12 gives it.
@@ -47,16 +48,21 @@
 #define SG_INLINE __device__ inline __attribute__((always_inline))
 #define SG_EMU_FN SG_INLINE
 #define SG_LAUNCH_BOUNDS(n) __attribute__((amdgpu_flat_work_group_size(1, n)))
+// Occupancy floor for the compiler's scheduler (waves per SIMD): without it, clang-19's scheduler may trade
+// occupancy for latency hiding in the attention key loop (e.g. FP8 D128: 9 -> 8 waves for ~20 more VGPRs).
+#define SG_MIN_WAVES(n) __attribute__((amdgpu_waves_per_eu(n)))
 #define SG_SHARED __shared__
 #elif defined(SG_CUDA)
 #define SG_INLINE __device__ __forceinline__
 #define SG_EMU_FN __device__ __noinline__  // one emulated WMMA body, called (keeps nvrtc fast)
 #define SG_LAUNCH_BOUNDS(n) __launch_bounds__(n)
+#define SG_MIN_WAVES(n)
 #define SG_SHARED __shared__
 #else
 #define SG_INLINE inline
 #define SG_EMU_FN __attribute__((noinline))
 #define SG_LAUNCH_BOUNDS(n)
+#define SG_MIN_WAVES(n)
 #define SG_SHARED static
 #define __global__
 #define __device__
@@ -149,6 +155,29 @@ SG_INLINE void sched_fence() { __builtin_amdgcn_sched_barrier(0); }
 SG_INLINE void sched_fence() {}
 #endif
 SG_INLINE int lane_id() { return tid_x() & (WAVE - 1); }
+// Address helpers for loads of the form uniform base (SGPRs) + per-lane 32-bit offset (global_load's saddr +
+// voffset). lane_offset: a per-lane offset the compiler may not rewrite (an empty asm, no instruction), so it
+// stays one 32-bit VGPR instead of being folded into 64-bit per-lane address arithmetic (two VALU adds per load).
+SG_INLINE u32 lane_offset(u32 x) {
+#if defined(SG_AMD)
+  asm("" : "+v"(x));
+#endif
+  return x;
+}
+// uniform_ptr: a wave-uniform pointer, read back from lane 0 into SGPRs, so that loop strength reduction cannot
+// merge a per-lane offset into a per-lane induction pointer.
+template <class T> SG_INLINE T* uniform_ptr(T* p) {
+#if defined(SG_AMD)
+  const u64 a = (u64)p;
+  const u32 lo = (u32)__builtin_amdgcn_readfirstlane((int)(u32)a), hi = (u32)__builtin_amdgcn_readfirstlane((int)(u32)(a >> 32));
+  // Through a global-address-space pointer: from a plain integer it would be a flat pointer (flat_load).
+  typedef __attribute__((address_space(1))) T GT;
+  return (T*)(GT*)(((u64)hi << 32) | lo);
+#else
+  return p;
+#endif
+}
+
 SG_INLINE int wave_id() { return tid_x() / WAVE; }
 
 // ---------------------------------------------------------------- float helpers
@@ -222,6 +251,34 @@ SG_INLINE u16 f32_to_f16(float f) { return sim_f32_to_f16(f); }
 SG_INLINE h16 f32_to_h16(float f) { return f32_to_f16(f); }
 #endif
 
+// Two floats to two fp16 in one dword (lo in bits 0..15), round to nearest even. gfx12: v_fma_mixlo_f16 /
+// v_fma_mixhi_f16 (x * 1.0 + 0 in FP32, one rounding to fp16 with the mode's RNE, written into one half of the
+// dword) are 2 instructions where two v_cvt_f16_f32 and a v_pack_b32_f16 are 3. The addend +0 changes no
+// value here (P >= 0: -0 never occurs).
+SG_INLINE u32 pack_f16x2(float lo, float hi) {
+#if defined(SG_AMD)
+  u32 w;
+  asm("v_fma_mixlo_f16 %0, %1, 1.0, 0" : "=v"(w) : "v"(lo));
+  asm("v_fma_mixhi_f16 %0, %1, 1.0, 0" : "+v"(w) : "v"(hi));
+  return w;
+#else
+  return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16);
+#endif
+}
+
+// acc + lo + hi of a dword of two fp16 (v_dot2_f32_f16 against (1, 1): the products are exact, one instruction
+// adds two fp16 values to an FP32 sum). The emulation adds them in FP32 in this order; the hardware's internal
+// rounding of the three-term sum is not documented (last-bit differences of the sum at most).
+SG_INLINE float add_f16x2(u32 w, float acc) {
+#if defined(SG_AMD)
+  typedef _Float16 h2 __attribute__((ext_vector_type(2)));
+  const h2 one = {(_Float16)1.0f, (_Float16)1.0f};
+  return __builtin_amdgcn_fdot2(bit_cast<h2>(w), one, acc, false);
+#else
+  return acc + (f16_to_f32((u16)(w & 0xffffu)) + f16_to_f32((u16)(w >> 16)));
+#endif
+}
+
 // Input element types: a tag type per storage format, all read as float.
 // store_sat: the spec's saturating output cast (reference.saturating_cast): finite overflow and +-Inf
 // clamp to the format's largest finite value, NaN stays NaN.
@@ -261,7 +318,10 @@ SG_INLINE u32 f32_to_e4m3_soft(float x) {
 #if defined(SG_AMD)
 SG_INLINE u32 pack_e4m3x2(float lo, float hi) { return (u32)__builtin_amdgcn_cvt_pk_fp8_f32(lo, hi, 0, false) & 0xffffu; }
 SG_INLINE u32 pack_e4m3x4(float a, float b, float c, float d) {
-  int w = __builtin_amdgcn_cvt_pk_fp8_f32(a, b, 0, false);
+  // The first conversion fills the low word; the high word it keeps is overwritten by the second, so it
+  // needs no defined input (the builtin's "old" operand, even undefined, costs a v_mov of 0 per dword).
+  int w;
+  asm("v_cvt_pk_fp8_f32 %0, %1, %2" : "=v"(w) : "v"(a), "v"(b));
   return (u32)__builtin_amdgcn_cvt_pk_fp8_f32(c, d, w, true);
 }
 #elif defined(SG_CUDA)
@@ -323,6 +383,18 @@ template <int MASK> SG_INLINE float lane_xor(float v) {
   return bit_cast<float>(__builtin_amdgcn_ds_swizzle(bit_cast<int>(v), (MASK << 10) | 0x1f));
 #else
   return bit_cast<float>(emu_shfl_xor(bit_cast<u32>(v), MASK));
+#endif
+}
+// lane_xor<16> for code where all 32 lanes are active (the attention key loop). Then no lane keeps the
+// destination's old value, so as asm the result gets a register of its own: the builtin ties the destination
+// to an input that is still live and costs a v_mov.
+SG_INLINE float lane_xor16_full_wave(float v) {
+#if defined(SG_AMD)
+  u32 r;
+  asm("v_permlanex16_b32 %0, %1, %2, 0xfedcba98" : "=v"(r) : "v"(bit_cast<u32>(v)), "s"(0x76543210u));
+  return bit_cast<float>(r);
+#else
+  return lane_xor<16>(v);
 #endif
 }
 // Wave-wide abs_max of values >= 0 or NaN (NaN in any lane gives NaN in every lane).

@@ -21,7 +21,7 @@ template <int D, bool FP8PV> struct __attribute__((aligned(16))) AttnSmem {
   // (A double-buffered LDS variant made clang-19 keep ~90 more VGPRs live and spill on gfx1201.)
   u8 k[BN * K_STRIDE];
   u8 vt[D * VT_STRIDE];
-  float ks[BN];
+  float ks[BN];  // k_scale * 2^26 (see score_of)
 };
 
 SG_INLINE i32x2 mk_i32x2(u32 x, u32 y) { i32x2 a = {(int)x, (int)y}; return a; }
@@ -37,14 +37,14 @@ template <int D, bool FP8PV> struct Stage {
   float ks;
 };
 
-// Global -> registers for key tile starting at kt0. Rows past Nk are clamped (masked later).
+// Global -> registers for key tile starting at kt0; rows past Nk are clamped to Nk - 1 (masked later).
+// Offsets inside one head are 32-bit (kernel_abi refuses heads of 2^31 bytes or more): the 64-bit (b, h)
+// base stays uniform in SGPRs and the address is base + zext(offset).
 template <int D, bool FP8PV, bool K_ONLY = false>
 SG_INLINE void stage_load(Stage<D, FP8PV>& st, const i8* kbase, const u8* vbase, const float* ksbase, int kt0, int Nk) {
   typedef Stage<D, FP8PV> S;
   const int t = tid_x();
   {
-    // Offsets inside one head are 32-bit (kernel_abi refuses heads of 2^31 bytes or more): the
-    // 64-bit (b, h) base stays uniform in SGPRs and the address is base + zext(offset).
     const int row = imin(kt0 + t / 4, Nk - 1), col = (t % 4) * S::KB;
     const u32x4* src = (const u32x4*)(kbase + (u32)(row * D + col));
     #pragma unroll
@@ -65,6 +65,59 @@ SG_INLINE void stage_load(Stage<D, FP8PV>& st, const i8* kbase, const u8* vbase,
   // Every thread loads a k_scale (4 threads per key) so that no lane-divergent branch is needed.
   st.ks = ksbase[(u32)imin(kt0 + (t & (BN - 1)), Nk - 1)];
 }
+
+// The same for a tile wholly inside [0, Nk) (no clamping), from per-lane byte offsets computed once before the
+// key loop (make_stage_offsets): the tile's base is uniform (SGPRs), the offsets loop-invariant VGPRs and the
+// V rows immediate offsets, so the key loop spends no VALU on addresses. Each call passes the offsets through
+// lane_offset again (a loop-carried value, same register, no instruction): a 32-bit offset defined outside
+// the loop reaches instruction selection as a hoisted 64-bit zext, and loads then take 64-bit VGPR addresses.
+struct StageOffsets { u32 k, v, ks; };
+template <int D, bool FP8PV> SG_INLINE StageOffsets make_stage_offsets() {
+  typedef Stage<D, FP8PV> S;
+  const int t = tid_x();
+  StageOffsets o;
+  o.k = lane_offset((t / 4) * D + (t % 4) * S::KB);
+  o.v = lane_offset((4 * (t / 16) * D + (t % 16) * S::CPT) * (FP8PV ? 1 : 2));
+  o.ks = lane_offset(4 * (t & (BN - 1)));
+  return o;
+}
+template <int D, bool FP8PV>
+SG_INLINE void stage_load_whole(Stage<D, FP8PV>& st, StageOffsets& so, const i8* kbase, const u8* vbase,
+                                const float* ksbase, int kt0) {
+  typedef Stage<D, FP8PV> S;
+  so.k = lane_offset(so.k);
+  so.v = lane_offset(so.v);
+  so.ks = lane_offset(so.ks);
+  constexpr int VB = FP8PV ? 1 : 2;  // bytes per V element
+  const u8* kt = (const u8*)uniform_ptr(kbase + (i64)kt0 * D);
+  const u8* vt = uniform_ptr(vbase + (i64)kt0 * D * VB);
+  const u8* kst = (const u8*)uniform_ptr(ksbase + kt0);
+  const u32x4* ksrc = (const u32x4*)(kt + so.k);
+  #pragma unroll
+  for (int i = 0; i < S::KB / 16; ++i) st.k[i] = ksrc[i];
+  #pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const u8* src = vt + so.v + j * D * VB;
+    if (S::VW == 4) { u32x4 x = *(const u32x4*)src; st.v[j][0] = x.x; st.v[j][1] = x.y; st.v[j][2] = x.z; st.v[j][3] = x.w; }
+    else if (S::VW == 2) { u32x2 x = *(const u32x2*)src; st.v[j][0] = x.x; st.v[j][1] = x.y; }
+    else st.v[j][0] = *(const u32*)src;
+  }
+  st.ks = *(const float*)(kst + so.ks);
+}
+
+// Scores without an int -> float conversion. The Q.K chain starts from C = QK_BIAS (the bits of 1/(2 pi), an
+// inline constant of the WMMA, no registers) instead of 0, so the INT32 result read as a float is
+// f = QK_BIAS_F + dot * 2^-26 exactly: |dot| <= 128 * 128 * 128 = 2^21 keeps the biased mantissa inside one
+// binade (QK_BIAS's mantissa field is 0x22F983 > 2^21, and 2^23 - 0x22F983 > 2^21). Then f - QK_BIAS_F is
+// exact (dot * 2^-26) and (f - QK_BIAS_F) * (k_scale * 2^26), with k_scale * 2^26 stored once per key when the
+// tile is staged, is dot * k_scale rounded once: the same bits as (float)dot * k_scale, NaN/Inf included
+// (0 * inf = NaN, -inf stays -inf). Two instructions that can pair as VOPD (v_dual_sub/v_dual_mul) instead of
+// v_cvt_f32_i32 (never paired) and a multiply. Only k_scale >= 2^102 (|k| above ~6e32, where the scores
+// exceed FP32 anyway) differs: k_scale * 2^26 overflows to inf.
+constexpr int QK_BIAS = 0x3E22F983;
+constexpr float QK_BIAS_F = 0.15915494f;  // == bit_cast<float>(QK_BIAS), exactly
+constexpr float QK_SCALE_UP = 67108864.0f;  // 2^26
+SG_INLINE float unbias_dot(int biased_dot) { return bit_cast<float>(biased_dot) - QK_BIAS_F; }  // dot * 2^-26, exact
 
 // fp8 V^T keeps keys in an order with bits 3 and 4 swapped, so that one 16-byte LDS read gives a
 // lane its A operand for two consecutive 16-key steps (see pv_step).
@@ -107,7 +160,7 @@ SG_INLINE void stage_store(const Stage<D, FP8PV>& st, AttnSmem<D, FP8PV>& sm) {
       }
     }
   }
-  sm.ks[t & (BN - 1)] = st.ks;  // 4 identical writes per slot, no branch
+  sm.ks[t & (BN - 1)] = st.ks * QK_SCALE_UP;  // 4 identical writes per slot, no branch
 }
 
 // Q fragments, the B operand of S^T = K Q^T. The contraction order over d is ours to choose as long
@@ -133,6 +186,33 @@ SG_INLINE i32x8 qk_subtile(const QFrag<D>& qf, const u8* ktile, int k_stride, in
     acc = wmma_iu8(mk_i32x2(kv.z, kv.w), mk_i32x2(qf.w[c].z, qf.w[c].w), acc);
   }
   return acc;
+}
+
+// The same for all four 16-key subtiles of the tile at once (acc[j]: key rows 16j .. 16j+15). The four chains
+// run interleaved over d: per 32-byte chunk of d one LDS read per subtile and one wait, and a chain's
+// consecutive WMMAs sit four apart (no stall between them). The accumulators become the scores in place.
+template <int D>
+SG_INLINE void qk_tile(i32x8* acc, const QFrag<D>& qf, const u8* ktile, int k_stride) {
+  const int l = lane_id();
+  const u8* krow = ktile + (l & 15) * k_stride + 16 * (l >> 4);
+  #pragma unroll
+  for (int j = 0; j < 4; ++j)
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) acc[j][e] = QK_BIAS;  // biased chains: see score_of
+  #pragma unroll
+  for (int c = 0; c < D / 32; ++c) {
+    // Reads issued in reverse order of use: LDS reads complete in order, so the first WMMA's wait (for the
+    // last read issued) covers the others and the chunk needs one s_wait_dscnt instead of four.
+    u32x4 kv[4];
+    #pragma unroll
+    for (int j = 3; j >= 0; --j) kv[j] = *(const u32x4*)(krow + 16 * j * k_stride + 32 * c);
+    sched_fence();  // the scheduler would otherwise serialise the chains again (fewer live registers)
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) acc[j] = wmma_iu8(mk_i32x2(kv[j].x, kv[j].y), mk_i32x2(qf.w[c].x, qf.w[c].y), acc[j]);
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) acc[j] = wmma_iu8(mk_i32x2(kv[j].z, kv[j].w), mk_i32x2(qf.w[c].z, qf.w[c].w), acc[j]);
+    sched_fence();
+  }
 }
 
 template <int D, bool FP8PV> struct PFrag;
@@ -171,21 +251,37 @@ SG_INLINE void pv_end(f32x8& o, const f32x8& t, float alpha) {
   #pragma unroll
   for (int e = 0; e < 8; ++e) o[e] = SG_PV_SINGLE_CHAIN ? t[e] : fold_acc(o[e], alpha, t[e]);
 }
+// Two 16-channel blocks at a time: their chains interleave (a chain's consecutive WMMAs sit two apart) and
+// their V^T reads are issued together, the first one used issued last (LDS reads complete in order, so one
+// wait covers the batch). (Four blocks at a time at D64 spill at 12 waves per SIMD, for no fewer instructions.)
 template <int D>
 SG_INLINE void pv_tile(f32x8* o, float alpha, const PFrag<D, true>& pf, const u8* vt, int vt_stride) {
   const int l = lane_id();
   const u8* base = vt + (l & 15) * vt_stride + 16 * (l >> 4);
   #pragma unroll
-  for (int tt = 0; tt < D / 16; ++tt) {
-    f32x8 t;
-    pv_begin(t, o[tt], alpha);
+  for (int tt = 0; tt < D / 16; tt += 2) {
+    u32x4 a[2][2];  // [block][16-byte read]: one read holds a lane's A operand for two 16-key steps
+    #pragma unroll
+    for (int m = 1; m >= 0; --m)
+      #pragma unroll
+      for (int u = 1; u >= 0; --u) {
+        if (m == 0 && u == 0) sched_fence();  // the first read used stays the last issued
+        a[u][m] = *(const u32x4*)(base + 16 * (tt + u) * vt_stride + 32 * m);
+      }
+    sched_fence();
+    f32x8 t[2];
+    #pragma unroll
+    for (int u = 0; u < 2; ++u) pv_begin(t[u], o[tt + u], alpha);
     #pragma unroll
     for (int m = 0; m < 2; ++m) {
-      const u32x4 a = *(const u32x4*)(base + 16 * tt * vt_stride + 32 * m);
-      t = wmma_fp8(mk_i32x2(a.x, a.y), pf.p[2 * m], t);
-      t = wmma_fp8(mk_i32x2(a.z, a.w), pf.p[2 * m + 1], t);
+      #pragma unroll
+      for (int u = 0; u < 2; ++u) t[u] = wmma_fp8(mk_i32x2(a[u][m].x, a[u][m].y), pf.p[2 * m], t[u]);
+      #pragma unroll
+      for (int u = 0; u < 2; ++u) t[u] = wmma_fp8(mk_i32x2(a[u][m].z, a[u][m].w), pf.p[2 * m + 1], t[u]);
     }
-    pv_end(o[tt], t, alpha);
+    sched_fence();
+    #pragma unroll
+    for (int u = 0; u < 2; ++u) pv_end(o[tt + u], t[u], alpha);
   }
 }
 template <int D>
@@ -193,15 +289,26 @@ SG_INLINE void pv_tile(f32x8* o, float alpha, const PFrag<D, false>& pf, const u
   const int l = lane_id();
   const u8* base = vt + (l & 15) * vt_stride + 16 * (l >> 4);
   #pragma unroll
-  for (int tt = 0; tt < D / 16; ++tt) {
-    f32x8 t;
-    pv_begin(t, o[tt], alpha);
+  for (int tt = 0; tt < D / 16; tt += 2) {
+    u32x4 a[2][4];
     #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const f16x8 a = bit_cast<f16x8>(*(const u32x4*)(base + 16 * tt * vt_stride + 32 * j));
-      t = wmma_f16(a, pf.p[j], t);
-    }
-    pv_end(o[tt], t, alpha);
+    for (int j = 3; j >= 0; --j)
+      #pragma unroll
+      for (int u = 1; u >= 0; --u) {
+        if (j == 0 && u == 0) sched_fence();  // the first read used stays the last issued (one wait)
+        a[u][j] = *(const u32x4*)(base + 16 * (tt + u) * vt_stride + 32 * j);
+      }
+    sched_fence();
+    f32x8 t[2];
+    #pragma unroll
+    for (int u = 0; u < 2; ++u) pv_begin(t[u], o[tt + u], alpha);
+    #pragma unroll
+    for (int j = 0; j < 4; ++j)
+      #pragma unroll
+      for (int u = 0; u < 2; ++u) t[u] = wmma_f16(bit_cast<f16x8>(a[u][j]), pf.p[j], t[u]);
+    sched_fence();
+    #pragma unroll
+    for (int u = 0; u < 2; ++u) pv_end(o[tt + u], t[u], alpha);
   }
 }
 
@@ -210,8 +317,9 @@ template <int D> SG_INLINE void pack_p(PFrag<D, true>& pf, int j, const float* p
   pf.p[j] = mk_i32x2(pack_e4m3x4(p[0], p[1], p[2], p[3]), pack_e4m3x4(p[4], p[5], p[6], p[7]));
 }
 template <int D> SG_INLINE void pack_p(PFrag<D, false>& pf, int j, const float* p) {
-  #pragma unroll
-  for (int e = 0; e < 8; ++e) pf.p[j][e] = f32_to_h16(p[e]);
+  u32x4 w;
+  w.x = pack_f16x2(p[0], p[1]); w.y = pack_f16x2(p[2], p[3]); w.z = pack_f16x2(p[4], p[5]); w.w = pack_f16x2(p[6], p[7]);
+  pf.p[j] = bit_cast<f16x8>(w);
 }
 
 // Per-lane online-softmax state: this lane's query row, half of its keys.
@@ -223,35 +331,69 @@ template <int D, bool FP8PV> struct RowState {
   int qrow;
 };
 
-template <int D, bool FP8PV, bool MASK>
+// `prefetch` issues the next tile's global loads once the scores are out of the WMMA accumulators: their
+// registers then overlap the softmax and P.V, not the Q.K phase, where the key loop's register peak is.
+template <int D, bool FP8PV, bool MASK, class Prefetch>
 SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const AttnSmem<D, FP8PV>& sm,
-                           int kt0, int Nk, int causal) {
+                           int kt0, int Nk, int causal, const Prefetch& prefetch) {
   typedef AttnSmem<D, FP8PV> M;
   const int h = lane_id() >> 4;
   float s[4][8];
   // Masked tiles: key visible iff key <= last (tail: Nk - 1; causal: also the query row).
   const int last = causal ? imin(Nk - 1, rs.qrow) : Nk - 1;
-  #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const i32x8 acc = qk_subtile<D>(qf, sm.k, M::K_STRIDE, j);
-    const u32x4 ka = *(const u32x4*)(sm.ks + 16 * j + 8 * h);
-    const u32x4 kb = *(const u32x4*)(sm.ks + 16 * j + 8 * h + 4);
-    const float ksc[8] = {bit_cast<float>(ka.x), bit_cast<float>(ka.y), bit_cast<float>(ka.z), bit_cast<float>(ka.w),
-                          bit_cast<float>(kb.x), bit_cast<float>(kb.y), bit_cast<float>(kb.z), bit_cast<float>(kb.w)};
+  i32x8 acc4[4];
+  qk_tile<D>(acc4, qf, sm.k, M::K_STRIDE);
+  if constexpr (!MASK) {
+    // The k_scale reads of two subtiles at a time, the first one used issued last (one wait per pair); the 32
+    // bias subtractions, which need none of them, run under the first pair's latency, in VOPD pairs as the
+    // multiplications after them. (All four subtiles' reads at once spill the FP8 kernels.)
+    constexpr int G = 2;
     #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      float v = (float)acc[e] * ksc[e];
-      if (MASK) v = kt0 + 16 * j + 8 * h + e <= last ? v : neg_inf();
-      s[j][e] = v;
+    for (int j0 = 0; j0 < 4; j0 += G) {
+      u32x4 kq[G][2];
+      #pragma unroll
+      for (int i = 2 * G - 1; i >= 0; --i) {
+        if (i == 0) sched_fence();
+        kq[i / 2][i % 2] = *(const u32x4*)(sm.ks + 16 * (j0 + i / 2) + 8 * h + 4 * (i % 2));
+      }
+      sched_fence();
+      if (j0 == 0) {
+        #pragma unroll
+        for (int j = 0; j < 4; ++j)
+          #pragma unroll
+          for (int e = 0; e < 8; ++e) s[j][e] = unbias_dot(acc4[j][e]);
+        sched_fence();
+      }
+      #pragma unroll
+      for (int jj = 0; jj < G; ++jj) {
+        const u32x4 ka = kq[jj][0], kb = kq[jj][1];
+        const u32 km[8] = {ka.x, ka.y, ka.z, ka.w, kb.x, kb.y, kb.z, kb.w};
+        #pragma unroll
+        for (int e = 0; e < 8; ++e) s[j0 + jj][e] *= bit_cast<float>(km[e]);
+      }
+    }
+  } else {
+    // Masked tiles (the causal diagonal, the key tail): fewer live registers, a subtile at a time.
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const u32x4 ka = *(const u32x4*)(sm.ks + 16 * j + 8 * h);
+      const u32x4 kb = *(const u32x4*)(sm.ks + 16 * j + 8 * h + 4);
+      const u32 km[8] = {ka.x, ka.y, ka.z, ka.w, kb.x, kb.y, kb.z, kb.w};
+      #pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float v = unbias_dot(acc4[j][e]) * bit_cast<float>(km[e]);
+        s[j][e] = kt0 + 16 * j + 8 * h + e <= last ? v : neg_inf();
+      }
     }
   }
+  prefetch();
   sched_fence();
   float mj[4];
   #pragma unroll
   for (int j = 0; j < 4; ++j)
     mj[j] = fmax_(fmax_(fmax_(s[j][0], s[j][1]), fmax_(s[j][2], s[j][3])), fmax_(fmax_(s[j][4], s[j][5]), fmax_(s[j][6], s[j][7])));
   float mx = fmax_(fmax_(mj[0], mj[1]), fmax_(mj[2], mj[3]));
-  mx = fmax_(mx, lane_xor<16>(mx));
+  mx = fmax_(mx, lane_xor16_full_wave(mx));
   const float m_new = fmax_(rs.m, mx);
   // A row that has seen no key yet keeps m = -inf: use 0 so exp2 gives exact zeros, alpha 1.
   const float m_use = MASK && m_new == neg_inf() ? 0.0f : m_new;
@@ -264,10 +406,18 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
     float p[8];
     #pragma unroll
     for (int e = 0; e < 8; ++e) p[e] = fast_exp2(fma_(s[j][e], rs.qscale, -bias));
-    part[j] = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
     pack_p(pf, j, p);
+    if constexpr (FP8PV) {
+      part[j] = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+    } else {
+      // FP16 P: the row sum adds the fp16 P that P.V uses, two per instruction (add_f16x2), so the output is
+      // an exact convex combination of V rows up to FP32 rounding. Against the spec's sum of unrounded p the
+      // relative difference is below 2^-11 (fp16 rounding of each term, mostly cancelling).
+      const u32x4 w = bit_cast<u32x4>(pf.p[j]);
+      part[j] = add_f16x2(w.w, add_f16x2(w.z, add_f16x2(w.y, add_f16x2(w.x, 0.0f))));
+    }
   }
-  rs.l = fma_(rs.l, alpha, (part[0] + part[1]) + (part[2] + part[3]));
+  rs.l = fold_acc(rs.l, alpha, (part[0] + part[1]) + (part[2] + part[3]));  // VOP3: no copy on the back edge
   rs.m = m_new;
   sched_fence();
   pv_tile<D>(rs.o, alpha, pf, sm.vt, M::VT_STRIDE);
@@ -305,24 +455,31 @@ SG_INLINE void attention(const i8* q8, const float* q_scale, const i8* k8, const
     for (int e = 0; e < 8; ++e) rs.o[tt][e] = 0.0f;
 
   // Key tiles: [0, n_full) are fully visible to every row of the block, [n_full, n_tiles) need masks.
+  // Tiles [0, n_whole) lie wholly inside [0, Nk): the unmasked loop runs while the tile it prefetches is one of
+  // them (no clamping, uniform addresses); the rest, at most one unmasked tile more, goes through the masked loop
+  // (its masks then keep everything).
   const int kv_end = causal ? imin(Nk, q0 + BM) : Nk;
   const int n_tiles = (kv_end + BN - 1) / BN;
-  const int n_full = imin(Nk / BN, causal ? (q0 + 1) / BN : Nk / BN);
-  // One LDS buffer: store tile i, barrier, issue tile i+1's global loads, compute tile i, barrier.
+  const int n_whole = Nk / BN;
+  const int n_full = imin(n_whole, causal ? (q0 + 1) / BN : n_whole);
+  const int n_main = imin(n_full, imin(n_whole, n_tiles) - 1);
+  // One LDS buffer: store tile i, barrier, compute tile i (issuing tile i+1's global loads after its Q.K), barrier.
   Stage<D, FP8PV> st;
+  StageOffsets so = make_stage_offsets<D, FP8PV>();
   if (n_tiles > 0) stage_load<D, FP8PV>(st, kbase, vbase, ksbase, 0, Nk);
-  for (int i = 0; i < n_full; ++i) {
+  int i = 0;
+  for (; i < n_main; ++i) {
     stage_store<D, FP8PV>(st, sm);
     block_sync();
-    if (i + 1 < n_tiles) stage_load<D, FP8PV>(st, kbase, vbase, ksbase, (i + 1) * BN, Nk);
-    attend_tile<D, FP8PV, false>(rs, qf, sm, i * BN, Nk, causal);
+    attend_tile<D, FP8PV, false>(rs, qf, sm, i * BN, Nk, causal,
+                                 [&] { stage_load_whole<D, FP8PV>(st, so, kbase, vbase, ksbase, (i + 1) * BN); });
     block_sync();
   }
-  for (int i = n_full; i < n_tiles; ++i) {
+  for (; i < n_tiles; ++i) {
     stage_store<D, FP8PV>(st, sm);
     block_sync();
     if (i + 1 < n_tiles) stage_load<D, FP8PV>(st, kbase, vbase, ksbase, (i + 1) * BN, Nk);
-    attend_tile<D, FP8PV, true>(rs, qf, sm, i * BN, Nk, causal);
+    attend_tile<D, FP8PV, true>(rs, qf, sm, i * BN, Nk, causal, [] {});
     block_sync();
   }
 
@@ -436,8 +593,8 @@ SG_INLINE void wmma_probe(int kind, const u32* a, const u32* b, const u32* c, u3
 }  // namespace sg
 
 // ---------------------------------------------------------------- entry points
-#define SG_ATTN(PV, FP8, D, SUF, T)                                                                          \
-  extern "C" __global__ SG_LAUNCH_BOUNDS(256) void sage_attn_i8##PV##_d##D##_##SUF(                          \
+#define SG_ATTN(PV, FP8, D, SUF, T, WAVES)                                                                   \
+  extern "C" __global__ SG_LAUNCH_BOUNDS(256) SG_MIN_WAVES(WAVES) void sage_attn_i8##PV##_d##D##_##SUF(                          \
       const sg::i8* q8, const float* q_scale, const sg::i8* k8, const float* k_scale, const sg::u8* v,        \
       const float* v_scale, const float* v_mean, int Hq, int Hkv, int Nq, int Nk, int causal, sg::u16* out,  \
       sg::i64 osb, sg::i64 osh, sg::i64 osn, float* lse, const sg::u16* q, sg::i64 qsb, sg::i64 qsh,         \
@@ -445,14 +602,14 @@ SG_INLINE void wmma_probe(int kind, const u32* a, const u32* b, const u32* c, u3
     sg::attention<D, FP8, sg::T>(q8, q_scale, k8, k_scale, v, v_scale, v_mean, Hq, Hkv, Nq, Nk, causal, out, \
                                  osb, osh, osn, lse, q, qsb, qsh, qsn, qsd, k_mean, sm_scale);                \
   }
-SG_ATTN(f8, true, 128, f16, F16)
-SG_ATTN(f8, true, 128, bf16, BF16)
-SG_ATTN(f8, true, 64, f16, F16)
-SG_ATTN(f8, true, 64, bf16, BF16)
-SG_ATTN(f16, false, 128, f16, F16)
-SG_ATTN(f16, false, 128, bf16, BF16)
-SG_ATTN(f16, false, 64, f16, F16)
-SG_ATTN(f16, false, 64, bf16, BF16)
+SG_ATTN(f8, true, 128, f16, F16, 9)
+SG_ATTN(f8, true, 128, bf16, BF16, 9)
+SG_ATTN(f8, true, 64, f16, F16, 12)
+SG_ATTN(f8, true, 64, bf16, BF16, 12)
+SG_ATTN(f16, false, 128, f16, F16, 8)
+SG_ATTN(f16, false, 128, bf16, BF16, 8)
+SG_ATTN(f16, false, 64, f16, F16, 10)
+SG_ATTN(f16, false, 64, bf16, BF16, 10)
 
 #define SG_QK_SCORES(D)                                                                                     \
   extern "C" __global__ SG_LAUNCH_BOUNDS(256) void sage_qk_scores_d##D(                                      \
