@@ -157,8 +157,9 @@ def auto_order(call: AttentionCall) -> List[str]:
 
     RDNA4: our HIP kernels, then our Triton kernels, then installed peers, then SDPA.
     NVIDIA: SageAttention2 (0.74 / 0.71x cuDNN SDPA at Wan 480p / 720p on an H200, README) beats SDPA; our Triton path
-    (1.60 / 1.02 / 0.95x cuDNN at Flux 1 MP / Wan 480p / Wan 720p, README) and comfy-kitchen (1.19-1.98x)
-    are not faster than SDPA across the board there, so SDPA comes before them.
+    (public call 1.70 / 0.97 / 0.89x SDPA at Flux 1 MP / Wan 480p / Wan 720p, README) and comfy-kitchen (1.19-1.98x)
+    are not faster than SDPA across the board there, so in this fixed order SDPA comes before them; `auto` that
+    measures (autotune.py) takes them where they are faster on the user's GPU.
     CPU and anything else: SDPA (the reference is a spec, not a speed path).
     """
     if call.device_type == "cuda" and call.rocm:
