@@ -68,6 +68,49 @@ def test_attention_compiles_for_gfx12(arch, d, pv, cfg):
         check(triton_aot.compile_attention(arch, odd, pv, cfg), pv, mode)
 
 
+# Key-loop bounds (non-WMMA instructions per v_wmma, gfx1201, Triton 3.6: configs.py has the figures, before ->
+# after V (Dv, Nk) + v_cvt_pk_fp8_f32 + folded q scale): FP8 45.1 / 21.2 / 13.1 / 12.6 at D32 / 64 / 128 / 256,
+# FP16 39.9 / 26.2 / 11.9 / 16.0. A bound ~15 % above each, so a lost hardware conversion or byte-wise V reads fail.
+LOOP_BOUND = {(32, "fp8"): 52, (64, "fp8"): 24.5, (128, "fp8"): 15.0, (256, "fp8"): 14.5,
+              (32, "fp16"): 46, (64, "fp16"): 30, (128, "fp16"): 13.7, (256, "fp16"): 18.5}
+
+
+@pytest.mark.parametrize("d,pv,cfg", shipped_rdna4_configs(),
+                         ids=[f"D{d}-{pv}" for d, pv, _ in shipped_rdna4_configs()])
+def test_key_loop_instruction_budget_on_gfx1201(d, pv, cfg):
+    """What the shipped key loop spends besides its WMMAs, and that FP8 P uses the hardware conversion and
+    FP8 V is read from LDS in wide loads (Triton 3.6 converts in software and reads bytes otherwise)."""
+    report = triton_aot.compile_attention("gfx1201", d, pv, cfg)
+    print(report.line())
+    SUMMARY.append(report.line())
+    ratio = report.loop_non_wmma_per_wmma
+    assert ratio is not None and ratio <= LOOP_BOUND[(d, pv)], report.line()
+    if pv == "fp8":
+        assert report.loop_ops.get("v_cvt_pk_fp8_f32", 0) > 0, "P is not converted with v_cvt_pk_fp8_f32"
+        if d < 256:  # D256's 16-key tiles still read 8 V bytes singly per loop (8 of 1198 instructions)
+            assert report.loop_ops.get("ds_load_u8", 0) == 0, "FP8 V is read from LDS a byte at a time"
+
+
+def test_key_loop_counter_reads_the_loop_with_the_most_wmma():
+    asm = """k:
+.LBB0_1:
+	v_wmma_f32_16x16x16_f16 v[0:7], v[8:11], v[12:15], v[0:7]
+	s_branch .LBB0_2
+.LBB0_2:
+	v_wmma_i32_16x16x16_iu8 v[0:7], v[8:9], v[10:11], v[0:7]
+	v_wmma_f32_16x16x16_fp8_fp8 v[0:7], v[8:9], v[10:11], v[0:7]
+	v_exp_f32_e32 v1, v1
+	s_wait_dscnt 0x0
+	; a comment
+	s_cbranch_scc1 .LBB0_2
+"""
+    ops = triton_aot.key_loop_ops(asm)
+    assert ops == {"v_wmma_i32_16x16x16_iu8": 1, "v_wmma_f32_16x16x16_fp8_fp8": 1, "v_exp_f32_e32": 1,
+                   "s_wait_dscnt": 1, "s_cbranch_scc1": 1}
+    report = triton_aot.KernelReport("x", "gfx1201", 0, 0, 0, 0, 0, 0, None, loop_ops=ops)
+    assert report.loop_non_wmma_per_wmma == 1.5
+
+
 FP8 = [(d, cfg) for d, pv, cfg in shipped_rdna4_configs() if pv == "fp8"]
 
 

@@ -38,13 +38,22 @@ class KernelReport:
     isa_ops: Dict[str, int] = field(default_factory=dict)
     pv_dots: int = 0        # FP8/FP16 dots (P.V) in the Triton IR
     pv_dots_fresh: int = 0  # of which start from a zero accumulator (the "split" form survived)
+    loop_ops: Dict[str, int] = field(default_factory=dict)  # opcode counts of the key loop (most v_wmma)
+
+    @property
+    def loop_non_wmma_per_wmma(self) -> Optional[float]:
+        """Instructions of the key loop that are not v_wmma, per v_wmma (waits included, as the HIP check)."""
+        wmma = sum(n for op, n in self.loop_ops.items() if op.startswith("v_wmma"))
+        return (sum(self.loop_ops.values()) - wmma) / wmma if wmma else None
 
     def line(self) -> str:
         ops = ", ".join(f"{k}={v}" for k, v in self.isa_ops.items())
         fresh = f"; P.V dots from zero {self.pv_dots_fresh}/{self.pv_dots}" if self.pv_dots else ""
+        ratio = self.loop_non_wmma_per_wmma
+        loop = f"; key loop {ratio:.2f} non-WMMA per v_wmma" if ratio is not None else ""
         return (f"{self.arch} {self.label}: VGPRs {self.vgprs}, SGPRs {self.sgprs}, spills v{self.vgpr_spills}/"
                 f"s{self.sgpr_spills}, scratch {self.scratch_bytes} B, LDS {self.lds_bytes} B, "
-                f"occupancy {self.occupancy} waves/SIMD; {ops}{fresh}")
+                f"occupancy {self.occupancy} waves/SIMD; {ops}{fresh}{loop}")
 
 
 def amd_backend_missing() -> Optional[str]:
@@ -75,6 +84,21 @@ def pv_dots(ir: str):
     return total, fresh
 
 
+def key_loop_ops(asm: str) -> Dict[str, int]:
+    """Opcode counts of the basic block with the most v_wmma: the unmasked key loop of an attention kernel."""
+    blocks = re.split(r"\n(?=\.LBB\d+_\d+:)", asm)
+    loop = max(blocks, key=lambda b: b.count("v_wmma"))
+    ops: Dict[str, int] = {}
+    if "v_wmma" not in loop:
+        return ops
+    for line in loop.splitlines():
+        text = line.strip()
+        if text and not text.startswith((";", ".")) and not text.endswith(":"):
+            op = text.split()[0]
+            ops[op] = ops.get(op, 0) + 1
+    return ops
+
+
 def _report(kernel, label: str, arch: str) -> KernelReport:
     asm = kernel.asm["amdgcn"]
     dots, fresh = pv_dots(kernel.asm["ttir"])
@@ -86,7 +110,7 @@ def _report(kernel, label: str, arch: str) -> KernelReport:
         vgpr_spills=_meta_int(asm, "vgpr_spill_count"), sgpr_spills=_meta_int(asm, "sgpr_spill_count"),
         scratch_bytes=_meta_int(asm, "private_segment_fixed_size"),
         lds_bytes=int(kernel.metadata.shared), occupancy=int(occ.group(1)) if occ else None,
-        isa_ops=ops, pv_dots=dots, pv_dots_fresh=fresh)
+        isa_ops=ops, pv_dots=dots, pv_dots_fresh=fresh, loop_ops=key_loop_ops(asm))
 
 
 def _compile(fn, signature: Dict[str, str], constexprs: Dict[str, object], arch: str, num_warps: int,
@@ -157,7 +181,8 @@ def _compile_attention(arch, head_dim, pv, config, *, is_causal=False, return_ls
               "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "IS_CAUSAL": is_causal,
               "PV_FP8": pv == "fp8", "STORE_LSE": return_lse, "V_T": config.v_transposed, "EXACT_P_ROUND": False,
               "PV_ACC": ACC_MODES[config.pv_accumulate], "HAS_VMEAN": smooth_v,
-              "FOLD_Q_SCALE": config.fold_q_scale, "INTERPRETER": False}
+              "FOLD_Q_SCALE": config.fold_q_scale, "FP8_CVT_ASM": config.fp8_cvt_asm and pv == "fp8",
+              "INTERPRETER": False}
     for k in consts:
         sig[k] = "constexpr"
     kernel = _compile(_sage_attn_fwd, sig, consts, arch, config.num_warps, config.num_stages)
@@ -173,8 +198,11 @@ def compile_prologue(arch: str, head_dim: int, pv: str, v_head_dim: Optional[int
     from ..backends.triton import prologue as p
     from ..backends.triton.configs import prologue_config
 
+    from ..backends.triton.configs import attention_config
+
     cfg = prologue_config(arch)
     dv = v_head_dim or head_dim
+    out_t = attention_config(arch, max(head_dim, dv), pv).v_transposed  # V stored (Dv, Nk) for the attention
     d_pad, dv_pad = padded_head_dim(head_dim), padded_head_dim(dv)
     reports = []
     sv = " smooth_v" if smooth_v else ""
@@ -191,13 +219,14 @@ def compile_prologue(arch: str, head_dim: int, pv: str, v_head_dim: Optional[int
         sig[name] = "i32"
     consts = {"sqd": 1, "skd": 1, "svd": 1, "sod": 1, "D": head_dim, "D_PAD": d_pad, "DV": dv,
               "DV_PAD": dv_pad, "QK_BLOCK": cfg.block_n, "V_BLOCK": cfg.block_n, "PER_BLOCK": False,
-              "HAS_MEAN": True, "PV_FP8": pv == "fp8", "OUT_T": False, "FOLD_STATS": False,
+              "HAS_MEAN": True, "PV_FP8": pv == "fp8", "OUT_T": out_t, "FOLD_STATS": False,
               "STATS_CH": p.STATS_CH, "SMOOTH_V": smooth_v, "INTERPRETER": False}
     sig.update({k: "constexpr" for k in consts})
     for fold in (False, True):
         consts["FOLD_STATS"] = fold
         k = _compile(p._quantize_qkv, sig, consts, arch, cfg.num_warps, 1)
-        reports.append(_report(k, f"quantize_qkv D{head_dim}/{dv} {pv}{' fold' if fold else ''}{sv}", arch))
+        vt = " V^T" if out_t else ""
+        reports.append(_report(k, f"quantize_qkv D{head_dim}/{dv} {pv}{vt}{' fold' if fold else ''}{sv}", arch))
     sig = {"K": "*bf16", "V": "*bf16", "KSUM": "*fp64", "VMAX": "*fp32", "VSUM": "*fp64", "VMIN": "*fp32",
            "skb": "i32", "skh": "i32", "skn": "i32", "skd": "constexpr",
            "svb": "i32", "svh": "i32", "svn": "i32", "svd": "constexpr", "Hkv": "i32", "Nk": "i32", "n_chunks": "i32"}

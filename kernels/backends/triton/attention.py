@@ -43,12 +43,23 @@ ACC_MODES = {"mma": 0, "imprecise_k": 1, "split": 2}
 
 
 @triton.jit
+def _to_e4m3_gfx12(x):
+    """FP32 -> e4m3fn with gfx12's v_cvt_pk_fp8_f32 (round to nearest even): Triton 3.6 converts in software
+    there (about 10 VALU instructions a value). One value per instruction, in the low byte of a 32-bit
+    register (the inline-asm outputs must be full registers); Triton packs the bytes for the WMMA.
+    P is below 448 here, so no saturation is needed (the HIP kernels use the same instruction)."""
+    bits = tl.inline_asm_elementwise("v_cvt_pk_fp8_f32 $0, $1, $1", "=v,v", [x], dtype=tl.int32, is_pure=True,
+                                     pack=1)
+    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
 def _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
               offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
               PV_FP8: tl.constexpr, V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr, PV_ACC: tl.constexpr,
-              FOLD_Q_SCALE: tl.constexpr):
+              FOLD_Q_SCALE: tl.constexpr, FP8_CVT_ASM: tl.constexpr):
     cols = start_n + offs_n
     k_ptrs = k_base + cols[:, None] * skn + offs_d[None, :]
     if MASKED:
@@ -100,7 +111,10 @@ def _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
     if PV_FP8:
         if EXACT_P_ROUND:
             p = round_to_e4m3(p)
-        p = p.to(tl.float8e4nv)
+        if FP8_CVT_ASM:
+            p = _to_e4m3_gfx12(p)
+        else:
+            p = p.to(tl.float8e4nv)
     else:
         p = p.to(tl.float16)
     if PV_ACC == 2:
@@ -119,7 +133,8 @@ def _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, lo, hi,
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
                PV_FP8: tl.constexpr, V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr,
-               PV_ACC: tl.constexpr, FOLD_Q_SCALE: tl.constexpr, WHILE_LOOP: tl.constexpr):
+               PV_ACC: tl.constexpr, FOLD_Q_SCALE: tl.constexpr, FP8_CVT_ASM: tl.constexpr,
+               WHILE_LOOP: tl.constexpr):
     if WHILE_LOOP:
         # Interpreter only: Triton 3.6's interpreter cannot take runtime range() bounds with numpy 2.
         start_n = lo
@@ -127,7 +142,7 @@ def _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, lo, hi,
             acc, l_i, m_i = _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
                                       offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
                                       HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, MASKED, IS_CAUSAL, PV_FP8, V_T,
-                                      EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE)
+                                      EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM)
             start_n += BLOCK_N
     else:
         # A for loop, so the software pipeliner can overlap loads with compute (num_stages > 1).
@@ -135,7 +150,7 @@ def _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, lo, hi,
             acc, l_i, m_i = _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
                                       offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
                                       HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, MASKED, IS_CAUSAL, PV_FP8, V_T,
-                                      EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE)
+                                      EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM)
     return acc, l_i, m_i
 
 
@@ -147,7 +162,7 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE,
                    DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, PV_FP8: tl.constexpr, STORE_LSE: tl.constexpr,
                    V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr, PV_ACC: tl.constexpr,
-                   HAS_VMEAN: tl.constexpr, FOLD_Q_SCALE: tl.constexpr,
+                   HAS_VMEAN: tl.constexpr, FOLD_Q_SCALE: tl.constexpr, FP8_CVT_ASM: tl.constexpr,
                    INTERPRETER: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -187,11 +202,11 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE,
     acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, 0, full_end,
                                offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
                                HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, False, IS_CAUSAL, PV_FP8, V_T,
-                               EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, INTERPRETER)
+                               EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, INTERPRETER)
     acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, full_end, hi,
                                offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
                                HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, True, IS_CAUSAL, PV_FP8, V_T,
-                               EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, INTERPRETER)
+                               EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, INTERPRETER)
 
     v_scale = tl.load(VS + (b64 * Hkv + hk64) * DV + offs_dv, mask=offs_dv < DV, other=0.0)
     inv_l = 1.0 / l_i
@@ -222,7 +237,8 @@ def attention_launch(b: int, hq: int, nq: int, d: int, hkv: int, dv: int, config
     meta = dict(KV_GROUP=hq // hkv, HEAD_DIM=d, D_PAD=padded_head_dim(d), DV=dv, DV_PAD=padded_head_dim(dv),
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_CAUSAL=is_causal, PV_FP8=pv == "fp8",
                 STORE_LSE=return_lse, V_T=v_t, EXACT_P_ROUND=INTERPRETED, PV_ACC=ACC_MODES[config.pv_accumulate],
-                HAS_VMEAN=has_vmean, FOLD_Q_SCALE=config.fold_q_scale, INTERPRETER=INTERPRETED,
+                HAS_VMEAN=has_vmean, FOLD_Q_SCALE=config.fold_q_scale,
+                FP8_CVT_ASM=config.fp8_cvt_asm and pv == "fp8" and not INTERPRETED, INTERPRETER=INTERPRETED,
                 num_warps=config.num_warps,
                 num_stages=config.num_stages)
     return grid, meta

@@ -33,6 +33,7 @@ class AttentionConfig:
     v_transposed: bool = False  # V stored (Dv, Nk): K-major for the P.V dot (Hopper fp8 wgmma needs it)
     pv_accumulate: str = "mma"  # one of PV_ACCUMULATE: how each tile's P.V reaches the FP32 accumulator
     fold_q_scale: bool = False  # multiply the scores by q's row scale inside exp2's FMA, not per score
+    fp8_cvt_asm: bool = False   # gfx12: P to FP8 with v_cvt_pk_fp8_f32 (inline asm), not Triton's software conversion
 
     def __post_init__(self):
         if self.pv_accumulate not in PV_ACCUMULATE:
@@ -65,22 +66,21 @@ def ceil_div(a: int, b: int) -> int:
 # and the split form compiles without VGPR spills for every entry (Triton 3.6, gfx1201; VGPRs mma -> split:
 # D32 110 -> 114, D64 138 -> 156, D128 225 -> 212, D256 215 -> 217; LDS unchanged). FP16 P.V stays "mma".
 _RDNA4_GEOMETRY = {32: (128, 32, 8), 64: (128, 32, 8), 128: (128, 32, 8), 256: (64, 16, 8)}
-_RDNA4: Dict[Tuple[int, str], AttentionConfig] = {
-    (d, pv): AttentionConfig(bm, bn, w, 1, pv_accumulate="split" if pv == "fp8" else "mma")
-    for d, (bm, bn, w) in _RDNA4_GEOMETRY.items() for pv in ("fp8", "fp16")
-}
+# What the compiled gfx1201 key loop spends per WMMA (Triton 3.6, AOT, non-WMMA instructions per v_wmma in the
+# unmasked loop, waits included; measured 2026-12-01 with tests/test_triton_aot.py's compiler, no hardware):
+#   FP8 P.V: Triton converts P to e4m3 in software on gfx12 (~10 VALU a value) and, with V stored (Nk, Dv),
+#   reads FP8 V from LDS a byte at a time (ds_load_u8). V stored (Dv, Nk) ("v_transposed"), P converted with
+#   v_cvt_pk_fp8_f32 ("fp8_cvt_asm") and q's scale folded: D32 155 -> 45, D64 86 -> 21, D128 44 -> 13,
+#   D256 38 -> 12.6, VGPRs no higher (D128 212 -> 201, SGPR spills 4 -> 0), occupancy no lower (D64 9 -> 10).
+#   FP16 P.V: V (Dv, Nk) at D32 44.6 -> 39.9 and D128 16.2 -> 11.9 at the same occupancy; at D64 (26.2 -> 20.1)
+#   and D256 (16.0 -> 12.5) it costs a wave per SIMD (12 -> 10, 8 -> 7), so those stay (Nk, Dv) until measured.
+#   Folding q's scale made FP16 D128 worse (16.2 -> 18.1): off for FP16.
+_RDNA4_FP16_V_T = (32, 128)
+_RDNA4: Dict[Tuple[int, str], AttentionConfig] = {}
+for _d, (_bm, _bn, _w) in _RDNA4_GEOMETRY.items():
+    _RDNA4[(_d, "fp8")] = AttentionConfig(_bm, _bn, _w, 1, True, "split", fold_q_scale=True, fp8_cvt_asm=True)
+    _RDNA4[(_d, "fp16")] = AttentionConfig(_bm, _bn, _w, 1, _d in _RDNA4_FP16_V_T, "mma")
 
-# Hopper (sm_90): Triton emits wgmma for the INT8 and FP8 dots; FP8 wgmma wants a K-major B, so V^T
-# (without it: 2.3x slower). Measured on an H200 (tools/triton_h200.py --sweep, attention alone,
-# time / cuDNN) at Wan 480p: BM128 BN64 w4 s3 0.96-0.97 (fp8) / 1.09-1.10 (fp16), s4 the same, s2
-# 1.19; BN128 w8 s3 1.07 / 1.21; BN64 w8 1.19 / 1.33; BN128 w4 1.56; BM64 BN64 1.12 / 1.35; BN32 1.26.
-# At Flux 1 MP s4 beats s3 (fp8 1.34 vs 1.37, fp16 1.70 vs 1.75); BM64 helps fp16 there (1.55) only.
-# FP8 P.V accumulates "imprecise_k" (wgmma's FP8 accumulator truncates; "mma" is faster but lost half
-# the output's mass on diffuse attention over 32k keys). Its partial accumulator doubles the registers
-# of P.V: at BM128 BN64 w4 that spills, 1.59x cuDNN at Wan 480p; the 2026-12 sweep (attention alone,
-# Wan 480p, time / cuDNN): BM128 BN128 w8 s3 1.06, BM64 BN64 w4 s3 1.11, BM128 BN64 w8 s3 1.21,
-# BM128 BN32 w4 s3 1.22, BM128 BN64 w4 s2-s4 1.55-1.59; "mma" BN64 w4 s4 1.00, "split" 1.60. Whole calls
-# with BM128 BN128 w8 s3: Wan 480p 1.10x, 720p 0.97x cuDNN. FP16 wgmma accumulates in FP32: "mma".
 # fold_q_scale (attention alone / cuDNN, H200, 2026-12-01, .exp score sweep): D128 Wan 480p fp8 1.06 -> 1.00,
 # fp16 1.10 -> 1.06; Flux 1 MP fp8 1.29 -> 1.22, fp16 1.67 -> 1.34; D64 (SDXL) slower, fp8 1.64 -> 1.80,
 # fp16 1.59 -> 1.74, so D32/D64 keep the per-score multiply. Tried and dropped in the same sweep: int32 ->
@@ -110,9 +110,10 @@ _GENERIC: Dict[Tuple[int, str], AttentionConfig] = {
 }
 
 # The interpreter (CPU): small tiles so tests with ~100 tokens still cross several tiles and tails.
-# FP8 accumulates "split" there (as on RDNA4); tests run every mode explicitly. FP16 folds q's scale into
-# exp2 (as on Hopper at D128) so the CPU tests run both score paths.
-_INTERPRETER = {"fp8": AttentionConfig(32, 32, 4, 1, pv_accumulate="split"),
+# FP8 accumulates "split" with V stored (Dv, Nk) there (as on RDNA4); tests run every mode explicitly. FP16 folds
+# q's scale into exp2 (as on Hopper at D128) with V (Nk, Dv), so the CPU tests run both score paths and both V
+# layouts. fp8_cvt_asm never applies under the interpreter (it cannot run inline asm; it rounds exactly instead).
+_INTERPRETER = {"fp8": AttentionConfig(32, 32, 4, 1, True, "split"),
                 "fp16": AttentionConfig(32, 32, 4, 1, fold_q_scale=True)}
 
 _PROLOGUE_GPU = PrologueConfig(block_n=64, stats_block_n=256, num_warps=4)
