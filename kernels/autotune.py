@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import statistics
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .atomic_file import write_atomically
 from .cache_identity import code_digest, gpu_identity, pack_version
 
 log = logging.getLogger(__name__)
@@ -198,13 +198,17 @@ class DecisionStore:
             log.info("ignoring unreadable autotune cache %s: %s: %s", path, type(exc).__name__, exc)
             return {}
 
+    def _file_for(self, device: torch.device):
+        """(header, path) of this device's decisions file; path None when the disk cache is off or unusable."""
+        if not self.enabled:
+            return None, None
+        header = self.header(device)
+        return header, (self.path(header) if header else None)
+
     def load(self, device: torch.device, key: TuneKey, candidates: Sequence[str]) -> Optional[Decision]:
         """The stored decision for key, if it was measured among exactly these candidates."""
-        if not self.enabled:
-            return None
         try:
-            header = self.header(device)
-            path = header and self.path(header)
+            header, path = self._file_for(device)
             if not path:
                 return None
             entry = self._read(path, header).get(key.ident())
@@ -217,28 +221,17 @@ class DecisionStore:
 
     def save(self, device: torch.device, decision: Decision, candidates: Sequence[str]) -> Optional[str]:
         """Merge one decision into the file, written atomically; None when nothing was written."""
-        if not self.enabled:
-            return None
-        tmp = None
         try:
-            header = self.header(device)
-            path = header and self.path(header)
+            header, path = self._file_for(device)
             if not path:
                 return None
             decisions = self._read(path, header)  # read again: another process may have added entries
             decisions[decision.key.ident()] = decision.to_json(candidates)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-autotune-", suffix=".part", dir=os.path.dirname(path))
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump({"header": header, "decisions": decisions}, fh, indent=1, sort_keys=True, default=str)
-            os.replace(tmp, path)
+            text = json.dumps({"header": header, "decisions": decisions}, indent=1, sort_keys=True, default=str)
+            write_atomically(path, text.encode("utf-8"))
             return path
         except Exception as exc:
             log.info("could not write the autotune cache: %s: %s", type(exc).__name__, exc)
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
             return None
 
 

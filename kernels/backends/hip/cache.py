@@ -24,6 +24,8 @@ import sys
 import tempfile
 from typing import Dict, Optional, Tuple
 
+from ...atomic_file import write_atomically
+
 log = logging.getLogger(__name__)
 
 ENV_VAR = "SAGE_RDNA4_CACHE"
@@ -128,22 +130,11 @@ class CodeObjectCache:
         path = self.path(key, label)
         if path is None:
             return None
-        tmp = None
         try:
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".part", dir=self.root)
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(encode_entry(key, payload, meta))
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
+            write_atomically(path, encode_entry(key, payload, meta))
             return path
         except OSError as exc:  # full disk, read-only folder, a Windows reader holding the file, ...
             log.warning("could not write kernel cache entry %s: %s", path, exc)
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
             return None
 
     def discard(self, path: Optional[str], key: Optional[str] = None) -> None:
