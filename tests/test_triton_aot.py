@@ -156,3 +156,19 @@ def test_value_head_dim_may_differ_from_query_head_dim():
     cfg = attention_config("gfx1201", 192, "fp8")
     report = triton_aot.compile_attention("gfx1201", 192, "fp8", cfg, v_head_dim=3)
     assert report.isa_ops[triton_aot.WMMA_INT8] > 0
+
+
+def test_fp8_conversion_can_be_switched_to_software(monkeypatch):
+    """SAGE_RDNA4_TRITON_FP8_CVT=software takes the inline-asm conversion out of the RDNA4 FP8 configs only."""
+    from comfyui_sage_rdna4.kernels.backends.triton import configs
+    assert attention_config("gfx1201", 128, "fp8").fp8_cvt_asm
+    monkeypatch.setenv(configs.FP8_CVT_ENV, "software")
+    configs._table_config.cache_clear()
+    try:
+        soft = attention_config("gfx1201", 128, "fp8")
+        assert not soft.fp8_cvt_asm and soft.v_transposed and soft.pv_accumulate == "split"
+        assert not attention_config("sm_90", 128, "fp8").fp8_cvt_asm
+        report = triton_aot.compile_attention("gfx1201", 128, "fp8", soft)
+        assert report.vgpr_spills == 0 and report.loop_ops.get("v_cvt_pk_fp8_f32", 0) == 0
+    finally:
+        configs._table_config.cache_clear()
