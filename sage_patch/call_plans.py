@@ -13,7 +13,7 @@ What depends on the call itself and not on its signature (transformer_options: s
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from ..kernels.call_spec import AttentionCall
@@ -32,6 +32,8 @@ class CallPlan:
     default_scale: float              # 1/sqrt(head_dim), for calls without `scale`
     generation: int                   # registry.decision_generation() before the decision was made
     routed: Optional[str] = None      # auto measured SDPA faster: the call site's own attention runs, this says why
+    strided: Optional[tuple] = None   # layouts.strided_layout of the HND views, None: take view_shapes' path
+    counted_skips: Mapping[str, str] = field(default_factory=dict)  # `skipped` less auto's verdict: what stats count
 
     @property
     def ran(self) -> Optional[str]:
@@ -40,13 +42,14 @@ class CallPlan:
 
 def call_signature(bound: Dict[str, Any]) -> Optional[tuple]:
     """The key of a bound attention call (override.bind_attention_args), or None when its parts are not
-    tensors (such a call takes the uncached path, which reports it)."""
+    tensors (such a call takes the uncached path, which reports it). The tensors' classes are part of it: a
+    plan's strided views (layouts.strided_layout) are made for plain tensors only."""
     q, k, v, mask = bound["q"], bound["k"], bound["v"], bound["mask"]
     try:
         return (bound["heads"], bool(bound["skip_reshape"]),
-                q.shape, q.stride(), q.dtype, q.device,
-                k.shape, k.stride(), k.dtype, k.device,
-                v.shape, v.stride(), v.dtype, v.device,
+                q.__class__, q.shape, q.stride(), q.dtype, q.device,
+                k.__class__, k.shape, k.stride(), k.dtype, k.device,
+                v.__class__, v.shape, v.stride(), v.dtype, v.device,
                 None if mask is None else (mask.shape, mask.dtype, mask.device))
     except (AttributeError, TypeError, RuntimeError):
         return None

@@ -30,7 +30,7 @@ from ..kernels.call_spec import AttentionCall, describe_call
 from ..kernels.registry import AUTO_VERDICT, KernelRefused, choose_backend, decision_generation
 from .call_plans import CallPlan, PlanCache, call_signature
 from .config import PatchConfig
-from .layouts import expand_mask, from_hnd, head_split_shapes, hnd_views
+from .layouts import expand_mask, from_hnd, head_split_shapes, hnd_views, strided_hnd, strided_layout
 from .policies import CallPolicies
 from .stats import PatchStats
 
@@ -41,6 +41,11 @@ _REQUIRED = ("q", "k", "v", "heads")
 
 def bind_attention_args(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """Name ComfyUI's attention arguments whether they came by position or keyword."""
+    if len(args) == 4:  # ComfyUI's own calls: q, k, v, heads by position, the rest by keyword (the hit path)
+        q, k, v, heads = args
+        get = kwargs.get
+        return {"q": q, "k": k, "v": v, "heads": heads, "mask": get("mask"), "attn_precision": get("attn_precision"),
+                "skip_reshape": get("skip_reshape", False), "skip_output_reshape": get("skip_output_reshape", False)}
     if len(args) > len(_POSITIONAL):
         raise TypeError(f"attention called with {len(args)} positional arguments")
     bound = dict(_DEFAULTS)
@@ -90,7 +95,8 @@ class SageAttentionOverride:
         self.stats.record_fallback(reason)
         return self._pass_on(func, args, kwargs)
 
-    def _make_plan(self, call: AttentionCall, view_shapes, generation: int, backend, skipped) -> CallPlan:
+    def _make_plan(self, call: AttentionCall, view_shapes, generation: int, backend, skipped,
+                   strided=None) -> CallPlan:
         """The decision `choose_backend` made for `call`, with the chosen backend's own answer (`why_not`)."""
         refusal = routed = None
         if backend is None and AUTO_VERDICT in skipped:  # SDPA measured fastest: exact attention by choice
@@ -104,7 +110,27 @@ class SageAttentionOverride:
                 refusal = (f"{backend.name}: {reason}", backend.name)
         return CallPlan(view_shapes=view_shapes, call=call, backend=backend, skipped=skipped, refusal=refusal,
                         default_scale=1.0 / math.sqrt(max(1, call.head_dim)), generation=generation,
-                        routed=routed)
+                        routed=routed, strided=strided,
+                        counted_skips={n: r for n, r in skipped.items() if n != AUTO_VERDICT})
+
+    def _plan_call(self, key, q, k, v, mask, view_shapes, scale):
+        """Describe a call not seen before and decide its backend; the plan is stored for its signature. A str
+        is the reason the call is malformed."""
+        try:
+            call = describe_call(q, k, v, attn_mask=mask, smooth_k=self.config.smooth_k,
+                                 prologue=self.config.prologue, qk_group=self.config.qk_group,
+                                 smooth_v=self.config.smooth_v)
+        except ValueError as exc:
+            return f"malformed call: {exc}"
+        generation = decision_generation()  # read before deciding: a change meanwhile leaves the plan stale
+        sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(max(1, call.head_dim))
+        # With the tensors, `auto` on a GPU takes the fastest backend measured for this kind of call.
+        backend, skipped = choose_backend(call, self.config.kernel, quantized_only=True, tensors=(q, k, v),
+                                          sm_scale=sm_scale, attn_mask=mask, on_choice=self.stats.record_choice)
+        plan = self._make_plan(call, view_shapes, generation, backend, skipped,
+                               strided_layout(q, k, v) if view_shapes is not None else None)
+        self.plans.store(key, plan)
+        return plan
 
     def __call__(self, func, *args, **kwargs):
         try:
@@ -118,44 +144,43 @@ class SageAttentionOverride:
         # cannot know (policies, scale, enable_gqa) is judged again below.
         key = call_signature(a)
         plan = self.plans.get(key)
-        try:
-            view_shapes = plan.view_shapes if plan is not None else _view_shapes(a)
-            q, k, v = hnd_views(a["q"], a["k"], a["v"], view_shapes)
-        except (RuntimeError, ValueError, TypeError, AttributeError, IndexError, ZeroDivisionError) as exc:
-            # A call we cannot read (heads not dividing the width, a batch of 0, not tensors) is handed to
-            # the call site unchanged: it is ComfyUI's to accept or reject, never ours to crash on.
-            return self._fallback(func, args, kwargs, f"malformed call: {type(exc).__name__}: {exc}",
-                                  self.config.kernel)
-        q_shape, k_shape = q.shape, k.shape
-        if k_shape[1] != q_shape[1] and not kwargs.get("enable_gqa", False):
-            # ComfyUI only groups heads when the call says so; anything else is the call site's to judge.
-            return self._fallback(func, args, kwargs, f"malformed call: k/v have {k_shape[1]} heads, q {q_shape[1]}, "
-                                  "without enable_gqa", self.config.kernel)
-        policy, inactive = self.policies.route_exact(kwargs.get("transformer_options"), q_shape[2], k_shape[2])
-        if inactive:
-            self.stats.note(inactive)
-        if policy:
-            self.stats.record_routed(policy)
-            return self._pass_on(func, args, kwargs)
-        mask = expand_mask(a["mask"])
-        if plan is None:
+        if plan is not None and plan.strided is not None:
+            q, k, v = strided_hnd(a["q"], a["k"], a["v"], plan.strided)  # the miss's views: cannot fail
+        else:
             try:
-                call = describe_call(q, k, v, attn_mask=mask, smooth_k=self.config.smooth_k,
-                                     prologue=self.config.prologue, qk_group=self.config.qk_group,
-                                     smooth_v=self.config.smooth_v)
-            except ValueError as exc:
-                return self._fallback(func, args, kwargs, f"malformed call: {exc}", self.config.kernel)
-            generation = decision_generation()  # read before deciding: a change meanwhile leaves the plan stale
-            scale = kwargs.get("scale")
-            sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(max(1, call.head_dim))
-            # With the tensors, `auto` on a GPU takes the fastest backend measured for this kind of call.
-            backend, skipped = choose_backend(call, self.config.kernel, quantized_only=True, tensors=(q, k, v),
-                                              sm_scale=sm_scale, attn_mask=mask,
-                                              on_choice=self.stats.record_choice)
-            plan = self._make_plan(call, view_shapes, generation, backend, skipped)
-            self.plans.store(key, plan)
+                view_shapes = plan.view_shapes if plan is not None else _view_shapes(a)
+                q, k, v = hnd_views(a["q"], a["k"], a["v"], view_shapes)
+            except (RuntimeError, ValueError, TypeError, AttributeError, IndexError, ZeroDivisionError) as exc:
+                # A call we cannot read (heads not dividing the width, a batch of 0, not tensors) is handed to
+                # the call site unchanged: it is ComfyUI's to accept or reject, never ours to crash on.
+                return self._fallback(func, args, kwargs, f"malformed call: {type(exc).__name__}: {exc}",
+                                      self.config.kernel)
+        if plan is not None:  # the shapes the plan was made for (shape reads cost host time)
+            call = plan.call
+            q_heads, kv_heads, q_len, kv_len = call.q_heads, call.kv_heads, call.q_len, call.kv_len
+        else:
+            q_heads, kv_heads, q_len, kv_len = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+        if kv_heads != q_heads and not kwargs.get("enable_gqa", False):
+            # ComfyUI only groups heads when the call says so; anything else is the call site's to judge.
+            return self._fallback(func, args, kwargs, f"malformed call: k/v have {kv_heads} heads, q {q_heads}, "
+                                  "without enable_gqa", self.config.kernel)
+        if self.policies.active:  # no policy configured: nothing to ask per call
+            policy, inactive = self.policies.route_exact(kwargs.get("transformer_options"), q_len, kv_len)
+            if inactive:
+                self.stats.note(inactive)
+            if policy:
+                self.stats.record_routed(policy)
+                return self._pass_on(func, args, kwargs)
+        mask = a["mask"]
+        if mask is not None:
+            mask = expand_mask(mask)
+        if plan is None:
+            plan = self._plan_call(key, q, k, v, mask, view_shapes, kwargs.get("scale"))
+            if isinstance(plan, str):
+                return self._fallback(func, args, kwargs, plan, self.config.kernel)
         # Why each preferred backend did not take the call (not available, refused, failed its self-check).
-        self.stats.record_skips(plan.skipped, plan.ran)
+        if plan.counted_skips:
+            self.stats.record_skips(plan.counted_skips, plan.ran)
         if plan.routed is not None:
             self.stats.record_routed(plan.routed)
             return self._pass_on(func, args, kwargs)

@@ -68,6 +68,9 @@ class CallPolicies:
         self.block_indices, self.first_n, self.last_n = parse_blocks(config.exact_blocks)
         self.uses_steps = config.step_start > 0.0 or config.step_end < 1.0
         self.uses_blocks = bool(self.block_indices or self.first_n or self.last_n)
+        # False: route_exact can only answer (None, None), so the override skips asking on every call.
+        self.active = bool(config.min_seq_len or config.cross_attention == "exact" or self.uses_steps
+                           or self.uses_blocks)
         self._last_step = None  # (sigmas, sample_sigmas, fraction) of the previous call
 
     def _step_fraction(self, to: dict) -> Optional[float]:

@@ -31,8 +31,8 @@ class PatchStats:
         self._choices: Dict[str, str] = {}  # auto's measured decision per kind of call -> its summary
 
     def record_call(self, backend: str) -> None:
-        with self._lock:
-            self._calls[backend] += 1
+        with self._lock:  # once per call: dict.get skips Counter's Python-level __missing__ machinery
+            self._calls[backend] = self._calls.get(backend, 0) + 1
 
     def record_fallback(self, reason: str) -> None:
         with self._lock:

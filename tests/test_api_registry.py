@@ -156,3 +156,15 @@ def test_disable_takes_a_backend_out_of_service(monkeypatch):
     q, k, v = qkv()
     with pytest.raises(KernelRefused, match="self-check failed"):
         sage_attention(q, k, v, kernel="reference")
+
+
+@pytest.mark.parametrize("case", ["plain", "causal", "gqa", "bool_mask", "float_mask"])
+def test_sdpa_launch_shortcut_is_sdpa_hnd(case):
+    """sdpa's launch calls torch directly when there is no mask and no head grouping; every case equals sdpa_hnd."""
+    from comfyui_sage_rdna4.kernels.backends.sdpa import sdpa_hnd
+    q, k, v = qkv(n=16, dtype=torch.float32, hkv=1 if case == "gqa" else None)
+    mask = {"bool_mask": torch.rand(16, 16) > 0.3, "float_mask": torch.randn(16, 16)}.get(case)
+    call = describe_call(q, k, v, attn_mask=mask, is_causal=case == "causal")
+    out, lse = registry.get_backend("sdpa").launch(q, k, v, call, 0.125, mask)
+    assert lse is None
+    assert torch.equal(out, sdpa_hnd(q, k, v, 0.125, mask, is_causal=case == "causal"))

@@ -297,3 +297,85 @@ def test_a_stale_plan_is_replaced(counted):
     call(ov, q)
     call(ov, q)
     assert counted["describe"] == 2 and len(ov.plans) == 1
+
+
+# -- the hit path's shortcuts (second pass): each proven by counting calls, outputs equal to the slow path ------
+
+def test_a_hit_remakes_the_views_with_as_strided_at_the_tensors_own_offset(monkeypatch, uncached):
+    """Fused qkv projections hand q, k, v as slices of one tensor: same shapes and strides, other storage offsets.
+    A hit's as_strided views must read each tensor's own elements, as the miss's view + transpose did."""
+    def slices(seed):
+        qkv = torch.randn(1, 32, 3 * 64, generator=torch.Generator().manual_seed(seed))
+        return qkv[..., :64], qkv[..., 64:128], qkv[..., 128:]
+
+    def run():
+        ov = SageAttentionOverride(PatchConfig(kernel="reference"))
+        return [call(ov, *slices(seed)) for seed in (1, 2, 3)]
+
+    views = {"n": 0}
+    real_views = override_mod.hnd_views
+
+    def counted_views(*a):
+        views["n"] += 1
+        return real_views(*a)
+    monkeypatch.setattr(override_mod, "hnd_views", counted_views)
+    cached = run()
+    assert views["n"] == 1  # the miss only: both hits took strided_hnd
+    uncached()
+    plain = run()
+    assert views["n"] == 4
+    assert all(torch.equal(c, p) for c, p in zip(cached, plain))
+
+
+def test_a_tensor_subclass_keeps_view_and_transpose(monkeypatch):
+    class Sub(torch.Tensor):
+        pass
+    ov = SageAttentionOverride(PatchConfig(kernel="reference"))
+    plain, sub = x(), x().as_subclass(Sub)
+    call(ov, plain)
+    call(ov, sub)
+    plans = list(ov.plans._plans.values())
+    assert len(plans) == 2  # the class is part of the signature
+    assert plans[0].strided is not None and plans[1].strided is None
+    out_sub = call(ov, sub)  # a hit on the subclass' plan: views made as on the miss
+    assert torch.equal(out_sub.as_subclass(torch.Tensor), call(ov, plain))
+
+
+def test_no_policy_configured_asks_no_policy_per_call(monkeypatch):
+    asked = {"n": 0}
+    real = override_mod.CallPolicies.route_exact
+
+    def route_exact(self, *a):
+        asked["n"] += 1
+        return real(self, *a)
+    monkeypatch.setattr(override_mod.CallPolicies, "route_exact", route_exact)
+    for cfg, per_call in ((PatchConfig(kernel="reference"), 0), (PatchConfig(kernel="reference", min_seq_len=1), 1),
+                          (PatchConfig(kernel="reference", cross_attention="exact"), 1)):
+        asked["n"] = 0
+        ov = SageAttentionOverride(cfg)
+        for _ in range(3):
+            call(ov, x())
+        assert asked["n"] == 3 * per_call
+        assert ov.stats.snapshot()["calls"] == {"reference": 3}
+
+
+def test_skips_are_counted_only_when_a_backend_was_passed_over(monkeypatch):
+    recorded = []
+    real = override_mod.PatchStats.record_skips
+
+    def record_skips(self, skipped, ran):
+        recorded.append(dict(skipped))
+        return real(self, skipped, ran)
+    monkeypatch.setattr(override_mod.PatchStats, "record_skips", record_skips)
+    ov = SageAttentionOverride(PatchConfig(kernel="reference"))
+    for _ in range(3):
+        call(ov, x())
+    assert recorded == []  # an explicit kernel passes nothing over
+    monkeypatch.setattr(registry, "auto_order", lambda c: ["hip_int8_fp8", "reference", "sdpa"])
+    ov = SageAttentionOverride(PatchConfig(kernel="auto"))
+    for _ in range(3):
+        call(ov, x())
+    skipped = ov.stats.snapshot()["skipped"]
+    assert len(recorded) == 3 and recorded[0] and all(r == recorded[0] for r in recorded)
+    assert list(skipped) == ["hip_int8_fp8"] and all(n == 3 for n in skipped["hip_int8_fp8"].values())
+    assert ov.stats.snapshot()["calls"] == {"reference": 3}

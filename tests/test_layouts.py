@@ -1,7 +1,8 @@
 """ComfyUI layout adapters and mask expansion."""
 import torch
 
-from comfyui_sage_rdna4.sage_patch.layouts import expand_mask, from_hnd, to_hnd
+from comfyui_sage_rdna4.sage_patch.layouts import (expand_mask, from_hnd, head_split_shapes, hnd_views, strided_hnd,
+                                                   strided_layout, to_hnd)
 
 
 def test_bnhd_roundtrip_is_a_view_and_exact():
@@ -32,3 +33,33 @@ def test_mask_expansion_follows_comfyui():
     assert expand_mask(torch.ones(5, 6)).shape == (1, 1, 5, 6)
     assert expand_mask(torch.ones(2, 5, 6)).shape == (2, 1, 5, 6)
     assert expand_mask(torch.ones(2, 3, 5, 6)).shape == (2, 3, 5, 6)
+
+
+def test_from_hnd_is_the_reshape_for_any_output_layout():
+    for out in (torch.randn(2, 3, 7, 5), torch.randn(2, 7, 3, 5).transpose(1, 2)):  # copy needed / a view
+        b, h, n, d = out.shape
+        assert from_hnd(out, skip_output_reshape=False).shape == (b, n, h * d)
+        assert torch.equal(from_hnd(out, skip_output_reshape=False), out.transpose(1, 2).reshape(b, n, h * d))
+
+
+def test_strided_views_are_the_view_and_transpose_views():
+    """The plan's as_strided views, taken from one call, remade on another call's tensors of the same shapes and
+    strides at another storage offset (slices of a fused qkv): the same elements as view + transpose."""
+    def slices(seed):
+        qkv = torch.randn(2, 5, 3 * 12, generator=torch.Generator().manual_seed(seed))
+        return qkv[..., :12], qkv[..., 12:24], qkv[..., 24:]
+    first = slices(0)
+    shapes = head_split_shapes(*first, 3)
+    layout = strided_layout(*hnd_views(*first, shapes))
+    second = slices(1)
+    for fast, slow in zip(strided_hnd(*second, layout), hnd_views(*second, shapes)):
+        assert fast.shape == slow.shape and fast.stride() == slow.stride()
+        assert fast.data_ptr() == slow.data_ptr() and torch.equal(fast, slow)
+
+
+def test_no_strided_layout_for_a_tensor_subclass():
+    class Sub(torch.Tensor):
+        pass
+    q = torch.randn(1, 2, 3, 4)
+    assert strided_layout(q, q, q) is not None
+    assert strided_layout(q, q.as_subclass(Sub), q) is None

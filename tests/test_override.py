@@ -175,6 +175,15 @@ def test_bind_attention_args():
         bind_attention_args((1, 2), {})
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"mask": "m", "skip_reshape": True, "transformer_options": {}},
+                                    {"attn_precision": "fp32", "skip_output_reshape": True, "scale": 0.5}])
+def test_bind_attention_args_four_positional_is_the_general_binding(kwargs):
+    """Four positional arguments (ComfyUI's own calls) take a shortcut: the same binding as the general path."""
+    fast = bind_attention_args((1, 2, 3, 4), kwargs)
+    general = bind_attention_args((1, 2, 3), dict(kwargs, heads=4))
+    assert fast == general
+
+
 # -- why auto passed a backend over (issue 12 §3) ---------------------------------------------------
 
 def _prefer(monkeypatch, *names):

@@ -51,6 +51,8 @@ class SdpaBackend(Backend):
             # query row comes out as zeros); exact attention keeps them visible. CPU is no speed path.
             out, _ = exact_attention(q, k, v, is_causal=call.is_causal, sm_scale=sm_scale, attn_mask=attn_mask)
             return out.to(q.dtype), None
+        if attn_mask is None and call.kv_heads == call.q_heads:  # the common call: nothing for sdpa_hnd to adapt
+            return F.scaled_dot_product_attention(q, k, v, is_causal=call.is_causal, scale=sm_scale), None
         return sdpa_hnd(q, k, v, sm_scale, attn_mask, call.is_causal), None
 
 
