@@ -8,7 +8,8 @@ Accuracy: cosine and relative L1 against exact FP32 attention on 512 sampled que
 `--sweep` first times candidate launch configurations of the attention kernel alone (Wan 480p, Flux)
 and runs the benchmark with the fastest per P.V type.
 
-H200, torch 2.11+cu130, Triton 3.6, 2026-12-01, SWEEP below timed by `python3 tools/triton_config_sweep.py`
+H200, torch 2.11+cu130, Triton 3.6, 2026-12-01, SWEEP below timed by the script that became
+`python3 tools/triton_config_sweep.py`
 (attention alone, time / cuDNN; diffuse + V offset rel L1 0.0020 for every FP8 entry, 0.0014 for FP16):
     fp8 (imprecise_k, folded q scale)    Wan 480p  Flux 1 MP        fp16 (folded q scale)   Wan 480p  Flux 1 MP
     BM128 BN64  w4 s4 (shipped)          0.94      1.19             BM128 BN64 w4 s4 (shipped) 1.05   1.32
