@@ -26,9 +26,10 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_lay
     k/v may have fewer heads than q (GQA). `attn_mask` broadcasts to (B, Hq, Nq, Nk): bool selects,
     float is added to the scores (natural-log units). `kernel="auto"` picks the best backend that
     accepts the call (on a GPU: the fastest measured at first use, kernels/autotune.py); an explicit
-    name runs exactly that backend or raises KernelRefused with the reason. `smooth_v` takes V's per-channel mean out before quantizing and adds it back to the
-    output (exact; see README "smooth_v" for when it helps). Returns the output in q's layout and dtype, and with `return_lse` also the natural-log
-    LSE (B, Hq, Nq) in FP32.
+    name runs exactly that backend or raises KernelRefused with the reason. `smooth_v` takes V's
+    per-channel mean out before quantizing and adds it back to the output (exact; see README "smooth_v"
+    for when it helps). Returns the output in q's layout and dtype, and with `return_lse` also the
+    natural-log LSE (B, Hq, Nq) in FP32.
     """
     if tensor_layout not in LAYOUTS:
         raise ValueError(f"tensor_layout must be 'HND' or 'NHD', got {tensor_layout!r}")

@@ -31,6 +31,7 @@ import torch
 
 from .atomic_file import write_atomically
 from .cache_identity import code_digest, gpu_identity, pack_version
+from .quant import default_sm_scale
 
 log = logging.getLogger(__name__)
 
@@ -342,7 +343,7 @@ class Autotuner:
             stored.refused = refused
             return stored
         if sm_scale is None:
-            sm_scale = 1.0 / math.sqrt(max(1, call.head_dim))
+            sm_scale = default_sm_scale(call.head_dim)
         timings, failed, transient = self._measure([sdpa] + accepted, call, tensors, sm_scale, attn_mask)
         if SDPA not in timings:
             return None

@@ -13,7 +13,7 @@ What depends on the call itself and not on its signature (transformer_options: s
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from ..kernels.call_spec import AttentionCall
@@ -27,13 +27,13 @@ class CallPlan:
     view_shapes: Optional[tuple]      # layouts.head_split_shapes, None when the call came HND (skip_reshape)
     call: AttentionCall
     backend: Optional[Backend]        # None: no quantized backend takes the call
-    skipped: Mapping[str, str]        # backends `auto` passed over -> why; counted on every call (never mutated)
+    skipped: Mapping[str, str]        # backends `auto` passed over -> why (not its SDPA verdict, that is `routed`);
+                                      # counted on every call (never mutated)
     refusal: Optional[Tuple[str, str]]  # (fallback reason, kernel named when raising), or None: the backend runs
     default_scale: float              # 1/sqrt(head_dim), for calls without `scale`
     generation: int                   # registry.decision_generation() before the decision was made
     routed: Optional[str] = None      # auto measured SDPA faster: the call site's own attention runs, this says why
     strided: Optional[tuple] = None   # layouts.strided_layout of the HND views, None: take view_shapes' path
-    counted_skips: Mapping[str, str] = field(default_factory=dict)  # `skipped` less auto's verdict: what stats count
 
     @property
     def ran(self) -> Optional[str]:

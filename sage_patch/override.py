@@ -21,12 +21,12 @@ What newer ComfyUI versions add, read from their source (2026, up to 0.38):
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from ..kernels.call_spec import AttentionCall, describe_call
+from ..kernels.quant import default_sm_scale
 from ..kernels.registry import AUTO_VERDICT, KernelRefused, choose_backend, decision_generation
 from .call_plans import CallPlan, PlanCache, call_signature
 from .config import PatchConfig
@@ -108,10 +108,11 @@ class SageAttentionOverride:
             reason = backend.why_not(call)
             if reason:
                 refusal = (f"{backend.name}: {reason}", backend.name)
-        return CallPlan(view_shapes=view_shapes, call=call, backend=backend, skipped=skipped, refusal=refusal,
-                        default_scale=1.0 / math.sqrt(max(1, call.head_dim)), generation=generation,
-                        routed=routed, strided=strided,
-                        counted_skips={n: r for n, r in skipped.items() if n != AUTO_VERDICT})
+        # auto's own verdict is `routed`; `skipped` keeps the backends passed over, which the stats count.
+        passed_over = {n: r for n, r in skipped.items() if n != AUTO_VERDICT}
+        return CallPlan(view_shapes=view_shapes, call=call, backend=backend, skipped=passed_over, refusal=refusal,
+                        default_scale=default_sm_scale(call.head_dim), generation=generation,
+                        routed=routed, strided=strided)
 
     def _plan_call(self, key, q, k, v, mask, view_shapes, scale):
         """Describe a call not seen before and decide its backend; the plan is stored for its signature. A str
@@ -123,7 +124,7 @@ class SageAttentionOverride:
         except ValueError as exc:
             return f"malformed call: {exc}"
         generation = decision_generation()  # read before deciding: a change meanwhile leaves the plan stale
-        sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(max(1, call.head_dim))
+        sm_scale = float(scale) if scale is not None else default_sm_scale(call.head_dim)
         # With the tensors, `auto` on a GPU takes the fastest backend measured for this kind of call.
         backend, skipped = choose_backend(call, self.config.kernel, quantized_only=True, tensors=(q, k, v),
                                           sm_scale=sm_scale, attn_mask=mask, on_choice=self.stats.record_choice)
@@ -179,8 +180,8 @@ class SageAttentionOverride:
             if isinstance(plan, str):
                 return self._fallback(func, args, kwargs, plan, self.config.kernel)
         # Why each preferred backend did not take the call (not available, refused, failed its self-check).
-        if plan.counted_skips:
-            self.stats.record_skips(plan.counted_skips, plan.ran)
+        if plan.skipped:
+            self.stats.record_skips(plan.skipped, plan.ran)
         if plan.routed is not None:
             self.stats.record_routed(plan.routed)
             return self._pass_on(func, args, kwargs)

@@ -13,8 +13,6 @@ import threading
 from collections import Counter
 from typing import Dict, List, Optional
 
-from ..kernels.registry import AUTO_VERDICT
-
 log = logging.getLogger("sage_rdna4")
 
 
@@ -45,8 +43,6 @@ class PatchStats:
     def record_skips(self, skipped: Dict[str, str], ran: Optional[str]) -> None:
         """`auto` passed over these backends (name -> reason) on one call; `ran` is what it took (None: nothing
         quantized took it, the call fell back). Not a call count of its own: the call is counted where it ran."""
-        # AUTO_VERDICT is auto's own verdict (SDPA measured fastest), counted where the call went.
-        skipped = {name: reason for name, reason in skipped.items() if name != AUTO_VERDICT}
         if not skipped:
             return
         new = []

@@ -86,14 +86,22 @@ for _d, (_bm, _bn, _w) in _RDNA4_GEOMETRY.items():
     _RDNA4[(_d, "fp8")] = AttentionConfig(_bm, _bn, _w, 1, True, "split", fold_q_scale=True, fp8_cvt_asm=True)
     _RDNA4[(_d, "fp16")] = AttentionConfig(_bm, _bn, _w, 1, _d in _RDNA4_FP16_V_T, "mma")
 
-# fold_q_scale (attention alone / cuDNN, H200, 2026-12-01, .exp score sweep): D128 Wan 480p fp8 1.06 -> 1.00,
-# fp16 1.10 -> 1.06; Flux 1 MP fp8 1.29 -> 1.22, fp16 1.67 -> 1.34; D64 (SDXL) slower, fp8 1.64 -> 1.80,
-# fp16 1.59 -> 1.74, so D32/D64 keep the per-score multiply. Tried and dropped in the same sweep: int32 ->
-# FP32 by the 1.5 * 2**23 bit trick instead of I2F (1.00 -> 1.08 at Wan 480p) and exp2 in packed FP16 (1.14).
-# Folding frees the BM x BN scale tile, so FP8 "imprecise_k" fits BM128 BN64 w4 again (.exp sweep2, attention
-# alone / cuDNN, Wan 480p / Flux 1 MP): BM128 BN64 w4 s4 0.94 / 1.19, s3 0.94 / 1.18, BM128 BN128 w8 s3
-# 1.00 / 1.28, BN128 w8 s2 1.10 / 1.54, BM64 BN64 w4 1.09 / 1.33, BN64 w8 1.16 / 1.51; diffuse + V offset
-# rel L1 0.0020 for all. FP16 with the fold: BM128 BN64 w4 s4 1.05 / 1.32 stays (s3 1.05 / 1.38, BN128 w8 1.15).
+# Hopper (sm_90): Triton emits wgmma for the INT8 and FP8 dots; FP8 wgmma wants a K-major B, so V is stored
+# (Dv, Nk) (without it: 2.3x slower). FP8 P.V accumulates "imprecise_k": wgmma's FP8 accumulator keeps ~13 bits,
+# and "mma" (1.00x cuDNN at Wan 480p) lost half the output's mass on diffuse attention over 32k keys; "split"
+# costs 1.60x. The partial accumulator doubles P.V's registers: before the fold below, BM128 BN64 w4 spilled
+# (1.59x) and BM128 BN128 w8 s3 (1.06x) was shipped. FP16 wgmma accumulates in FP32: "mma", BM128 BN64 w4 s4
+# (before the fold at Wan 480p: s4 1.09, BN128 w8 1.21, BM64 BN64 1.35; at Flux 1 MP s4 beat s3).
+# All attention alone, time / cuDNN SDPA, H200 (tools/triton_h200.py --sweep, tools/triton_config_sweep.py).
+# fold_q_scale (attention alone / cuDNN, H200, 2026-12-01, a one-off sweep of score-path variants): D128
+# Wan 480p fp8 1.06 -> 1.00, fp16 1.10 -> 1.06; Flux 1 MP fp8 1.29 -> 1.22, fp16 1.67 -> 1.34; D64 (SDXL)
+# slower, fp8 1.64 -> 1.80, fp16 1.59 -> 1.74, so D32/D64 keep the per-score multiply. Tried and dropped in the
+# same sweep: int32 -> FP32 by the 1.5 * 2**23 bit trick instead of I2F (1.00 -> 1.08 at Wan 480p) and exp2 in
+# packed FP16 (1.14). Folding frees the BM x BN scale tile, so FP8 "imprecise_k" fits BM128 BN64 w4 again
+# (attention alone / cuDNN, Wan 480p / Flux 1 MP, the list in tools/triton_h200.py SWEEP): BM128 BN64 w4 s4
+# 0.94 / 1.19, s3 0.94 / 1.18, BM128 BN128 w8 s3 1.00 / 1.28, BN128 w8 s2 1.10 / 1.54, BM64 BN64 w4 1.09 / 1.33,
+# BN64 w8 1.16 / 1.51; diffuse + V offset rel L1 0.0020 for all. FP16 with the fold: BM128 BN64 w4 s4
+# 1.05 / 1.32 stays (s3 1.05 / 1.38, BN128 w8 1.15).
 _HOPPER: Dict[Tuple[int, str], AttentionConfig] = {
     (32, "fp8"): AttentionConfig(128, 128, 8, 3, True, "imprecise_k"),
     (64, "fp8"): AttentionConfig(128, 128, 8, 3, True, "imprecise_k"),
@@ -107,7 +115,7 @@ _HOPPER: Dict[Tuple[int, str], AttentionConfig] = {
 
 # Other NVIDIA / other AMD GPUs: conservative, fits 100 KB of shared memory. FP8 P.V accumulates "split":
 # Ada's (sm_89) FP8 mma truncates like Hopper's, and for the rest (Blackwell, gfx950) it is unmeasured.
-# fold_q_scale stays off here and on RDNA4: measured on the H200 only.
+# fold_q_scale stays off here: measured on the H200 only (RDNA4 FP8 takes it for its compiled loop, above).
 _GENERIC_GEOMETRY = {32: (128, 64, 4, 2), 64: (128, 64, 4, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 1)}
 _GENERIC: Dict[Tuple[int, str], AttentionConfig] = {
     (d, pv): AttentionConfig(bm, bn, w, st, pv_accumulate="split" if pv == "fp8" else "mma")
