@@ -33,6 +33,7 @@ import triton.language as tl
 
 from ... import quant
 from .configs import AttentionConfig, ceil_div, padded_head_dim
+from .launcher import launch, tensor_key
 from .prologue import INTERPRETED, round_to_e4m3
 
 # exp2(P_SHIFT) stays below 448 even with an approximate exp2, so P never saturates e4m3.
@@ -274,9 +275,10 @@ def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: 
     grid, meta = attention_launch(b, hq, nq, d, hkv, dv, config, pv, bool(is_causal), bool(return_lse), v_t,
                                   has_vmean)
     o_strides = out.stride()
-    _sage_attn_fwd[grid](
-        q8, qq.q_scale, k8, qq.k_scale, v, qq.v_scale, qq.v_mean if has_vmean else qq.v_scale, out,
-        lse if return_lse else qq.q_scale,
-        *q_strides[:3], *k_strides[:3], *v_strides, *o_strides[:3],
-        hq, hkv, nq, nk, **meta)
+    tensors = (q8, qq.q_scale, k8, qq.k_scale, v, qq.v_scale, qq.v_mean if has_vmean else qq.v_scale, out,
+               lse if return_lse else qq.q_scale)
+    # Triton specializes on each tensor's dtype and alignment and on the strides (the sizes are in the plan).
+    key = (tuple(tensor_key(t) for t in tensors), q_strides, k_strides, v_strides, o_strides)
+    launch(_sage_attn_fwd, grid, (*tensors, *q_strides[:3], *k_strides[:3], *v_strides, *o_strides[:3],
+                                  hq, hkv, nq, nk), meta, key)
     return out, lse

@@ -35,6 +35,8 @@ from triton.runtime.jit import JITFunction
 from ... import quant
 from ...call_spec import device_arch
 from .configs import MAX_HEAD_DIM, ceil_div, padded_head_dim, prologue_config
+from .launcher import launch, tensor_key
+from .workspace import WorkspaceCache
 
 # 1.5 * 2**23: adding and subtracting it rounds an FP32 of magnitude < 2**22 to an integer, ties to even.
 _RINT_MAGIC = tl.constexpr(12582912.0)
@@ -385,6 +387,7 @@ class PrologueLaunch:
     stats_meta: Dict[str, object]  # constexprs and num_warps of _kv_stats
     n_chunks: int
     fold: bool  # stats reduced inside the quantize launch (no _kv_finalize launch)
+    finalize_grid: Tuple[int, ...]
     finalize_meta: Dict[str, object]
     v_dtype: torch.dtype
     v_store_shape: Optional[Tuple[int, ...]]  # (B, Hkv, Dv, Nk_pad) when V is stored transposed
@@ -426,19 +429,71 @@ def prologue_launch(b: int, hq: int, nq: int, d: int, hkv: int, nk: int, dv: int
     return PrologueLaunch(
         k_stats_shape=(b * hkv, n_chunks, d_pad), v_stats_shape=(b * hkv, n_chunks, dv_pad),
         stats_grid=(b * hkv, n_chunks), stats_meta=stats_meta, n_chunks=n_chunks, fold=fold,
-        finalize_meta=finalize_meta, v_dtype=torch.float8_e4m3fn if pv == "fp8" else torch.float16,
+        finalize_grid=(b * hkv,), finalize_meta=finalize_meta,
+        v_dtype=torch.float8_e4m3fn if pv == "fp8" else torch.float16,
         v_store_shape=v_store_shape, quantize_grid=(q_programs + k_programs + b * hkv * v_blocks,),
         quantize_sizes=(hq, hkv, nq, nk, n_chunks, q_blocks, k_blocks, v_blocks, q_programs, k_programs),
         quantize_meta=quantize_meta)
 
 
+@dataclass(frozen=True)
+class PrologueBuffers:
+    """Everything one prologue call writes. Buffers a pass does not use are stood in for by another one of the
+    right kind that the kernel never touches (vmax for the stats, v_scale for the means)."""
+    ksum: torch.Tensor
+    vmax: torch.Tensor
+    vsum: torch.Tensor
+    vmin: torch.Tensor
+    k_mean: Optional[torch.Tensor]
+    v_scale: torch.Tensor
+    v_mean: Optional[torch.Tensor]
+    q8: torch.Tensor
+    q_scale: torch.Tensor
+    k8: torch.Tensor
+    k_scale: torch.Tensor
+    v_q: torch.Tensor
+
+    def tensors(self):
+        return tuple(t for t in vars(self).values() if t is not None)
+
+
+def allocate_buffers(plan: PrologueLaunch, shapes: Tuple[int, ...], dev: torch.device) -> PrologueBuffers:
+    b, hq, nq, d, hkv, nk, dv = shapes
+    f32 = torch.float32
+    smooth_k, smooth_v = plan.stats_meta["DO_KSUM"], plan.stats_meta["SMOOTH_V"]
+    vmax = torch.empty(plan.v_stats_shape, dtype=f32, device=dev)
+    v_scale = torch.empty((b, hkv, dv), dtype=f32, device=dev)
+    if plan.v_store_shape is not None:
+        v_q = torch.empty(plan.v_store_shape, dtype=plan.v_dtype, device=dev).transpose(2, 3)[:, :, :nk]
+    else:
+        v_q = torch.empty((b, hkv, nk, dv), dtype=plan.v_dtype, device=dev)
+    return PrologueBuffers(
+        ksum=torch.empty(plan.k_stats_shape, dtype=torch.float64, device=dev) if smooth_k else vmax,
+        vmax=vmax,
+        vsum=torch.empty(plan.v_stats_shape, dtype=torch.float64, device=dev) if smooth_v else vmax,
+        vmin=torch.empty(plan.v_stats_shape, dtype=f32, device=dev) if smooth_v else vmax,
+        k_mean=torch.empty((b, hkv, d), dtype=f32, device=dev) if smooth_k else None,
+        v_scale=v_scale,
+        v_mean=torch.empty((b, hkv, dv), dtype=f32, device=dev) if smooth_v else None,
+        q8=torch.empty((b, hq, nq, d), dtype=torch.int8, device=dev),
+        q_scale=torch.empty((b, hq, nq), dtype=f32, device=dev),
+        k8=torch.empty((b, hkv, nk, d), dtype=torch.int8, device=dev),
+        k_scale=torch.empty((b, hkv, nk), dtype=f32, device=dev),
+        v_q=v_q)
+
+
+WORKSPACES = WorkspaceCache()
+
+
 def triton_quantize_qkv(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: str = "fp8",
                         qk_group: str = "token", v_transposed: bool = False,
-                        smooth_v: bool = False) -> quant.QuantizedQKV:
+                        smooth_v: bool = False, reuse_buffers: bool = False) -> quant.QuantizedQKV:
     """The spec's prologue as Triton kernels; returns what `quant.quantize_qkv_torch` returns.
 
     `v_transposed=True` (internal to the Triton attention on Hopper) stores V as (B, Hkv, Dv, Nk_pad)
     and hands out its (B, Hkv, Nk, Dv) transposed view; every other consumer gets contiguous V.
+    `reuse_buffers=True` (the backend's own path only) writes into this signature's kept workspace
+    (workspace.py): the result is overwritten by the next such call on the same stream.
     """
     if pv not in ("fp8", "fp16"):
         raise ValueError(f"pv must be 'fp8' or 'fp16', got {pv!r}")
@@ -448,38 +503,32 @@ def triton_quantize_qkv(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: 
     smooth_k, smooth_v = bool(smooth_k), bool(smooth_v)
     plan = prologue_launch(b, hq, nq, d, hkv, nk, dv, device_arch(dev.type, dev.index), smooth_k, smooth_v, pv,
                            qk_group, bool(v_transposed))
-    f32 = torch.float32
+    shapes = (b, hq, nq, d, hkv, nk, dv)
+    if reuse_buffers:
+        buf = WORKSPACES.get(plan, dev, lambda: allocate_buffers(plan, shapes, dev))
+    else:
+        buf = allocate_buffers(plan, shapes, dev)
     k_strides, v_strides = k.stride(), v.stride()
+    k_mean_arg = buf.v_scale if buf.k_mean is None else buf.k_mean
+    v_mean_arg = buf.v_scale if buf.v_mean is None else buf.v_mean
 
     # 1. Per chunk of keys: K column sums (FP64 partials); V column amax, or with smooth_v V's column
-    #    sums, max and min. Buffers a pass does not use are stood in for by vmax (never touched).
-    vmax = torch.empty(plan.v_stats_shape, dtype=f32, device=dev)
-    ksum = torch.empty(plan.k_stats_shape, dtype=torch.float64, device=dev) if smooth_k else vmax
-    vsum = torch.empty(plan.v_stats_shape, dtype=torch.float64, device=dev) if smooth_v else vmax
-    vmin = torch.empty(plan.v_stats_shape, dtype=f32, device=dev) if smooth_v else vmax
-    _kv_stats[plan.stats_grid](k, v, ksum, vmax, vsum, vmin, *k_strides, *v_strides, hkv, nk, plan.n_chunks,
-                               **plan.stats_meta)
+    #    sums, max and min.
+    # What Triton specializes on beyond the plan: the inputs' dtypes, alignment and strides (every buffer made
+    # here is aligned, and its strides follow from the plan).
+    kv_key = (tensor_key(k), tensor_key(v), k_strides, v_strides)
+    launch(_kv_stats, plan.stats_grid,
+           (k, v, buf.ksum, buf.vmax, buf.vsum, buf.vmin, *k_strides, *v_strides, hkv, nk, plan.n_chunks),
+           plan.stats_meta, kv_key)
     # 2. Means and V scale per head: a launch of its own for long sequences, else folded into 3.
-    k_mean = torch.empty((b, hkv, d), dtype=f32, device=dev) if smooth_k else None
-    v_scale = torch.empty((b, hkv, dv), dtype=f32, device=dev)
-    v_mean = torch.empty((b, hkv, dv), dtype=f32, device=dev) if smooth_v else None
-    k_mean_arg = k_mean if smooth_k else v_scale
-    v_mean_arg = v_mean if smooth_v else v_scale
     if not plan.fold:
-        _kv_finalize[(b * hkv,)](ksum, vmax, vsum, vmin, k_mean_arg, v_scale, v_mean_arg, plan.n_chunks, nk,
-                                 **plan.finalize_meta)
-
+        launch(_kv_finalize, plan.finalize_grid, (buf.ksum, buf.vmax, buf.vsum, buf.vmin, k_mean_arg, buf.v_scale,
+                                                  v_mean_arg, plan.n_chunks, nk), plan.finalize_meta, None)
     # 3. One launch: INT8 Q (sm_scale*log2e folded in), INT8 K (minus its mean), FP8/FP16 V (minus its mean).
-    q8 = torch.empty((b, hq, nq, d), dtype=torch.int8, device=dev)
-    q_scale = torch.empty((b, hq, nq), dtype=f32, device=dev)
-    k8 = torch.empty((b, hkv, nk, d), dtype=torch.int8, device=dev)
-    k_scale = torch.empty((b, hkv, nk), dtype=f32, device=dev)
-    if plan.v_store_shape is not None:
-        v_q = torch.empty(plan.v_store_shape, dtype=plan.v_dtype, device=dev).transpose(2, 3)[:, :, :nk]
-    else:
-        v_q = torch.empty((b, hkv, nk, dv), dtype=plan.v_dtype, device=dev)
-    _quantize_qkv[plan.quantize_grid](
-        q, k, v, ksum, vmax, vsum, vmin, k_mean_arg, v_scale, v_mean_arg, q8, q_scale, k8, k_scale, v_q,
-        quant.qk_multiplier(sm_scale), *q.stride(), *k_strides, *v_strides, *v_q.stride(), *plan.quantize_sizes,
-        **plan.quantize_meta)
-    return quant.QuantizedQKV(q8, q_scale, k8, k_scale, v_q, v_scale, k_mean, v_mean)
+    q_strides = q.stride()
+    launch(_quantize_qkv, plan.quantize_grid,
+           (q, k, v, buf.ksum, buf.vmax, buf.vsum, buf.vmin, k_mean_arg, buf.v_scale, v_mean_arg, buf.q8,
+            buf.q_scale, buf.k8, buf.k_scale, buf.v_q, quant.qk_multiplier(sm_scale), *q_strides, *k_strides,
+            *v_strides, *buf.v_q.stride(), *plan.quantize_sizes),
+           plan.quantize_meta, (tensor_key(q), q_strides, kv_key))
+    return quant.QuantizedQKV(buf.q8, buf.q_scale, buf.k8, buf.k_scale, buf.v_q, buf.v_scale, buf.k_mean, buf.v_mean)
