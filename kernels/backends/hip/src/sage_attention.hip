@@ -364,7 +364,7 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
         for (int j = 0; j < 4; ++j)
           #pragma unroll
           for (int e = 0; e < 8; ++e) s[j][e] = unbias_dot(acc4[j][e]);
-        if (!(D == 64 && FP8PV)) sched_fence();  // FP8 D64 pairs one more VOPD without it (clang-19)
+        if (!(D == 64 && FP8PV)) sched_fence();  // FP8 D64: -1 instruction per tile without it (clang-19)
       }
       #pragma unroll
       for (int jj = 0; jj < G; ++jj) {
