@@ -103,22 +103,28 @@ def test_lse_without_smooth_k_and_gqa():
 
 def test_biased_qk_accumulator_gives_the_exact_score():
     """The attention kernels start the INT32 Q.K chain from C = 0x3E22F983 (1/(2 pi), an inline constant) and
-    compute a score as (bits(C + dot) as float - 1/(2 pi)) * (k_scale * 2^26): the same FP32 bits as
-    float(dot) * k_scale for every |dot| <= 2^21 (D <= 128) and every k_scale below 2^102, NaN/Inf included."""
+    compute a score as fma(bits(C + dot) as float, 2^26, -(2^23 + 0x22F983)) * k_scale: the FMA gives dot
+    exactly for every |dot| <= 2^21 (D <= 128), so the score has the same FP32 bits as float(dot) * k_scale for
+    every k_scale, NaN/Inf included."""
     g = torch.Generator().manual_seed(11)
     lim = 2 ** 21
     dot = torch.cat([torch.tensor([0, 1, -1, lim, -lim, lim - 1, 1 - lim], dtype=torch.int32),
                      torch.randint(-lim, lim + 1, (200_000,), generator=g, dtype=torch.int32)])
-    ks = torch.exp2(torch.rand(dot.shape, generator=g) * 200 - 140).float()  # 2^-140 .. 2^60: subnormal to huge
-    ks[:7] = torch.tensor([1.0, 3e-39, 7.3e-5, 2.0 ** 101, 0.0, 1.17549435e-38, 5.9e29])
+    ks = torch.exp2(torch.rand(dot.shape, generator=g) * 267 - 140).float()  # 2^-140 .. 2^127: subnormal to huge
+    ks[:7] = torch.tensor([1.0, 3e-39, 7.3e-5, 2.0 ** 127, 0.0, 1.17549435e-38, 3.4e38])
     bias = torch.tensor(0x3E22F983, dtype=torch.int32)
     f = (dot + bias).view(torch.float32)
-    got = (f - bias.view(torch.float32)) * (ks * 2.0 ** 26)
+    assert float(bias.view(torch.float32)) * 2.0 ** 26 == 2 ** 23 + 0x22F983
+    # The FMA in float64: f * 2^26 and the subtraction are exact there, and the result (an integer below 2^22)
+    # is exact in float32, so rounding it to float32 is what the single-rounding FP32 FMA gives.
+    unbiased = (f.double() * 2.0 ** 26 - (2 ** 23 + 0x22F983)).float()
+    assert torch.equal(unbiased, dot.float())
+    got = unbiased * ks
     want = dot.float() * ks
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     for special in (math.inf, -math.inf, math.nan):  # 0 * inf = NaN, sign(dot) * inf otherwise, as the FP32 product
         ksx = torch.full_like(ks, special)
-        got = (f - bias.view(torch.float32)) * (ksx * 2.0 ** 26)
+        got = unbiased * ksx
         want = dot.float() * ksx
         assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(got[~torch.isnan(got)], want[~torch.isnan(want)])
 

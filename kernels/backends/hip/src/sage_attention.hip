@@ -21,7 +21,7 @@ template <int D, bool FP8PV> struct __attribute__((aligned(16))) AttnSmem {
   // (A double-buffered LDS variant made clang-19 keep ~90 more VGPRs live and spill on gfx1201.)
   u8 k[BN * K_STRIDE];
   u8 vt[D * VT_STRIDE];
-  float ks[BN];  // k_scale * 2^26 (see score_of)
+  float ks[BN];  // k_scale (see unbias_dot)
 };
 
 SG_INLINE i32x2 mk_i32x2(u32 x, u32 y) { i32x2 a = {(int)x, (int)y}; return a; }
@@ -108,16 +108,17 @@ SG_INLINE void stage_load_whole(Stage<D, FP8PV>& st, StageOffsets& so, const i8*
 // Scores without an int -> float conversion. The Q.K chain starts from C = QK_BIAS (the bits of 1/(2 pi), an
 // inline constant of the WMMA, no registers) instead of 0, so the INT32 result read as a float is
 // f = QK_BIAS_F + dot * 2^-26 exactly: |dot| <= 128 * 128 * 128 = 2^21 keeps the biased mantissa inside one
-// binade (QK_BIAS's mantissa field is 0x22F983 > 2^21, and 2^23 - 0x22F983 > 2^21). Then f - QK_BIAS_F is
-// exact (dot * 2^-26) and (f - QK_BIAS_F) * (k_scale * 2^26), with k_scale * 2^26 stored once per key when the
-// tile is staged, is dot * k_scale rounded once: the same bits as (float)dot * k_scale, NaN/Inf included
-// (0 * inf = NaN, -inf stays -inf). Two instructions that can pair as VOPD (v_dual_sub/v_dual_mul) instead of
-// v_cvt_f32_i32 (never paired) and a multiply. Only k_scale >= 2^102 (|k| above ~6e32, where the scores
-// exceed FP32 anyway) differs: k_scale * 2^26 overflows to inf.
+// binade (QK_BIAS's mantissa field is 0x22F983 > 2^21, and 2^23 - 0x22F983 > 2^21). Then
+// fma(f, 2^26, -QK_BIAS_F * 2^26) is dot exactly (f * 2^26 = 2^23 + 0x22F983 + dot, integers below 2^24; the
+// constant is the integer 2^23 + 0x22F983), and dot * k_scale rounds once: the same bits as (float)dot * k_scale,
+// NaN/Inf included (0 * inf = NaN, -inf stays -inf). The FMA pairs as VOPD (v_dual_fmaak_f32) where
+// v_cvt_f32_i32 never pairs, and k_scale is staged as loaded (no multiply).
 constexpr int QK_BIAS = 0x3E22F983;
 constexpr float QK_BIAS_F = 0.15915494f;  // == bit_cast<float>(QK_BIAS), exactly
 constexpr float QK_SCALE_UP = 67108864.0f;  // 2^26
-SG_INLINE float unbias_dot(int biased_dot) { return bit_cast<float>(biased_dot) - QK_BIAS_F; }  // dot * 2^-26, exact
+SG_INLINE float unbias_dot(int biased_dot) {  // dot, exact
+  return fma_(bit_cast<float>(biased_dot), QK_SCALE_UP, -QK_BIAS_F * QK_SCALE_UP);
+}
 
 // fp8 V^T keeps keys in an order with bits 3 and 4 swapped, so that one 16-byte LDS read gives a
 // lane its A operand for two consecutive 16-key steps (see pv_step).
@@ -160,7 +161,7 @@ SG_INLINE void stage_store(const Stage<D, FP8PV>& st, AttnSmem<D, FP8PV>& sm) {
       }
     }
   }
-  sm.ks[t & (BN - 1)] = st.ks * QK_SCALE_UP;  // 4 identical writes per slot, no branch
+  sm.ks[t & (BN - 1)] = st.ks;  // 4 identical writes per slot, no branch
 }
 
 // Q fragments, the B operand of S^T = K Q^T. The contraction order over d is ours to choose as long
@@ -198,7 +199,7 @@ SG_INLINE void qk_tile(i32x8* acc, const QFrag<D>& qf, const u8* ktile, int k_st
   #pragma unroll
   for (int j = 0; j < 4; ++j)
     #pragma unroll
-    for (int e = 0; e < 8; ++e) acc[j][e] = QK_BIAS;  // biased chains: see score_of
+    for (int e = 0; e < 8; ++e) acc[j][e] = QK_BIAS;  // biased chains: see unbias_dot
   #pragma unroll
   for (int c = 0; c < D / 32; ++c) {
     // Reads issued in reverse order of use: LDS reads complete in order, so the first WMMA's wait (for the
@@ -306,7 +307,7 @@ SG_INLINE void pv_tile(f32x8* o, float alpha, const PFrag<D, false>& pf, const u
     for (int j = 0; j < 4; ++j)
       #pragma unroll
       for (int u = 0; u < 2; ++u) t[u] = wmma_f16(bit_cast<f16x8>(a[u][j]), pf.p[j], t[u]);
-    sched_fence();
+    if (D != 64) sched_fence();  // D64: the folds may move among the WMMAs (-2 instructions per tile, clang-19)
     #pragma unroll
     for (int u = 0; u < 2; ++u) pv_end(o[tt + u], t[u], alpha);
   }
@@ -345,9 +346,10 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
   qk_tile<D>(acc4, qf, sm.k, M::K_STRIDE);
   if constexpr (!MASK) {
     // The k_scale reads of two subtiles at a time, the first one used issued last (one wait per pair); the 32
-    // bias subtractions, which need none of them, run under the first pair's latency, in VOPD pairs as the
-    // multiplications after them. (All four subtiles' reads at once spill the FP8 kernels.)
-    constexpr int G = 2;
+    // unbiasing FMAs, which need none of them, run under the first pair's latency, in VOPD pairs as the
+    // multiplications after them. All four subtiles' reads at once (one wait) only for FP16 P.V D64: the FP8
+    // kernels spill with them and FP16 D128 gains nothing.
+    constexpr int G = D == 64 && !FP8PV ? 4 : 2;
     #pragma unroll
     for (int j0 = 0; j0 < 4; j0 += G) {
       u32x4 kq[G][2];
@@ -362,7 +364,7 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
         for (int j = 0; j < 4; ++j)
           #pragma unroll
           for (int e = 0; e < 8; ++e) s[j][e] = unbias_dot(acc4[j][e]);
-        sched_fence();
+        if (!(D == 64 && FP8PV)) sched_fence();  // FP8 D64: -1 instruction per tile without it (clang-19)
       }
       #pragma unroll
       for (int jj = 0; jj < G; ++jj) {
@@ -421,7 +423,7 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
   rs.m = m_new;
   sched_fence();
   pv_tile<D>(rs.o, alpha, pf, sm.vt, M::VT_STRIDE);
-  sched_fence();
+  if (!(D == 64 && !FP8PV)) sched_fence();  // FP16 D64: the last folds may meet the loop's tail (-2, clang-19)
 }
 
 
