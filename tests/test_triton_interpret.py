@@ -384,29 +384,3 @@ else:
         assert reason is None or "HIP" in reason
         with pytest.raises(KernelRefused):
             sage_attention(q, q, q, kernel="triton_int8_fp8", attn_mask=mask)
-
-    @pytest.mark.parametrize("pv", ["fp8", "fp16"])
-    @pytest.mark.parametrize("case", [(1, 2, 1, 70, 45, 64, True, torch.float32),   # GQA, Nq past a tile
-                                      (2, 2, 2, 33, 100, 40, False, torch.float16)])  # padded head dim
-    def test_q_quantized_inside_the_attention_kernel_is_the_prologues(pv, case):
-        """quantize_q=False: the attention kernel quantizes Q itself (int8_codes), from an NHD view with a zero
-        row and a huge row; the result is bit for bit the one from the prologue's Q."""
-        b, hq, hkv, nq, nk, d, causal, dtype = case
-        q, k, v = make_qkv(b, hq, hkv, nq, nk, d)
-        q = q.transpose(1, 2).contiguous().transpose(1, 2).to(dtype)  # an NHD tensor seen as HND
-        k, v = k.to(dtype), v.to(dtype)
-        q[0, 0, 3] = 0.0
-        q[0, -1, 5] *= 1000.0
-        sm = 1.0 / math.sqrt(d)
-        cfg = attention_config("cpu", d, pv)
-        args = dict(sm_scale=sm, smooth_k=True, pv=pv, v_transposed=cfg.v_transposed)
-        full = triton_quantize_qkv(q, k, v, **args)
-        no_q = triton_quantize_qkv(q, k, v, quantize_q=False, **args)
-        assert no_q.q8 is None and no_q.q_scale is None
-        want, want_lse = attention_from_quantized_triton(full, pv=pv, config=cfg, is_causal=causal,
-                                                         return_lse=True, out_dtype=torch.float32)
-        got, got_lse = attention_from_quantized_triton(no_q, pv=pv, config=cfg, is_causal=causal, return_lse=True,
-                                                       out_dtype=torch.float32, q=q, sm_scale=sm)
-        assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
-        with pytest.raises(ValueError, match="unquantized q"):
-            attention_from_quantized_triton(no_q, pv=pv, config=cfg)

@@ -104,15 +104,13 @@ def main():
                 pv = name.rsplit("_", 1)[1]
                 cfg = attention_config(c.arch, c.head_dim, pv)
 
-                def pro():  # as the backend calls it: kept buffers, Q left to the attention kernel
-                    return prologue.triton_quantize_qkv(q, k, v, sm_scale=scale, pv=pv, v_transposed=cfg.v_transposed,
-                                                        reuse_buffers=True, quantize_q=False)
+                def pro():
+                    return prologue.triton_quantize_qkv(q, k, v, sm_scale=scale, pv=pv, v_transposed=cfg.v_transposed)
 
                 qq = pro()
                 row["prologue_us"] = host_us(pro, sync)
                 row["attention_us"] = host_us(
-                    lambda: attention.attention_from_quantized_triton(qq, pv=pv, config=cfg, out_dtype=q.dtype, q=q,
-                                                                      sm_scale=scale), sync)
+                    lambda: attention.attention_from_quantized_triton(qq, pv=pv, config=cfg, out_dtype=q.dtype), sync)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(10):
                     call()

@@ -135,13 +135,11 @@ def _compile(fn, signature: Dict[str, str], constexprs: Dict[str, object], arch:
 
 def compile_attention(arch: str, head_dim: int, pv: str, config: AttentionConfig, *, is_causal: bool = False,
                       return_lse: bool = False, out_dtype: str = "bf16", kv_group: int = 1,
-                      v_head_dim: Optional[int] = None, smooth_v: bool = False, q_raw: bool = True) -> KernelReport:
-    """One attention kernel as the backend launches it with `config` (its `pv_accumulate` included). `q_raw`:
-    Q arrives unquantized (bf16, out_dtype's type) and the kernel quantizes it, as with the Triton prologue;
-    False: INT8 Q from a prologue (the HIP one, or block groups)."""
+                      v_head_dim: Optional[int] = None, smooth_v: bool = False) -> KernelReport:
+    """One attention kernel as the backend launches it with `config` (its `pv_accumulate` included)."""
     kernel, label = _compile_attention(arch, head_dim, pv, config, is_causal=is_causal, return_lse=return_lse,
                                        out_dtype=out_dtype, kv_group=kv_group, v_head_dim=v_head_dim,
-                                       smooth_v=smooth_v, q_raw=q_raw)
+                                       smooth_v=smooth_v)
     return _report(kernel, label, arch)
 
 
@@ -165,35 +163,32 @@ def nvidia_pv_dots(arch: str, head_dim: int, pv: str, config: AttentionConfig) -
 
 
 def _compile_attention(arch, head_dim, pv, config, *, is_causal=False, return_lse=False, out_dtype="bf16",
-                       kv_group=1, v_head_dim=None, smooth_v=False, q_raw=True):
+                       kv_group=1, v_head_dim=None, smooth_v=False):
     from ..backends.triton.attention import ACC_MODES, _sage_attn_fwd
 
     dv = v_head_dim or head_dim
     d_pad, dv_pad = padded_head_dim(head_dim), padded_head_dim(dv)
     v_ty = "*fp8e4nv" if pv == "fp8" else "*fp16"
-    sig = {"Q8": f"*{out_dtype}" if q_raw else "*i8", "QS": "*fp32", "K8": "*i8", "KS": "*fp32", "V": v_ty,
-           "VS": "*fp32", "VM": "*fp32", "O": f"*{out_dtype}", "LSE": "*fp32"}
-    strides = ["sqb", "sqh", "sqn", "sqd", "skb", "skh", "skn", "svb", "svh", "svn", "svd", "sob", "soh", "son"]
+    sig = {"Q8": "*i8", "QS": "*fp32", "K8": "*i8", "KS": "*fp32", "V": v_ty, "VS": "*fp32", "VM": "*fp32",
+           "O": f"*{out_dtype}", "LSE": "*fp32"}
+    strides = ["sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "svd", "sob", "soh", "son"]
     unit = "svn" if config.v_transposed else "svd"
     for s in strides:
-        sig[s] = "constexpr" if s in (unit, "sqd") else "i32"
+        sig[s] = "constexpr" if s == unit else "i32"
     for s in ("Hq", "Hkv", "Nq", "Nk"):
         sig[s] = "i32"
-    sig["q_mult"] = "fp32"
-    consts = {unit: 1, "sqd": 1, "KV_GROUP": kv_group,
-              "HEAD_DIM": head_dim, "D_PAD": d_pad, "DV": dv, "DV_PAD": dv_pad,
+    consts = {unit: 1, "KV_GROUP": kv_group, "HEAD_DIM": head_dim, "D_PAD": d_pad, "DV": dv, "DV_PAD": dv_pad,
               "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "IS_CAUSAL": is_causal,
               "PV_FP8": pv == "fp8", "STORE_LSE": return_lse, "V_T": config.v_transposed, "EXACT_P_ROUND": False,
               "PV_ACC": ACC_MODES[config.pv_accumulate], "HAS_VMEAN": smooth_v,
               "FOLD_Q_SCALE": config.fold_q_scale, "FP8_CVT_ASM": config.fp8_cvt_asm and pv == "fp8",
-              "Q_RAW": q_raw, "INTERPRETER": False}
+              "INTERPRETER": False}
     for k in consts:
         sig[k] = "constexpr"
     kernel = _compile(_sage_attn_fwd, sig, consts, arch, config.num_warps, config.num_stages)
     label = (f"attention D{head_dim}{'' if dv == head_dim else f'/{dv}'} {pv} BM{config.block_m} "
              f"BN{config.block_n} w{config.num_warps} s{config.num_stages} acc={config.pv_accumulate}"
-             f"{' causal' if is_causal else ''}{' lse' if return_lse else ''}{' smooth_v' if smooth_v else ''}"
-             f"{'' if q_raw else ' int8-q'}")
+             f"{' causal' if is_causal else ''}{' lse' if return_lse else ''}{' smooth_v' if smooth_v else ''}")
     return kernel, label
 
 
@@ -258,7 +253,6 @@ def compile_shipped(arch: str, *, with_variants: bool = True) -> List[KernelRepo
         out.append(compile_attention(arch, d, pv, cfg))
         if with_variants:
             out.append(compile_attention(arch, d, pv, cfg, is_causal=True, return_lse=True, out_dtype="fp16"))
-            out.append(compile_attention(arch, d, pv, cfg, q_raw=False))  # INT8 Q from the HIP prologue
     return out
 
 

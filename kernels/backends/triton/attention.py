@@ -34,7 +34,7 @@ import triton.language as tl
 from ... import quant
 from .configs import AttentionConfig, ceil_div, padded_head_dim
 from .launcher import launch, tensor_key
-from .prologue import INTERPRETED, int8_codes, round_to_e4m3
+from .prologue import INTERPRETED, round_to_e4m3
 
 # exp2(P_SHIFT) stays below 448 even with an approximate exp2, so P never saturates e4m3.
 P_SHIFT = tl.constexpr(8.8067)  # log2(447.797)
@@ -157,14 +157,14 @@ def _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, lo, hi,
 
 @triton.jit
 def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE,
-                   sqb, sqh, sqn, sqd, skb, skh, skn, svb, svh, svn, svd, sob, soh, son,
-                   Hq, Hkv, Nq, Nk, q_mult,
+                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, svd, sob, soh, son,
+                   Hq, Hkv, Nq, Nk,
                    KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                    DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, PV_FP8: tl.constexpr, STORE_LSE: tl.constexpr,
                    V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr, PV_ACC: tl.constexpr,
                    HAS_VMEAN: tl.constexpr, FOLD_Q_SCALE: tl.constexpr, FP8_CVT_ASM: tl.constexpr,
-                   Q_RAW: tl.constexpr, INTERPRETER: tl.constexpr):
+                   INTERPRETER: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
@@ -181,19 +181,10 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE,
     offs_dv = tl.arange(0, DV_PAD)
     m_live = offs_m < Nq
 
-    q_ptrs = Q8 + b64 * sqb + h64 * sqh + offs_m.to(tl.int64)[:, None] * sqn + offs_d[None, :] * sqd
-    q_live = m_live[:, None] & (offs_d[None, :] < HEAD_DIM)
-    if Q_RAW:
-        # The caller's Q (any strides), quantized here exactly as the prologue would (int8_codes, token
-        # groups): one pass over Q fewer, which matters most where few keys follow many queries.
-        x = tl.load(q_ptrs, mask=q_live, other=0.0).to(tl.float32) * q_mult
-        codes, scale = int8_codes(x, BLOCK_M, False, INTERPRETER)
-        q = codes.to(tl.int8)
-        # Rows past Nq get scale 1: 0 would make 0 * -inf = NaN in the folded exp2 argument of masked tiles.
-        q_scale = tl.where(m_live, scale, 1.0)
-    else:
-        q = tl.load(q_ptrs, mask=q_live, other=0)
-        q_scale = tl.load(QS + q_row0 + offs_m, mask=m_live, other=1.0)
+    q = tl.load(Q8 + b64 * sqb + h64 * sqh + offs_m[:, None] * sqn + offs_d[None, :],
+                mask=m_live[:, None] & (offs_d[None, :] < HEAD_DIM), other=0)
+    # Rows past Nq get scale 1: 0 would make 0 * -inf = NaN in the folded exp2 argument of masked tiles.
+    q_scale = tl.load(QS + q_row0 + offs_m, mask=m_live, other=1.0)
     k_base = K8 + b64 * skb + hk64 * skh
     ks_base = KS + k_row0
     v_base = V + b64 * svb + hk64 * svh
@@ -241,15 +232,14 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE,
 
 @functools.lru_cache(maxsize=256)
 def attention_launch(b: int, hq: int, nq: int, d: int, hkv: int, dv: int, config: AttentionConfig, pv: str,
-                     is_causal: bool, return_lse: bool, v_t: bool, has_vmean: bool, q_raw: bool = False):
+                     is_causal: bool, return_lse: bool, v_t: bool, has_vmean: bool):
     """(grid, constexprs and launch options) of `_sage_attn_fwd` for one signature: computed once per signature."""
     grid = (ceil_div(nq, config.block_m), b * hq)
     meta = dict(KV_GROUP=hq // hkv, HEAD_DIM=d, D_PAD=padded_head_dim(d), DV=dv, DV_PAD=padded_head_dim(dv),
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_CAUSAL=is_causal, PV_FP8=pv == "fp8",
                 STORE_LSE=return_lse, V_T=v_t, EXACT_P_ROUND=INTERPRETED, PV_ACC=ACC_MODES[config.pv_accumulate],
                 HAS_VMEAN=has_vmean, FOLD_Q_SCALE=config.fold_q_scale,
-                FP8_CVT_ASM=config.fp8_cvt_asm and pv == "fp8" and not INTERPRETED, Q_RAW=q_raw,
-                INTERPRETER=INTERPRETED,
+                FP8_CVT_ASM=config.fp8_cvt_asm and pv == "fp8" and not INTERPRETED, INTERPRETER=INTERPRETED,
                 num_warps=config.num_warps,
                 num_stages=config.num_stages)
     return grid, meta
@@ -258,29 +248,23 @@ def attention_launch(b: int, hq: int, nq: int, d: int, hkv: int, dv: int, config
 def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: AttentionConfig,
                                     is_causal: bool = False, return_lse: bool = False,
                                     out_dtype: torch.dtype = torch.float16,
-                                    out: Optional[torch.Tensor] = None, q: Optional[torch.Tensor] = None,
-                                    sm_scale: Optional[float] = None):
+                                    out: Optional[torch.Tensor] = None):
     """Attention on a prologue's output. Returns (out (B, Hq, Nq, Dv) in out_dtype, LSE of the
     smoothed scores (B, Hq, Nq) fp32 or None). The caller adds the smooth_k term to the LSE.
-    A `qq.v_mean` (smooth_v) is added back to the output; the LSE does not depend on it.
-    With `qq.q8` None (a prologue called with quantize_q=False) the kernel quantizes `q` itself, per token,
-    with `sm_scale` folded in as the prologue would."""
+    A `qq.v_mean` (smooth_v) is added back to the output; the LSE does not depend on it."""
     if pv not in ("fp8", "fp16"):
         raise ValueError(f"pv must be 'fp8' or 'fp16', got {pv!r}")
-    k8, v = qq.k8, qq.v
-    q_raw = qq.q8 is None
-    if q_raw and (q is None or sm_scale is None):
-        raise ValueError("a QuantizedQKV without q8 needs the unquantized q and sm_scale")
-    q_in = q if q_raw else qq.q8
-    b, hq, nq, d = q_in.shape
+    q8, k8, v = qq.q8, qq.k8, qq.v
+    b, hq, nq, d = q8.shape
     _, hkv, nk, dv = v.shape
     if config.block_m % config.block_n:
         raise ValueError("block_m must be a multiple of block_n (causal tiling)")
-    q_strides, k_strides, v_strides = q_in.stride(), k8.stride(), v.stride()
-    if k_strides[-1] != 1 or (not q_raw and q_strides[-1] != 1):
-        raise ValueError(f"{'k8' if k_strides[-1] != 1 else 'q8'} must have a contiguous last dim")
+    q_strides, k_strides, v_strides = q8.stride(), k8.stride(), v.stride()
+    for name, strides in (("q8", q_strides), ("k8", k_strides)):
+        if strides[-1] != 1:
+            raise ValueError(f"{name} must have a contiguous last dim")
     v_t = v_strides[-2] == 1 and v_strides[-1] != 1  # the (Dv, Nk) storage the Hopper config asks for
-    device = q_in.device
+    device = q8.device
     if out is None:
         out = torch.empty((b, hq, nq, dv), dtype=out_dtype, device=device)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=device) if return_lse else None
@@ -289,14 +273,12 @@ def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: 
                       or qq.v_mean.dtype != torch.float32):
         raise ValueError("v_mean must be a contiguous FP32 (B, Hkv, Dv) tensor")
     grid, meta = attention_launch(b, hq, nq, d, hkv, dv, config, pv, bool(is_causal), bool(return_lse), v_t,
-                                  has_vmean, q_raw)
+                                  has_vmean)
     o_strides = out.stride()
-    stand_in = qq.v_scale  # an FP32 buffer for pointer arguments the kernel does not read in this variant
-    tensors = (q_in, stand_in if q_raw else qq.q_scale, k8, qq.k_scale, v, qq.v_scale,
-               qq.v_mean if has_vmean else stand_in, out, lse if return_lse else stand_in)
+    tensors = (q8, qq.q_scale, k8, qq.k_scale, v, qq.v_scale, qq.v_mean if has_vmean else qq.v_scale, out,
+               lse if return_lse else qq.q_scale)
     # Triton specializes on each tensor's dtype and alignment and on the strides (the sizes are in the plan).
     key = (tuple(tensor_key(t) for t in tensors), q_strides, k_strides, v_strides, o_strides)
-    q_mult = quant.qk_multiplier(sm_scale) if q_raw else 1.0
-    launch(_sage_attn_fwd, grid, (*tensors, *q_strides, *k_strides[:3], *v_strides, *o_strides[:3],
-                                  hq, hkv, nq, nk, q_mult), meta, key)
+    launch(_sage_attn_fwd, grid, (*tensors, *q_strides[:3], *k_strides[:3], *v_strides, *o_strides[:3],
+                                  hq, hkv, nq, nk), meta, key)
     return out, lse

@@ -144,11 +144,9 @@ class TritonBackend(Backend):
             qq = _hip_prologue()[1](q, k, v, sm_scale=sm_scale, smooth_k=call.smooth_k, pv=self.pv,
                                     qk_group=call.qk_group, **extra)
         else:
-            # Per-token Q is quantized inside the attention kernel (one pass over Q fewer).
             qq = prologue.triton_quantize_qkv(q, k, v, sm_scale=sm_scale, smooth_k=call.smooth_k, pv=self.pv,
                                               qk_group=call.qk_group, v_transposed=cfg.v_transposed,
-                                              smooth_v=call.smooth_v, reuse_buffers=True,
-                                              quantize_q=call.qk_group != "token")
+                                              smooth_v=call.smooth_v, reuse_buffers=True)
         if call.smooth_v and qq.v_mean is None:
             # Never hand out an output that lacks V's mean: the prologue ignored smooth_v.
             raise RuntimeError(f"the {call.prologue} prologue returned no v_mean for a smooth_v call")
@@ -159,8 +157,7 @@ class TritonBackend(Backend):
             b, hq, nq, _ = q.shape
             out = torch.empty((b, nq, hq, call.v_head_dim), dtype=q.dtype, device=q.device).transpose(1, 2)
         out, lse = attention.attention_from_quantized_triton(qq, pv=self.pv, config=cfg, is_causal=call.is_causal,
-                                                             return_lse=call.return_lse, out_dtype=q.dtype, out=out,
-                                                             q=q, sm_scale=sm_scale)
+                                                             return_lse=call.return_lse, out_dtype=q.dtype, out=out)
         if lse is not None and qq.k_mean is not None:
             lse += lse_smooth_term(q, qq.k_mean, sm_scale)
         return out, lse

@@ -246,16 +246,6 @@ def _int8_tile(X, mean, Q8, SCALE, mult, sxb, sxh, sxn, sxd, H, N, pid_bh, blk,
         x = tl.where(live, x - mean[None, :], 0.0)  # padded rows must not reach the amax
     if HAS_MULT:
         x = x * mult
-    q, scale = int8_codes(x, BLOCK, PER_BLOCK, INTERPRETER)
-    row = pid_bh.to(tl.int64) * N + n
-    tl.store(Q8 + row[:, None] * D + offs_d[None, :], q.to(tl.int8), mask=live)
-    tl.store(SCALE + row, scale, mask=n < N)
-
-
-@triton.jit
-def int8_codes(x, BLOCK: tl.constexpr, PER_BLOCK: tl.constexpr, INTERPRETER: tl.constexpr):
-    """INT8 codes (as FP32) and scales ([BLOCK]) of FP32 rows x ([BLOCK, D], padding zero): per row, or one
-    amax for the whole block with PER_BLOCK. The attention kernel quantizes its Q tile with it too."""
     if PER_BLOCK:
         amax = tl.zeros([BLOCK], dtype=tl.float32) + _nan_max(_nan_max(tl.abs(x), 1), 0)
     else:
@@ -266,7 +256,9 @@ def int8_codes(x, BLOCK: tl.constexpr, PER_BLOCK: tl.constexpr, INTERPRETER: tl.
     y = x * inv[:, None]
     y = tl.where(y == y, y, 0.0)  # an all-zero row gives 0 * inf = NaN (max/min would turn it into -127)
     q = tl.minimum(tl.maximum(_rint(y, INTERPRETER), -127.0), 127.0)
-    return q, tl.math.div_rn(amax, 127.0)
+    row = pid_bh.to(tl.int64) * N + n
+    tl.store(Q8 + row[:, None] * D + offs_d[None, :], q.to(tl.int8), mask=live)
+    tl.store(SCALE + row, tl.math.div_rn(amax, 127.0), mask=n < N)
 
 
 @triton.jit
@@ -402,15 +394,13 @@ class PrologueLaunch:
     quantize_grid: Tuple[int, ...]
     quantize_sizes: Tuple[int, ...]  # the runtime size arguments of _quantize_qkv, in order
     quantize_meta: Dict[str, object]
-    quantize_q: bool
 
 
 @functools.lru_cache(maxsize=256)
 def prologue_launch(b: int, hq: int, nq: int, d: int, hkv: int, nk: int, dv: int, arch: str, smooth_k: bool,
-                    smooth_v: bool, pv: str, qk_group: str, v_transposed: bool,
-                    quantize_q: bool = True) -> PrologueLaunch:
+                    smooth_v: bool, pv: str, qk_group: str, v_transposed: bool) -> PrologueLaunch:
     """The launch geometry of `triton_quantize_qkv` for these shapes and options (the tensors' strides and
-    data are passed per call). Without `quantize_q` no program quantizes Q (the attention kernel does)."""
+    data are passed per call)."""
     cfg = prologue_config(arch)
     d_pad, dv_pad = padded_head_dim(d), padded_head_dim(dv)
     group = quant.group_size(qk_group)
@@ -431,7 +421,7 @@ def prologue_launch(b: int, hq: int, nq: int, d: int, hkv: int, nk: int, dv: int
     block = cfg.block_n if group == 1 else group
     vb = cfg.block_n
     q_blocks, k_blocks, v_blocks = ceil_div(nq, block), ceil_div(nk, block), ceil_div(nk, vb)
-    q_programs, k_programs = (b * hq * q_blocks if quantize_q else 0), b * hkv * k_blocks
+    q_programs, k_programs = b * hq * q_blocks, b * hkv * k_blocks
     warps = cfg.num_warps if max(block * d_pad, vb * dv_pad) <= 64 * 128 else 8
     quantize_meta = dict(D=d, D_PAD=d_pad, DV=dv, DV_PAD=dv_pad, QK_BLOCK=block, V_BLOCK=vb, PER_BLOCK=group > 1,
                          HAS_MEAN=smooth_k, PV_FP8=pv == "fp8", OUT_T=v_transposed, FOLD_STATS=fold,
@@ -443,7 +433,7 @@ def prologue_launch(b: int, hq: int, nq: int, d: int, hkv: int, nk: int, dv: int
         v_dtype=torch.float8_e4m3fn if pv == "fp8" else torch.float16,
         v_store_shape=v_store_shape, quantize_grid=(q_programs + k_programs + b * hkv * v_blocks,),
         quantize_sizes=(hq, hkv, nq, nk, n_chunks, q_blocks, k_blocks, v_blocks, q_programs, k_programs),
-        quantize_meta=quantize_meta, quantize_q=quantize_q)
+        quantize_meta=quantize_meta)
 
 
 @dataclass(frozen=True)
@@ -457,8 +447,8 @@ class PrologueBuffers:
     k_mean: Optional[torch.Tensor]
     v_scale: torch.Tensor
     v_mean: Optional[torch.Tensor]
-    q8: Optional[torch.Tensor]  # None when the attention kernel quantizes Q itself
-    q_scale: Optional[torch.Tensor]
+    q8: torch.Tensor
+    q_scale: torch.Tensor
     k8: torch.Tensor
     k_scale: torch.Tensor
     v_q: torch.Tensor
@@ -485,8 +475,8 @@ def allocate_buffers(plan: PrologueLaunch, shapes: Tuple[int, ...], dev: torch.d
         k_mean=torch.empty((b, hkv, d), dtype=f32, device=dev) if smooth_k else None,
         v_scale=v_scale,
         v_mean=torch.empty((b, hkv, dv), dtype=f32, device=dev) if smooth_v else None,
-        q8=torch.empty((b, hq, nq, d), dtype=torch.int8, device=dev) if plan.quantize_q else None,
-        q_scale=torch.empty((b, hq, nq), dtype=f32, device=dev) if plan.quantize_q else None,
+        q8=torch.empty((b, hq, nq, d), dtype=torch.int8, device=dev),
+        q_scale=torch.empty((b, hq, nq), dtype=f32, device=dev),
         k8=torch.empty((b, hkv, nk, d), dtype=torch.int8, device=dev),
         k_scale=torch.empty((b, hkv, nk), dtype=f32, device=dev),
         v_q=v_q)
@@ -497,16 +487,13 @@ WORKSPACES = WorkspaceCache()
 
 def triton_quantize_qkv(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: str = "fp8",
                         qk_group: str = "token", v_transposed: bool = False,
-                        smooth_v: bool = False, reuse_buffers: bool = False,
-                        quantize_q: bool = True) -> quant.QuantizedQKV:
+                        smooth_v: bool = False, reuse_buffers: bool = False) -> quant.QuantizedQKV:
     """The spec's prologue as Triton kernels; returns what `quant.quantize_qkv_torch` returns.
 
     `v_transposed=True` (internal to the Triton attention on Hopper) stores V as (B, Hkv, Dv, Nk_pad)
     and hands out its (B, Hkv, Nk, Dv) transposed view; every other consumer gets contiguous V.
     `reuse_buffers=True` (the backend's own path only) writes into this signature's kept workspace
     (workspace.py): the result is overwritten by the next such call on the same stream.
-    `quantize_q=False` (the backend's own path, token groups): q8 and q_scale are None, the attention kernel
-    quantizes its Q tile itself with the same arithmetic (`int8_codes`), saving a pass over Q.
     """
     if pv not in ("fp8", "fp16"):
         raise ValueError(f"pv must be 'fp8' or 'fp16', got {pv!r}")
@@ -515,7 +502,7 @@ def triton_quantize_qkv(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: 
     dev = q.device
     smooth_k, smooth_v = bool(smooth_k), bool(smooth_v)
     plan = prologue_launch(b, hq, nq, d, hkv, nk, dv, device_arch(dev.type, dev.index), smooth_k, smooth_v, pv,
-                           qk_group, bool(v_transposed), bool(quantize_q))
+                           qk_group, bool(v_transposed))
     shapes = (b, hq, nq, d, hkv, nk, dv)
     if reuse_buffers:
         buf = WORKSPACES.get(plan, dev, lambda: allocate_buffers(plan, shapes, dev))
@@ -539,11 +526,9 @@ def triton_quantize_qkv(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: 
                                                   v_mean_arg, plan.n_chunks, nk), plan.finalize_meta, None)
     # 3. One launch: INT8 Q (sm_scale*log2e folded in), INT8 K (minus its mean), FP8/FP16 V (minus its mean).
     q_strides = q.stride()
-    q8_arg = buf.k8 if buf.q8 is None else buf.q8  # stand-ins no program touches without quantize_q
-    q_scale_arg = buf.k_scale if buf.q_scale is None else buf.q_scale
     launch(_quantize_qkv, plan.quantize_grid,
-           (q, k, v, buf.ksum, buf.vmax, buf.vsum, buf.vmin, k_mean_arg, buf.v_scale, v_mean_arg, q8_arg,
-            q_scale_arg, buf.k8, buf.k_scale, buf.v_q, quant.qk_multiplier(sm_scale), *q_strides, *k_strides,
+           (q, k, v, buf.ksum, buf.vmax, buf.vsum, buf.vmin, k_mean_arg, buf.v_scale, v_mean_arg, buf.q8,
+            buf.q_scale, buf.k8, buf.k_scale, buf.v_q, quant.qk_multiplier(sm_scale), *q_strides, *k_strides,
             *v_strides, *buf.v_q.stride(), *plan.quantize_sizes),
            plan.quantize_meta, (tensor_key(q), q_strides, kv_key))
     return quant.QuantizedQKV(buf.q8, buf.q_scale, buf.k8, buf.k_scale, buf.v_q, buf.v_scale, buf.k_mean, buf.v_mean)
