@@ -12,26 +12,14 @@ and writes a cProfile of 200 calls per (shape, backend) (functions by own time) 
 """
 import argparse
 import cProfile
-import importlib.util
 import io
 import json
 import os
 import pstats
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if sys.path and os.path.abspath(sys.path[0] or os.getcwd()) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
-
-
-def load_pack():
-    """The repo as package `comfyui_sage_rdna4`, through benchmark.py's loader (loaded by path)."""
-    spec = importlib.util.spec_from_file_location("_sage_rdna4_entry", os.path.join(ROOT, "benchmark.py"))
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
-    return entry.load_pack()
+from pack_loader import load_pack
 
 
 def host_us(fn, sync, calls=60):

@@ -8,24 +8,13 @@ output (INT8 Q/K and their scales, FP8 V and its scales, K's mean) is bit-identi
     python tools/prologue_sweep.py [--shapes flux_1mp,sdxl_1mp_d64,wan_480p] [--pv fp8]
 """
 import argparse
-import importlib.util
-import os
 import statistics
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if sys.path and os.path.abspath(sys.path[0] or os.getcwd()) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
+from pack_loader import load_pack
+
 
 CANDIDATES = [(64, 256, 4), (32, 256, 4), (128, 256, 4), (128, 256, 8), (64, 128, 4), (64, 512, 4), (64, 256, 8),
               (128, 128, 8), (32, 128, 4)]
-
-
-def load_pack():
-    spec = importlib.util.spec_from_file_location("_sage_rdna4_entry", os.path.join(ROOT, "benchmark.py"))
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
-    return entry.load_pack()
 
 
 def main():

@@ -19,26 +19,12 @@ H200, torch 2.11+cu130, Triton 3.6, 2026-12-01, SWEEP below timed by the script 
 The whole public call is in README "Measured" (`python benchmark.py`).
 """
 import argparse
-import importlib.util
 import json
 import os
 import statistics
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-if sys.path and os.path.abspath(sys.path[0] or os.getcwd()) == HERE:
-    sys.path.pop(0)
-PACK = "comfyui_sage_rdna4"
-
-
-def load_pack():
-    """The repo as package `comfyui_sage_rdna4`, through benchmark.py's loader (loaded by path)."""
-    spec = importlib.util.spec_from_file_location("_sage_rdna4_entry", os.path.join(ROOT, "benchmark.py"))
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
-    return entry.load_pack()
+from pack_loader import load_pack
 
 
 load_pack()
