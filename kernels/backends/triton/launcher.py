@@ -11,9 +11,10 @@ passed as `meta`), the argument dtypes, integers by value class (1, divisible by
 16-byte alignment. The caller passes `key`, a hashable that must determine all of those that vary between
 its calls (`tensor_key` per tensor, the strides as values); the cache is per (device, kernel, meta, key).
 
-Used only with Triton 3.6 (whose compiled-kernel launcher takes the arguments this module passes; checked by
-tests/test_triton_gpu.py against Triton's own path), never under the interpreter or while a launch hook is
-installed (profilers such as proton install one), and not with SAGE_RDNA4_TRITON_LAUNCH=triton.
+Used only with Triton 3.6 (whose compiled-kernel launcher takes the arguments this module passes;
+tests/test_triton_launch_gpu.py checks on a GPU that the direct path runs the kernel Triton's own path would
+pick), never under the interpreter or while a launch hook is installed (profilers such as proton install one),
+and not with SAGE_RDNA4_TRITON_LAUNCH=triton.
 """
 from __future__ import annotations
 
