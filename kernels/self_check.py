@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 FAILED = "self-check failed"  # in every failure reason a backend is disabled with
 SKIP_ENV = "SAGE_RDNA4_SELF_CHECK"  # "0": no first-use check (developers only; kernels then serve unproven)
+CALLS_PER_CASE = 2  # check_case calls the attention twice per case: the second call must repeat the first's bits
 QUERY_BLOCK = 128  # rows per query block: the largest BLOCK_M of our kernels (Triton and HIP)
 
 
@@ -248,13 +249,20 @@ def check_case(attention: Callable, case: Case, device) -> CaseResult:
         return CaseResult(case, reason, seconds=time.perf_counter() - t0, **kw)
 
     q, k, v = make_inputs(case, device)
-    try:
+
+    def call():
         if case.return_lse:
             got = attention(q, k, v, is_causal=case.is_causal, return_lse=True)
-            out, lse = got if isinstance(got, tuple) else (got, None)
-        else:
-            out = attention(q, k, v, is_causal=case.is_causal)
-            out, lse = (out[0] if isinstance(out, tuple) else out), None
+            return got if isinstance(got, tuple) else (got, None)
+        got = attention(q, k, v, is_causal=case.is_causal)
+        return (got[0] if isinstance(got, tuple) else got), None
+
+    try:
+        out, lse = call()
+        _sync(device)
+        # The same call again: a backend's later calls may take another host path than its first (the Triton
+        # backend's direct launches and kept buffers, kernels/backends/triton), and they must give the same bits.
+        again, _ = call()
         _sync(device)
     except Exception as exc:  # any failure of the kernel path is a verdict, not a crash
         return done(f"{label}: raised {type(exc).__name__}: {exc}")
@@ -268,6 +276,8 @@ def check_case(attention: Callable, case: Case, device) -> CaseResult:
     if not bool(finite.all()):
         bad = torch.nonzero(~finite)[0].tolist()
         return done(f"{label}: output has NaN/Inf ({_where(case, bad[0], bad[1], bad[2] // QUERY_BLOCK)}, row {bad[2]})")
+    if not isinstance(again, torch.Tensor) or again.shape != out.shape or not torch.equal(again, out):
+        return done(f"{label}: the same call a second time gave a different output")
     exact, exact_lse = exact_attention(q, k, v, is_causal=case.is_causal, return_lse=case.return_lse)
     sums = _block_sums(out.float(), exact, QUERY_BLOCK)
     rel_bh, cos_bh = _rel_cos(sums.sum(-1))  # per (batch, head)

@@ -14,7 +14,7 @@ from comfyui_sage_rdna4.kernels.backends.hip import cache as kcache
 from comfyui_sage_rdna4.kernels.backends.hip import compiler, runtime
 from comfyui_sage_rdna4.kernels.backends.hip import prologue as hip_prologue
 from comfyui_sage_rdna4.kernels.reference import attention_from_quantized
-from comfyui_sage_rdna4.kernels.self_check import DEFAULT_CASES, Case, SelfCheck, call_variant
+from comfyui_sage_rdna4.kernels.self_check import CALLS_PER_CASE, DEFAULT_CASES, Case, SelfCheck, call_variant
 
 
 @pytest.fixture(autouse=True)
@@ -515,12 +515,13 @@ def test_selfcheck_runs_once_per_prologue_across_threads(cpu_hip_backend, monkey
     for t in threads:
         t.join()
     assert results == [None] * 4
-    assert len(runs) == len(SMALL_CASES)  # every case accepted, LSE included
+    calls = CALLS_PER_CASE * len(SMALL_CASES)
+    assert len(runs) == calls  # every case accepted, LSE included
     cpu_hip_backend.why_not(call)
     cpu_hip_backend.why_not(_call(prologue="hip"))  # 'auto' is the HIP prologue: the same combination
-    assert len(runs) == len(SMALL_CASES)  # not run again
+    assert len(runs) == calls  # not run again
     cpu_hip_backend.why_not(_call(prologue="triton"))  # another kernel + prologue combination: its own check
-    assert len(runs) == 2 * len(SMALL_CASES)
+    assert len(runs) == 2 * calls
 
 
 def test_selfcheck_without_acceptable_case_disables(cpu_hip_backend, monkeypatch):
