@@ -78,6 +78,17 @@ if not CHILD:
         with pytest.raises(ValueError, match="pv_accumulate"):
             configs.AttentionConfig(128, 64, 4, 1, pv_accumulate="fast")
 
+    def test_scale_row_stride_rule():
+        """How the attention kernel addresses (B, H, N) scales: row b * H + h at one stride, or a refusal."""
+        from comfyui_sage_rdna4.kernels.backends.triton.attention import _scale_row_stride
+        assert _scale_row_stride(torch.empty(2, 3, 10)) == 10
+        assert _scale_row_stride(torch.empty(2, 3, 16)[:, :, :10]) == 16
+        assert _scale_row_stride(torch.empty(2, 1, 10)) == 10
+        assert _scale_row_stride(torch.empty(1, 1, 10)) == 10
+        assert _scale_row_stride(torch.empty(2, 10).unsqueeze(1)) == 10  # a size-1 head dim of stride 1
+        assert _scale_row_stride(torch.empty(3, 2, 10).transpose(0, 1)) is None  # rows not evenly spaced
+        assert _scale_row_stride(torch.empty(2, 10, 3).transpose(1, 2)) is None  # scales not unit-stride
+
     def test_interpreter_suite_in_child_process():
         env = dict(os.environ, TRITON_INTERPRET="1")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib",
@@ -193,6 +204,22 @@ else:
                                         smooth_v=True)
         assert got.v.stride(-2) == 1
         assert_same_quantization(got, want)
+
+    @pytest.mark.parametrize("pv", ["fp8", "fp16"])
+    def test_padded_k_scale_rows_change_nothing(pv):
+        """The Triton attention's own prologue call pads k_scale rows to 16 entries and stores V^T rows up to Nk
+        rounded up to 64: same values (101 keys: neither is a multiple), and the attention gives the same bits
+        from the padded scales as from contiguous ones (GQA, batch 2)."""
+        q, k, v = make_qkv(2, 4, 2, 45, 101, 64, seed=5)
+        want = quant.quantize_qkv_torch(q, k, v, sm_scale=0.125, pv=pv)
+        got = triton_quantize_qkv(q, k, v, sm_scale=0.125, pv=pv, v_transposed=True, pad_k_scale_rows=True)
+        assert got.k_scale.stride() == (2 * 112, 112, 1)
+        assert_same_quantization(got, want)
+        cfg = attention_config("cpu", 64, pv)
+        padded = attention_from_quantized_triton(got, pv=pv, config=cfg, out_dtype=torch.float32)[0]
+        got.k_scale = got.k_scale.contiguous()
+        plain = attention_from_quantized_triton(got, pv=pv, config=cfg, out_dtype=torch.float32)[0]
+        assert torch.equal(padded, plain)
 
     def test_prologue_edge_values():
         # An all-zero token (0 * inf scale) quantizes to zeros; huge V never overflows FP8 or FP16.

@@ -94,7 +94,7 @@ def main():
 
                 def pro():  # as the backend calls it: into the kept buffers
                     return prologue.triton_quantize_qkv(q, k, v, sm_scale=scale, pv=pv, v_transposed=cfg.v_transposed,
-                                                        reuse_buffers=True)
+                                                        reuse_buffers=True, pad_k_scale_rows=True)
 
                 qq = pro()
                 row["prologue_us"] = host_us(pro, sync)

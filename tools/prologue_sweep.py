@@ -39,7 +39,7 @@ def main():
         q, k, v = bench.make_inputs(shape, torch.device("cuda"))
         cfg = attention_config(arch, shape.head_dim, args.pv)
         kw = dict(sm_scale=default_sm_scale(shape.head_dim), pv=args.pv, v_transposed=cfg.v_transposed,
-                  reuse_buffers=True)
+                  reuse_buffers=True, pad_k_scale_rows=True)
         base, base_us = None, None
         for block_n, stats_n, warps in CANDIDATES:
             candidate = PrologueConfig(block_n=block_n, stats_block_n=stats_n, num_warps=warps)

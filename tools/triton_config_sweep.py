@@ -37,7 +37,8 @@ def sweep_shape(name, shape, results):
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 base = T.time_ms(lambda: F.scaled_dot_product_attention(q, k, v, scale=sm), T.REPS[name])
         for pv, cands in T.SWEEP.items():
-            qq = {vt: triton_quantize_qkv(q, k, v, sm_scale=sm, pv=pv, v_transposed=vt) for vt in (False, True)}
+            qq = {vt: triton_quantize_qkv(q, k, v, sm_scale=sm, pv=pv, v_transposed=vt, pad_k_scale_rows=True)
+                  for vt in (False, True)}
             for cfg in cands:
                 def run(c=cfg):
                     return attention_from_quantized_triton(qq[c.v_transposed], pv=pv, config=c, out_dtype=q.dtype)[0]

@@ -100,7 +100,8 @@ def sweep(results):
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             base = time_ms(lambda: F.scaled_dot_product_attention(q, k, v), REPS[shape_name])
         for pv, cands in SWEEP.items():
-            qq = {vt: triton_quantize_qkv(q, k, v, sm_scale=sm, pv=pv, v_transposed=vt) for vt in (False, True)}
+            qq = {vt: triton_quantize_qkv(q, k, v, sm_scale=sm, pv=pv, v_transposed=vt, pad_k_scale_rows=True)
+                  for vt in (False, True)}
             for cfg in cands:
                 t0 = time.time()
                 try:
@@ -179,7 +180,8 @@ def bench(shape_names, results):
                 cfg = configs.attention_config("sm_90", 128, pv)
                 row["config"] = cfg.__dict__
                 row["pv_accumulate"] = configs.accumulation_of("sm_90", 128, pv)
-                pro = (lambda: triton_quantize_qkv(q, k, v, sm_scale=sm, pv=pv, v_transposed=cfg.v_transposed))
+                pro = (lambda: triton_quantize_qkv(q, k, v, sm_scale=sm, pv=pv, v_transposed=cfg.v_transposed,
+                                                   pad_k_scale_rows=True))
                 row["prologue_ms"] = time_ms(pro, REPS[name])
                 cpu = []
                 for _ in range(5):  # host time to launch the prologue (no sync): launch-bound if ~prologue_ms

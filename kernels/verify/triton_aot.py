@@ -171,7 +171,8 @@ def _compile_attention(arch, head_dim, pv, config, *, is_causal=False, return_ls
     v_ty = "*fp8e4nv" if pv == "fp8" else "*fp16"
     sig = {"Q8": "*i8", "QS": "*fp32", "K8": "*i8", "KS": "*fp32", "V": v_ty, "VS": "*fp32", "VM": "*fp32",
            "O": f"*{out_dtype}", "LSE": "*fp32"}
-    strides = ["sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "svd", "sob", "soh", "son"]
+    # sks: k_scale's row stride, a multiple of 16 from the Triton prologue (pad_k_scale_rows)
+    strides = ["sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "svd", "sob", "soh", "son", "sks"]
     unit = "svn" if config.v_transposed else "svd"
     for s in strides:
         sig[s] = "constexpr" if s == unit else "i32"
@@ -192,19 +193,18 @@ def _compile_attention(arch, head_dim, pv, config, *, is_causal=False, return_ls
     return kernel, label
 
 
-def compile_prologue(arch: str, head_dim: int, pv: str, v_head_dim: Optional[int] = None,
-                     smooth_v: bool = False) -> List[KernelReport]:
-    """The quantize kernels at the shipped prologue configuration (bf16 input)."""
+def _quantize_kernels(arch: str, head_dim: int, pv: str, v_head_dim: Optional[int] = None,
+                      smooth_v: bool = False):
+    """[(kernel, label)] of `_quantize_qkv` at the shipped prologue configuration (bf16 input), without and with
+    the stats folded in. Sequence lengths carry no divisibility (as at Nk = 32760, Wan 480p); V's output strides
+    are those of its storage: (Dv, Nk) rows when the attention wants V transposed, else (Nk, Dv)."""
     from ..backends.triton import prologue as p
-    from ..backends.triton.configs import prologue_config
-
-    from ..backends.triton.configs import attention_config
+    from ..backends.triton.configs import attention_config, prologue_config
 
     cfg = prologue_config(arch)
     dv = v_head_dim or head_dim
     out_t = attention_config(arch, max(head_dim, dv), pv).v_transposed  # V stored (Dv, Nk) for the attention
     d_pad, dv_pad = padded_head_dim(head_dim), padded_head_dim(dv)
-    reports = []
     sv = " smooth_v" if smooth_v else ""
     v_out = "*fp8e4nv" if pv == "fp8" else "*fp16"
     sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KSUM": "*fp64", "VMAX": "*fp32", "VSUM": "*fp64",
@@ -214,19 +214,50 @@ def compile_prologue(arch: str, head_dim: int, pv: str, v_head_dim: Optional[int
         for dim in "bhn":
             sig[f"s{t}{dim}"] = "i32"
         sig[f"s{t}d"] = "constexpr"
+    v_unit = "son" if out_t else "sod"  # the unit stride of V's storage
+    sig["son"], sig["sod"], sig["sks"] = "i32", "i32", "i32"
+    sig[v_unit] = "constexpr"
     for name in ("Hq", "Hkv", "Nq", "Nk", "n_chunks", "q_blocks", "k_blocks", "v_blocks", "q_programs",
                  "k_programs"):
         sig[name] = "i32"
-    consts = {"sqd": 1, "skd": 1, "svd": 1, "sod": 1, "D": head_dim, "D_PAD": d_pad, "DV": dv,
+    consts = {"sqd": 1, "skd": 1, "svd": 1, v_unit: 1, "D": head_dim, "D_PAD": d_pad, "DV": dv,
               "DV_PAD": dv_pad, "QK_BLOCK": cfg.block_n, "V_BLOCK": cfg.block_n, "PER_BLOCK": False,
               "HAS_MEAN": True, "PV_FP8": pv == "fp8", "OUT_T": out_t, "FOLD_STATS": False,
               "STATS_CH": p.STATS_CH, "SMOOTH_V": smooth_v, "INTERPRETER": False}
     sig.update({k: "constexpr" for k in consts})
+    kernels = []
     for fold in (False, True):
         consts["FOLD_STATS"] = fold
         k = _compile(p._quantize_qkv, sig, consts, arch, cfg.num_warps, 1)
         vt = " V^T" if out_t else ""
-        reports.append(_report(k, f"quantize_qkv D{head_dim}/{dv} {pv}{vt}{' fold' if fold else ''}{sv}", arch))
+        kernels.append((k, f"quantize_qkv D{head_dim}/{dv} {pv}{vt}{' fold' if fold else ''}{sv}"))
+    return kernels
+
+
+def narrow_stores(arch: str, head_dim: int, pv: str) -> Dict[str, int]:
+    """8- and 16-bit global stores per `_quantize_qkv` variant for `arch` (gfx12 or "sm_90"): the quantized
+    outputs are rows of 16-byte multiples, so no store should be narrower than 32 bits; one that is means
+    Triton could not vectorize it."""
+    pattern = (r"\b(?:global|buffer)_store_(?:b8|b16|byte|short|d16\w*)\b" if arch.startswith("gfx")
+               else r"\bst\.global(?:\.\w+)*\.[bsuf](?:8|16)\b")
+    out = {}
+    for kernel, label in _quantize_kernels(arch, head_dim, pv):
+        asm = kernel.asm["amdgcn"] if arch.startswith("gfx") else kernel.asm["ptx"]
+        out[label] = len(re.findall(pattern, asm))
+    return out
+
+
+def compile_prologue(arch: str, head_dim: int, pv: str, v_head_dim: Optional[int] = None,
+                     smooth_v: bool = False) -> List[KernelReport]:
+    """The prologue's kernels at the shipped configuration (bf16 input), as reports (gfx12 only)."""
+    from ..backends.triton import prologue as p
+    from ..backends.triton.configs import prologue_config
+
+    cfg = prologue_config(arch)
+    dv = v_head_dim or head_dim
+    d_pad, dv_pad = padded_head_dim(head_dim), padded_head_dim(dv)
+    sv = " smooth_v" if smooth_v else ""
+    reports = [_report(k, label, arch) for k, label in _quantize_kernels(arch, head_dim, pv, v_head_dim, smooth_v)]
     sig = {"K": "*bf16", "V": "*bf16", "KSUM": "*fp64", "VMAX": "*fp32", "VSUM": "*fp64", "VMIN": "*fp32",
            "skb": "i32", "skh": "i32", "skn": "i32", "skd": "constexpr",
            "svb": "i32", "svh": "i32", "svn": "i32", "svd": "constexpr", "Hkv": "i32", "Nk": "i32", "n_chunks": "i32"}

@@ -157,7 +157,7 @@ def _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, lo, hi,
 
 @triton.jit
 def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE,
-                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, svd, sob, soh, son,
+                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, svd, sob, soh, son, sks,
                    Hq, Hkv, Nq, Nk,
                    KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                    DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -172,7 +172,7 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE,
     hk = h // KV_GROUP
     b64, h64, hk64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64)
     q_row0 = (b64 * Hq + h64) * Nq   # (B, Hq, Nq) scales / LSE
-    k_row0 = (b64 * Hkv + hk64) * Nk  # (B, Hkv, Nk) scales
+    k_row0 = (b64 * Hkv + hk64) * sks  # (B, Hkv, Nk) scales, rows sks apart (the prologue may pad them)
 
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -245,6 +245,18 @@ def attention_launch(b: int, hq: int, nq: int, d: int, hkv: int, dv: int, config
     return grid, meta
 
 
+def _scale_row_stride(scales: torch.Tensor) -> Optional[int]:
+    """The distance between consecutive (batch, head) rows of (B, H, N) scales, or None when the rows are not
+    unit-stride and evenly spaced (the kernel addresses row b * H + h at that multiple)."""
+    b, h, n = scales.shape
+    s0, s1, s2 = scales.stride()
+    if n > 1 and s2 != 1:
+        return None
+    if h > 1:
+        return s1 if b == 1 or s0 == h * s1 else None
+    return s0 if b > 1 else n
+
+
 def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: AttentionConfig,
                                     is_causal: bool = False, return_lse: bool = False,
                                     out_dtype: torch.dtype = torch.float16,
@@ -263,6 +275,9 @@ def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: 
     for name, strides in (("q8", q_strides), ("k8", k_strides)):
         if strides[-1] != 1:
             raise ValueError(f"{name} must have a contiguous last dim")
+    ks_row = _scale_row_stride(qq.k_scale)
+    if ks_row is None or not qq.q_scale.is_contiguous():
+        raise ValueError("q_scale must be contiguous and k_scale's (B, Hkv, Nk) rows unit-stride and evenly spaced")
     v_t = v_strides[-2] == 1 and v_strides[-1] != 1  # the (Dv, Nk) storage the Hopper config asks for
     device = q8.device
     if out is None:
@@ -278,7 +293,7 @@ def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: 
     tensors = (q8, qq.q_scale, k8, qq.k_scale, v, qq.v_scale, qq.v_mean if has_vmean else qq.v_scale, out,
                lse if return_lse else qq.q_scale)
     # Triton specializes on each tensor's dtype and alignment and on the strides (the sizes are in the plan).
-    key = (tuple(tensor_key(t) for t in tensors), q_strides, k_strides, v_strides, o_strides)
+    key = (tuple(tensor_key(t) for t in tensors), q_strides, k_strides, v_strides, o_strides, ks_row)
     launch(_sage_attn_fwd, grid, (*tensors, *q_strides[:3], *k_strides[:3], *v_strides, *o_strides[:3],
-                                  hq, hkv, nq, nk), meta, key)
+                                  ks_row, hq, hkv, nq, nk), meta, key)
     return out, lse

@@ -146,7 +146,7 @@ class TritonBackend(Backend):
         else:
             qq = prologue.triton_quantize_qkv(q, k, v, sm_scale=sm_scale, smooth_k=call.smooth_k, pv=self.pv,
                                               qk_group=call.qk_group, v_transposed=cfg.v_transposed,
-                                              smooth_v=call.smooth_v, reuse_buffers=True)
+                                              smooth_v=call.smooth_v, reuse_buffers=True, pad_k_scale_rows=True)
         if call.smooth_v and qq.v_mean is None:
             # Never hand out an output that lacks V's mean: the prologue ignored smooth_v.
             raise RuntimeError(f"the {call.prologue} prologue returned no v_mean for a smooth_v call")

@@ -74,6 +74,10 @@ _RDNA4_GEOMETRY = {32: (128, 32, 8), 64: (128, 32, 8), 128: (128, 32, 8), 256: (
 #   reads FP8 V from LDS a byte at a time (ds_load_u8). V stored (Dv, Nk) ("v_transposed"), P converted with
 #   v_cvt_pk_fp8_f32 ("fp8_cvt_asm") and q's scale folded: D32 155 -> 45, D64 86 -> 21, D128 44 -> 13,
 #   D256 38 -> 12.6, VGPRs no higher (D128 212 -> 201, SGPR spills 4 -> 0), occupancy no lower (D64 9 -> 10).
+#   Then k_scale rows padded to 16 entries (prologue.py, pad_k_scale_rows), so each tile's scales are read 4 at a
+#   time whatever the key count: FP8 45 -> 33.9, 21 -> 17.2 (10 -> 12 waves), 13 -> 10.3, 12.6 -> 11.0; FP16 D32 /
+#   64 / 128 / 256 39.9 -> 31.3, 26.2 -> 20.3, 11.9 -> 9.3, 16.0 -> 14.4; no VGPRs more, occupancy no lower.
+#   (Before, only key counts that are multiples of 16, which Triton specializes on, got the wide reads.)
 #   FP16 P.V: V (Dv, Nk) at D32 44.6 -> 39.9 and D128 16.2 -> 11.9 at the same occupancy; at D64 (26.2 -> 20.1)
 #   and D256 (16.0 -> 12.5) it costs a wave per SIMD (12 -> 10, 8 -> 7), so those stay (Nk, Dv) until measured.
 #   Folding q's scale made FP16 D128 worse (16.2 -> 18.1): off for FP16.

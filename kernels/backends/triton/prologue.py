@@ -230,11 +230,11 @@ def _kv_finalize(KSUM, VMAX, VSUM, VMIN, KMEAN, VSCALE, VMEAN, n_chunks, Nk,
 
 
 @triton.jit
-def _int8_tile(X, mean, Q8, SCALE, mult, sxb, sxh, sxn, sxd, H, N, pid_bh, blk,
+def _int8_tile(X, mean, Q8, SCALE, mult, sxb, sxh, sxn, sxd, H, N, s_row, pid_bh, blk,
                D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr,
                PER_BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_MULT: tl.constexpr,
                INTERPRETER: tl.constexpr):
-    """INT8 codes and scales of BLOCK tokens of one (batch, head)."""
+    """INT8 codes and scales of BLOCK tokens of one (batch, head); a head's scales start s_row apart."""
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     offs_d = tl.arange(0, D_PAD)
@@ -258,7 +258,7 @@ def _int8_tile(X, mean, Q8, SCALE, mult, sxb, sxh, sxn, sxd, H, N, pid_bh, blk,
     q = tl.minimum(tl.maximum(_rint(y, INTERPRETER), -127.0), 127.0)
     row = pid_bh.to(tl.int64) * N + n
     tl.store(Q8 + row[:, None] * D + offs_d[None, :], q.to(tl.int8), mask=live)
-    tl.store(SCALE + row, tl.math.div_rn(amax, 127.0), mask=n < N)
+    tl.store(SCALE + pid_bh.to(tl.int64) * s_row + n, tl.math.div_rn(amax, 127.0), mask=n < N)
 
 
 @triton.jit
@@ -283,16 +283,20 @@ def _v_tile(V, scale, v_mean, VOUT, svb, svh, svn, svd, sob, soh, son, sod, H, N
     else:
         x = x.to(tl.float16)
     if OUT_T:
-        # (Dv, N) storage: transpose the tile so each thread writes along N (coalesced).
+        # (Dv, N) storage: transpose the tile so each thread writes along N (coalesced). Masked at N rounded up
+        # to 64, which the buffer's rows hold (allocate_buffers): a bound Triton can prove to be a multiple of
+        # 16 lets it store 16 bytes at once. Masked at N itself, an N that is not a multiple of 16 (Wan 480p's
+        # 32760) made every byte a store of its own: 5x slower on the H200. Past N it writes V's padding rows.
+        n_store = (N + 63) // 64 * 64
         out_ptr = VOUT + b * sob + h * soh + offs_d[:, None] * sod + n[None, :] * son
-        tl.store(out_ptr, tl.trans(x), mask=(offs_d[:, None] < DV) & (n[None, :] < N))
+        tl.store(out_ptr, tl.trans(x), mask=(offs_d[:, None] < DV) & (n[None, :] < n_store))
     else:
         tl.store(VOUT + b * sob + h * soh + n[:, None] * son + offs_d[None, :] * sod, x, mask=live)
 
 
 @triton.jit
 def _quantize_qkv(Q, K, V, KSUM, VMAX, VSUM, VMIN, KMEAN, VSCALE, VMEAN, Q8, QS, K8, KS, VOUT, mult,
-                  sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
+                  sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod, sks,
                   Hq, Hkv, Nq, Nk, n_chunks, q_blocks, k_blocks, v_blocks, q_programs, k_programs,
                   D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
                   QK_BLOCK: tl.constexpr, V_BLOCK: tl.constexpr, PER_BLOCK: tl.constexpr,
@@ -307,7 +311,7 @@ def _quantize_qkv(Q, K, V, KSUM, VMAX, VSUM, VMIN, KMEAN, VSCALE, VMEAN, Q8, QS,
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
     if pid < q_programs:
-        _int8_tile(Q, tl.zeros([D_PAD], dtype=tl.float32), Q8, QS, mult, sqb, sqh, sqn, sqd, Hq, Nq,
+        _int8_tile(Q, tl.zeros([D_PAD], dtype=tl.float32), Q8, QS, mult, sqb, sqh, sqn, sqd, Hq, Nq, Nq,
                    pid // q_blocks, pid % q_blocks, D, D_PAD, QK_BLOCK, PER_BLOCK, False, True, INTERPRETER)
     elif pid < q_programs + k_programs:
         p = pid - q_programs
@@ -325,7 +329,7 @@ def _quantize_qkv(Q, K, V, KSUM, VMAX, VSUM, VMIN, KMEAN, VSCALE, VMEAN, Q8, QS,
                 mean = tl.load(KMEAN + pid_bh.to(tl.int64) * D + offs_d, mask=offs_d < D, other=0.0)
         else:
             mean = tl.zeros([D_PAD], dtype=tl.float32)
-        _int8_tile(K, mean, K8, KS, 1.0, skb, skh, skn, skd, Hkv, Nk, pid_bh, blk,
+        _int8_tile(K, mean, K8, KS, 1.0, skb, skh, skn, skd, Hkv, Nk, sks, pid_bh, blk,
                    D, D_PAD, QK_BLOCK, PER_BLOCK, HAS_MEAN, False, INTERPRETER)
     else:
         p = pid - q_programs - k_programs
@@ -391,6 +395,7 @@ class PrologueLaunch:
     finalize_meta: Dict[str, object]
     v_dtype: torch.dtype
     v_store_shape: Optional[Tuple[int, ...]]  # (B, Hkv, Dv, Nk_pad) when V is stored transposed
+    k_scale_row: int  # entries per (batch, kv head) row of the k_scale storage: nk, or nk rounded up to 16
     quantize_grid: Tuple[int, ...]
     quantize_sizes: Tuple[int, ...]  # the runtime size arguments of _quantize_qkv, in order
     quantize_meta: Dict[str, object]
@@ -398,7 +403,8 @@ class PrologueLaunch:
 
 @functools.lru_cache(maxsize=256)
 def prologue_launch(b: int, hq: int, nq: int, d: int, hkv: int, nk: int, dv: int, arch: str, smooth_k: bool,
-                    smooth_v: bool, pv: str, qk_group: str, v_transposed: bool) -> PrologueLaunch:
+                    smooth_v: bool, pv: str, qk_group: str, v_transposed: bool,
+                    pad_k_scale_rows: bool = False) -> PrologueLaunch:
     """The launch geometry of `triton_quantize_qkv` for these shapes and options (the tensors' strides and
     data are passed per call)."""
     cfg = prologue_config(arch)
@@ -414,10 +420,15 @@ def prologue_launch(b: int, hq: int, nq: int, d: int, hkv: int, nk: int, dv: int
     v_store_shape = None
     if v_transposed:
         # 64-byte aligned rows; a row stride that is a multiple of 1 KiB is skewed by 64 bytes (at
-        # Wan 480p the 32 KiB power-of-two stride made the transposed stores twice as slow).
+        # Wan 480p the 32 KiB power-of-two stride made the transposed stores twice as slow). The quantize
+        # kernel writes each row up to nk rounded up to 64 (_v_tile).
         nk_pad = ceil_div(nk, 64) * 64
         nk_pad += 64 if nk_pad % 1024 == 0 else 0
         v_store_shape = (b, hkv, dv, nk_pad)  # the tail is never read
+    # k_scale rows padded to 16 entries (64 bytes): the attention kernel then knows each key tile's scales to be
+    # 16-byte aligned and reads them 4 at a time (gfx1201 key loop at Nk = 32760: 13.1 -> 10.2 non-WMMA
+    # instructions per v_wmma, FP8 D128). Only for the Triton attention's own call; others get contiguous scales.
+    k_scale_row = ceil_div(nk, 16) * 16 if pad_k_scale_rows else nk
     block = cfg.block_n if group == 1 else group
     vb = cfg.block_n
     q_blocks, k_blocks, v_blocks = ceil_div(nq, block), ceil_div(nk, block), ceil_div(nk, vb)
@@ -431,7 +442,7 @@ def prologue_launch(b: int, hq: int, nq: int, d: int, hkv: int, nk: int, dv: int
         stats_grid=(b * hkv, n_chunks), stats_meta=stats_meta, n_chunks=n_chunks, fold=fold,
         finalize_grid=(b * hkv,), finalize_meta=finalize_meta,
         v_dtype=torch.float8_e4m3fn if pv == "fp8" else torch.float16,
-        v_store_shape=v_store_shape, quantize_grid=(q_programs + k_programs + b * hkv * v_blocks,),
+        v_store_shape=v_store_shape, k_scale_row=k_scale_row, quantize_grid=(q_programs + k_programs + b * hkv * v_blocks,),
         quantize_sizes=(hq, hkv, nq, nk, n_chunks, q_blocks, k_blocks, v_blocks, q_programs, k_programs),
         quantize_meta=quantize_meta)
 
@@ -478,7 +489,7 @@ def allocate_buffers(plan: PrologueLaunch, shapes: Tuple[int, ...], dev: torch.d
         q8=torch.empty((b, hq, nq, d), dtype=torch.int8, device=dev),
         q_scale=torch.empty((b, hq, nq), dtype=f32, device=dev),
         k8=torch.empty((b, hkv, nk, d), dtype=torch.int8, device=dev),
-        k_scale=torch.empty((b, hkv, nk), dtype=f32, device=dev),
+        k_scale=torch.empty((b, hkv, plan.k_scale_row), dtype=f32, device=dev)[:, :, :nk],
         v_q=v_q)
 
 
@@ -487,11 +498,14 @@ WORKSPACES = WorkspaceCache()
 
 def triton_quantize_qkv(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: str = "fp8",
                         qk_group: str = "token", v_transposed: bool = False,
-                        smooth_v: bool = False, reuse_buffers: bool = False) -> quant.QuantizedQKV:
+                        smooth_v: bool = False, reuse_buffers: bool = False,
+                        pad_k_scale_rows: bool = False) -> quant.QuantizedQKV:
     """The spec's prologue as Triton kernels; returns what `quant.quantize_qkv_torch` returns.
 
-    `v_transposed=True` (internal to the Triton attention on Hopper) stores V as (B, Hkv, Dv, Nk_pad)
-    and hands out its (B, Hkv, Nk, Dv) transposed view; every other consumer gets contiguous V.
+    `v_transposed=True` (internal to the Triton attention where its config asks for it) stores V as
+    (B, Hkv, Dv, Nk_pad) and hands out its (B, Hkv, Nk, Dv) transposed view; every other consumer gets
+    contiguous V. `pad_k_scale_rows=True` (internal to the Triton attention too) stores k_scale with rows
+    padded to 16 entries and hands out its (B, Hkv, Nk) view.
     `reuse_buffers=True` (the backend's own path only) writes into this signature's kept workspace
     (workspace.py): the result is overwritten by the next such call on the same stream.
     """
@@ -502,7 +516,7 @@ def triton_quantize_qkv(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: 
     dev = q.device
     smooth_k, smooth_v = bool(smooth_k), bool(smooth_v)
     plan = prologue_launch(b, hq, nq, d, hkv, nk, dv, device_arch(dev.type, dev.index), smooth_k, smooth_v, pv,
-                           qk_group, bool(v_transposed))
+                           qk_group, bool(v_transposed), bool(pad_k_scale_rows))
     shapes = (b, hq, nq, d, hkv, nk, dv)
     if reuse_buffers:
         buf = WORKSPACES.get(plan, dev, lambda: allocate_buffers(plan, shapes, dev))
@@ -529,6 +543,6 @@ def triton_quantize_qkv(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: 
     launch(_quantize_qkv, plan.quantize_grid,
            (q, k, v, buf.ksum, buf.vmax, buf.vsum, buf.vmin, k_mean_arg, buf.v_scale, v_mean_arg, buf.q8,
             buf.q_scale, buf.k8, buf.k_scale, buf.v_q, quant.qk_multiplier(sm_scale), *q_strides, *k_strides,
-            *v_strides, *buf.v_q.stride(), *plan.quantize_sizes),
+            *v_strides, *buf.v_q.stride(), plan.k_scale_row, *plan.quantize_sizes),
            plan.quantize_meta, (tensor_key(q), q_strides, kv_key))
     return quant.QuantizedQKV(buf.q8, buf.q_scale, buf.k8, buf.k_scale, buf.v_q, buf.v_scale, buf.k_mean, buf.v_mean)
