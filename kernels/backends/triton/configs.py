@@ -99,16 +99,22 @@ for _d, (_bm, _bn, _w) in _RDNA4_GEOMETRY.items():
 # All attention alone, time / cuDNN SDPA, H200 (tools/triton_h200.py --sweep, tools/triton_config_sweep.py).
 # fold_q_scale (attention alone / cuDNN, H200, 2026-12-01, a one-off sweep of score-path variants): D128
 # Wan 480p fp8 1.06 -> 1.00, fp16 1.10 -> 1.06; Flux 1 MP fp8 1.29 -> 1.22, fp16 1.67 -> 1.34; D64 (SDXL)
-# slower, fp8 1.64 -> 1.80, fp16 1.59 -> 1.74, so D32/D64 keep the per-score multiply. Tried and dropped in the
+# slower at the D64 tiles of then (BM128 BN128 w8 for FP8), fp8 1.64 -> 1.80, fp16 1.59 -> 1.74 (D64 FP8 now folds
+# at other tiles, below). Tried and dropped in the
 # same sweep: int32 -> FP32 by the 1.5 * 2**23 bit trick instead of I2F (1.00 -> 1.08 at Wan 480p) and exp2 in
 # packed FP16 (1.14). Folding frees the BM x BN scale tile, so FP8 "imprecise_k" fits BM128 BN64 w4 again
 # (attention alone / cuDNN, Wan 480p / Flux 1 MP, the list in tools/triton_h200.py SWEEP): BM128 BN64 w4 s4
 # 0.94 / 1.19, s3 0.94 / 1.18, BM128 BN128 w8 s3 1.00 / 1.28, BN128 w8 s2 1.10 / 1.54, BM64 BN64 w4 1.09 / 1.33,
 # BN64 w8 1.16 / 1.51; diffuse + V offset rel L1 0.0020 for all. FP16 with the fold: BM128 BN64 w4 s4
 # 1.05 / 1.32 stays (s3 1.05 / 1.38, BN128 w8 1.15).
+# D64 FP8 (2026-12-01 second sweep, attention alone / cuDNN, SDXL B2 H10 N4096 / B1 H10 N4096 / SD1.5's D40 B2 H8
+# N4096, `.exp`-style one-off runs of tools/triton_config_sweep.py's method): BM128 BN128 w8 s3 1.64 / 1.45 / 2.46
+# -> BM128 BN64 w4 s4 with the folded q scale 1.31 / 1.42 / 1.69 (one warpgroup per CTA, two CTAs per SM instead of
+# one; diffuse + V offset rel L1 0.0016, was 0.0018). BM64 BN64 w4 s4 folded: 1.25 / 1.15 / 1.96 (not taken: SD1.5).
+# D64 FP16 with the fold: 1.56 / 1.55 / 2.02 against 1.50 / 1.64 / 2.22 unfolded: mixed, left as it was.
 _HOPPER: Dict[Tuple[int, str], AttentionConfig] = {
     (32, "fp8"): AttentionConfig(128, 128, 8, 3, True, "imprecise_k"),
-    (64, "fp8"): AttentionConfig(128, 128, 8, 3, True, "imprecise_k"),
+    (64, "fp8"): AttentionConfig(128, 64, 4, 4, True, "imprecise_k", fold_q_scale=True),
     (128, "fp8"): AttentionConfig(128, 64, 4, 4, True, "imprecise_k", fold_q_scale=True),
     (256, "fp8"): AttentionConfig(64, 64, 4, 2, True, "imprecise_k", fold_q_scale=True),
     (32, "fp16"): AttentionConfig(128, 64, 4, 4),
