@@ -426,7 +426,7 @@ def prologue_launch(b: int, hq: int, nq: int, d: int, hkv: int, nk: int, dv: int
         nk_pad += 64 if nk_pad % 1024 == 0 else 0
         v_store_shape = (b, hkv, dv, nk_pad)  # the tail is never read
     # k_scale rows padded to 16 entries (64 bytes): the attention kernel then knows each key tile's scales to be
-    # 16-byte aligned and reads them 4 at a time (gfx1201 key loop at Nk = 32760: 13.1 -> 10.2 non-WMMA
+    # 16-byte aligned and reads them 4 at a time (gfx1201 key loop at Nk = 32760: 13.1 -> 10.3 non-WMMA
     # instructions per v_wmma, FP8 D128). Only for the Triton attention's own call; others get contiguous scales.
     k_scale_row = ceil_div(nk, 16) * 16 if pad_k_scale_rows else nk
     block = cfg.block_n if group == 1 else group
@@ -442,7 +442,8 @@ def prologue_launch(b: int, hq: int, nq: int, d: int, hkv: int, nk: int, dv: int
         stats_grid=(b * hkv, n_chunks), stats_meta=stats_meta, n_chunks=n_chunks, fold=fold,
         finalize_grid=(b * hkv,), finalize_meta=finalize_meta,
         v_dtype=torch.float8_e4m3fn if pv == "fp8" else torch.float16,
-        v_store_shape=v_store_shape, k_scale_row=k_scale_row, quantize_grid=(q_programs + k_programs + b * hkv * v_blocks,),
+        v_store_shape=v_store_shape, k_scale_row=k_scale_row,
+        quantize_grid=(q_programs + k_programs + b * hkv * v_blocks,),
         quantize_sizes=(hq, hkv, nq, nk, n_chunks, q_blocks, k_blocks, v_blocks, q_programs, k_programs),
         quantize_meta=quantize_meta)
 
