@@ -6,29 +6,36 @@ of the kernel serialised), disassembles the cubin with Triton's nvdisasm and pri
 warpgroup MMAs, its instruction count and mix, and how the wgmma waits are spread (`WARPGROUP.DEPBAR.LE gsb0,
 N`: N > 0 would mean a wgmma still runs while other work is issued).
 
-    python tools/sm90_sass.py [--head-dims 64,128] [--pv fp8,fp16] [--config BM,BN,WARPS,STAGES,ACC[,fold]]
+    python kernels/verify/sm90_sass.py [--head-dims 64,128] [--pv fp8,fp16] [--config BM,BN,WARPS,STAGES,ACC[,fold]]
 
 2026-12-01, Triton 3.6: every shipped entry is serialised by ptxas (C7514) and every wait is `gsb0, 0x0`; the
 "split" accumulation forms are not serialised, but were slower where they fit (README, "Measured").
 """
 import argparse
 import collections
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 import tempfile
 
-from pack_loader import load_pack
+if __package__:
+    from ..backends.triton.configs import AttentionConfig, attention_config
+    from . import triton_aot
+else:  # run as a script: load the repo as the pack through benchmark.py's loader
+    _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    _spec = importlib.util.spec_from_file_location("_sage_rdna4_entry", os.path.join(_ROOT, "benchmark.py"))
+    _entry = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_entry)
+    _entry.load_pack()
+    from comfyui_sage_rdna4.kernels.backends.triton.configs import AttentionConfig, attention_config
+    from comfyui_sage_rdna4.kernels.verify import triton_aot
 
-load_pack()
 
-import triton  # noqa: E402
-
-from comfyui_sage_rdna4.kernels.backends.triton.configs import AttentionConfig, attention_config  # noqa: E402
-from comfyui_sage_rdna4.kernels.verify import triton_aot  # noqa: E402
-
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+def _nvidia_bin(tool: str) -> str:
+    import triton  # only here: importing this module must not need triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
 INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", re.M)
 LABEL = re.compile(r"^\s*(\.L_x_\d+):\s*$\n\s*/\*([0-9a-f]{4,})\*/", re.M)
 
@@ -38,7 +45,7 @@ def ptxas_info(ptx: str) -> str:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        run = subprocess.run([os.path.join(BIN, "ptxas"), "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.o")],
+        run = subprocess.run([_nvidia_bin("ptxas"), "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.o")],
                              capture_output=True, text=True)
     return run.stderr
 
@@ -47,7 +54,7 @@ def disassemble(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([os.path.join(BIN, "nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([_nvidia_bin("nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
 
 
 def mma_loops(sass: str):
