@@ -287,7 +287,7 @@ SG_INLINE void pv_tile(f32x8* o, float alpha, const PFrag<D, true>& pf, const u8
       #pragma unroll
       for (int u = 0; u < 2; ++u) t[u] = wmma_fp8(mk_i32x2(a[u][m].z, a[u][m].w), pf.p[2 * m + 1], t[u]);
     }
-    sched_fence();
+    if (D != 64) sched_fence();  // D64: fences left out where clang-19 then schedules tighter (README, HIP kernels)
     #pragma unroll
     for (int u = 0; u < 2; ++u) pv_end(o[tt + u], t[u], alpha);
   }
@@ -371,7 +371,7 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
         for (int j = 0; j < 4; ++j)
           #pragma unroll
           for (int e = 0; e < 8; ++e) s[j][e] = unbias_dot(acc4[j][e]);
-        if (!(D == 64 && FP8PV)) sched_fence();  // FP8 D64: -1 instruction per tile without it (clang-19)
+        if (D != 64) sched_fence();  // D64: left out, as the fences marked D64 below (README, HIP kernels)
       }
       #pragma unroll
       for (int jj = 0; jj < G; ++jj) {
@@ -396,7 +396,7 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
     }
   }
   prefetch();
-  sched_fence();
+  if (!(D == 64 && !FP8PV)) sched_fence();  // FP16 D64: left out (README, HIP kernels)
   float mj[4];
   #pragma unroll
   for (int j = 0; j < 4; ++j)
@@ -428,9 +428,9 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
   }
   rs.l = fold_acc(rs.l, alpha, (part[0] + part[1]) + (part[2] + part[3]));  // VOP3: no copy on the back edge
   rs.m = m_new;
-  if (!(D == 64 && FP8PV)) sched_fence();  // FP8 D64: 7 waits fewer per tile without it (clang-19)
+  if (D != 64) sched_fence();  // D64: left out (FP8 D64: 7 waits fewer per tile, clang-19)
   pv_tile<D>(rs.o, alpha, pf, sm.vt, M::VT_STRIDE);
-  if (!(D == 64 && !FP8PV)) sched_fence();  // FP16 D64: the last folds may meet the loop's tail (-2, clang-19)
+  if (D != 64) sched_fence();  // D64: the last folds may meet the loop's tail (left out, README, HIP kernels)
 }
 
 
