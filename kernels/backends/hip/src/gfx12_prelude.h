@@ -132,12 +132,26 @@ SG_INLINE void block_sync() {
   __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
 #endif
 }
+// The same barrier for LDS reuse only, without the s_wait_loadcnt 0 that clang-19 puts before every barrier on
+// gfx12 (it does not model gfx12's barrier as one that may be passed with global loads in flight; later LLVM
+// does): the next key tile's global loads, issued before it, then stay in flight across it. Inline asm, so that
+// the compiler sees no barrier to wait for; the fences still order the LDS accesses around it.
+SG_INLINE void block_sync_lds() {
+#if __clang_major__ >= 19
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup", "local");
+  asm volatile("s_barrier_signal -1\n\ts_barrier_wait -1" ::: "memory");
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup", "local");
+#else
+  block_sync();
+#endif
+}
 #elif defined(SG_CUDA)
 SG_INLINE int tid_x() { return (int)threadIdx.x; }
 SG_INLINE int bid_x() { return (int)blockIdx.x; }
 SG_INLINE int bid_y() { return (int)blockIdx.y; }
 SG_INLINE int bid_z() { return (int)blockIdx.z; }
 SG_INLINE void block_sync() { __syncthreads(); }
+SG_INLINE void block_sync_lds() { __syncthreads(); }
 SG_INLINE void warp_sync() { __syncwarp(); }
 #else
 // sim_runtime.h (host only) defines these before including the kernels.
@@ -146,6 +160,7 @@ SG_INLINE int bid_x() { return sim_bid(0); }
 SG_INLINE int bid_y() { return sim_bid(1); }
 SG_INLINE int bid_z() { return sim_bid(2); }
 SG_INLINE void block_sync() { sim_block_sync(); }
+SG_INLINE void block_sync_lds() { sim_block_sync(); }
 SG_INLINE void warp_sync() { sim_warp_sync(); }
 #endif
 // Keeps the AMDGPU scheduler from hoisting one phase's LDS loads into another (register pressure).

@@ -44,13 +44,13 @@ template <int D, bool FP8PV, bool K_ONLY = false>
 SG_INLINE void stage_load(Stage<D, FP8PV>& st, const i8* kbase, const u8* vbase, const float* ksbase, int kt0, int Nk) {
   typedef Stage<D, FP8PV> S;
   const int t = tid_x();
-  {
+  auto load_k = [&] {
     const int row = imin(kt0 + t / 4, Nk - 1), col = (t % 4) * S::KB;
     const u32x4* src = (const u32x4*)(kbase + (u32)(row * D + col));
     #pragma unroll
     for (int i = 0; i < S::KB / 16; ++i) st.k[i] = src[i];
-  }
-  if (K_ONLY) return;
+  };
+  if (K_ONLY) { load_k(); return; }
   {
     const int kg = t / 16, cg = t % 16;
     #pragma unroll
@@ -64,6 +64,8 @@ SG_INLINE void stage_load(Stage<D, FP8PV>& st, const i8* kbase, const u8* vbase,
   }
   // Every thread loads a k_scale (4 threads per key) so that no lane-divergent branch is needed.
   st.ks = ksbase[(u32)imin(kt0 + (t & (BN - 1)), Nk - 1)];
+  sched_fence();
+  load_k();  // issued last, stored first (see stage_store)
 }
 
 // The same for a tile wholly inside [0, Nk) (no clamping), from per-lane byte offsets computed once before the
@@ -94,8 +96,6 @@ SG_INLINE void stage_load_whole(Stage<D, FP8PV>& st, StageOffsets& so, const i8*
   const u8* kst = (const u8*)uniform_ptr(ksbase + kt0);
   const u32x4* ksrc = (const u32x4*)(kt + so.k);
   #pragma unroll
-  for (int i = 0; i < S::KB / 16; ++i) st.k[i] = ksrc[i];
-  #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const u8* src = vt + so.v + j * D * VB;
     if (S::VW == 4) { u32x4 x = *(const u32x4*)src; st.v[j][0] = x.x; st.v[j][1] = x.y; st.v[j][2] = x.z; st.v[j][3] = x.w; }
@@ -103,6 +103,9 @@ SG_INLINE void stage_load_whole(Stage<D, FP8PV>& st, StageOffsets& so, const i8*
     else st.v[j][0] = *(const u32*)src;
   }
   st.ks = *(const float*)(kst + so.ks);
+  sched_fence();
+  #pragma unroll
+  for (int i = 0; i < S::KB / 16; ++i) st.k[i] = ksrc[i];  // issued last, stored first (see stage_store)
 }
 
 // Scores without an int -> float conversion. The Q.K chain starts from C = QK_BIAS (the bits of 1/(2 pi), an
@@ -125,6 +128,9 @@ SG_INLINE float unbias_dot(int biased_dot) {  // dot, exact
 SG_INLINE int vt_pos(int key) { return (key & ~24) | ((key & 8) << 1) | ((key & 16) >> 1); }
 
 // Registers -> LDS: K rows as they are, V transposed (4 keys x CPT channels per thread, v_perm).
+// The K rows are stored first and their global loads are issued last (stage_load, stage_load_whole): global loads
+// complete in order, so the one s_wait_loadcnt 0 before the K store covers the V rows and k_scale too, instead of
+// one partial wait per group (clang-19 schedules the V transposition first otherwise; the fence keeps this order).
 template <int D, bool FP8PV>
 SG_INLINE void stage_store(const Stage<D, FP8PV>& st, AttnSmem<D, FP8PV>& sm) {
   typedef Stage<D, FP8PV> S;
@@ -135,6 +141,7 @@ SG_INLINE void stage_store(const Stage<D, FP8PV>& st, AttnSmem<D, FP8PV>& sm) {
     #pragma unroll
     for (int i = 0; i < S::KB / 16; ++i) dst[i] = st.k[i];
   }
+  sched_fence();
   const int kg = t / 16, cg = t % 16, k0 = 4 * kg;
   #pragma unroll
   for (int w = 0; w < S::VW; ++w) {
@@ -280,7 +287,7 @@ SG_INLINE void pv_tile(f32x8* o, float alpha, const PFrag<D, true>& pf, const u8
       #pragma unroll
       for (int u = 0; u < 2; ++u) t[u] = wmma_fp8(mk_i32x2(a[u][m].z, a[u][m].w), pf.p[2 * m + 1], t[u]);
     }
-    sched_fence();
+    if (D != 64) sched_fence();  // D64: fences left out where clang-19 then schedules tighter (README, HIP kernels)
     #pragma unroll
     for (int u = 0; u < 2; ++u) pv_end(o[tt + u], t[u], alpha);
   }
@@ -358,13 +365,13 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
         if (i == 0) sched_fence();
         kq[i / 2][i % 2] = *(const u32x4*)(sm.ks + 16 * (j0 + i / 2) + 8 * h + 4 * (i % 2));
       }
-      sched_fence();
+      if (!(D == 64 && FP8PV)) sched_fence();  // FP8 D64: 4 instructions fewer per tile without it (clang-19)
       if (j0 == 0) {
         #pragma unroll
         for (int j = 0; j < 4; ++j)
           #pragma unroll
           for (int e = 0; e < 8; ++e) s[j][e] = unbias_dot(acc4[j][e]);
-        if (!(D == 64 && FP8PV)) sched_fence();  // FP8 D64: -1 instruction per tile without it (clang-19)
+        if (D != 64) sched_fence();  // D64: left out, as the fences marked D64 below (README, HIP kernels)
       }
       #pragma unroll
       for (int jj = 0; jj < G; ++jj) {
@@ -389,7 +396,7 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
     }
   }
   prefetch();
-  sched_fence();
+  if (!(D == 64 && !FP8PV)) sched_fence();  // FP16 D64: left out (README, HIP kernels)
   float mj[4];
   #pragma unroll
   for (int j = 0; j < 4; ++j)
@@ -421,9 +428,9 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
   }
   rs.l = fold_acc(rs.l, alpha, (part[0] + part[1]) + (part[2] + part[3]));  // VOP3: no copy on the back edge
   rs.m = m_new;
-  sched_fence();
+  if (D != 64) sched_fence();  // D64: left out (FP8 D64: 7 waits fewer per tile, clang-19)
   pv_tile<D>(rs.o, alpha, pf, sm.vt, M::VT_STRIDE);
-  if (!(D == 64 && !FP8PV)) sched_fence();  // FP16 D64: the last folds may meet the loop's tail (-2, clang-19)
+  if (D != 64) sched_fence();  // D64: the last folds may meet the loop's tail (left out, README, HIP kernels)
 }
 
 
@@ -475,7 +482,7 @@ SG_INLINE void attention(const i8* q8, const float* q_scale, const i8* k8, const
     block_sync();
     attend_tile<D, FP8PV, false>(rs, qf, sm, i * BN, Nk, causal,
                                  [&] { stage_load_whole<D, FP8PV>(st, so, kbase, vbase, ksbase, (i + 1) * BN); });
-    block_sync();
+    block_sync_lds();  // the next tile's global loads stay in flight across it
   }
   for (; i < n_tiles; ++i) {
     stage_store<D, FP8PV>(st, sm);
