@@ -80,6 +80,9 @@ _RDNA4_GEOMETRY = {32: (128, 32, 8), 64: (128, 32, 8), 128: (128, 32, 8), 256: (
 #   (Before, only key counts that are multiples of 16, which Triton specializes on, got the wide reads.)
 #   FP16 P.V: V (Dv, Nk) at D32 44.6 -> 39.9 and D128 16.2 -> 11.9 at the same occupancy; at D64 (26.2 -> 20.1)
 #   and D256 (16.0 -> 12.5) it costs a wave per SIMD (12 -> 10, 8 -> 7), so those stay (Nk, Dv) until measured.
+#   With the padded k_scale rows (2026-12-01): D64 itself would keep 12 waves (20.3 -> 15.3, VGPRs 111 -> 120), but
+#   SD1.5's D40, which shares the D64 entry, drops 12 -> 10 (20.9 -> 19.8), and waves_per_eu=12 costs 2-3
+#   instructions per v_wmma and spills the causal variant: still (Nk, Dv).
 #   Folding q's scale made FP16 D128 worse (16.2 -> 18.1): off for FP16.
 _RDNA4_FP16_V_T = (32, 128)
 # "software": convert P to FP8 with Triton's own code instead of v_cvt_pk_fp8_f32 (a way out should the inline
