@@ -6,7 +6,10 @@ power-of-two buckets of the query and key lengths) times, on that call's own ten
 candidate that accepts the call (`why_not(call) is None`, which runs a backend's first-use self-check):
 one untimed warm-up (compilation, caches), then up to TIMED_REPEATS repeats timed with CUDA events, the
 median kept. A candidate whose first timed repeat is over DROP_FACTOR x the fastest so far is not
-repeated. A quantized backend is taken only when it beats SDPA by QUANTIZED_MUST_BEAT: `auto` never
+repeated. When the fastest quantized candidate lands near the bar (CLOSE_CALL, a ratio to SDPA between
+0.90 and 1.03), it and SDPA are timed CLOSE_CALL_PAIRS more times, alternately, and the medians of all their
+repeats decide: a drift in the GPU's state while SDPA was measured first cannot then tip the choice.
+A quantized backend is taken only when it beats SDPA by QUANTIZED_MUST_BEAT: `auto` never
 picks one slower than exact attention on the measured shape. A candidate that raises while measured is
 left out with its reason; nothing here ever raises to the caller.
 
@@ -41,6 +44,8 @@ SDPA = "sdpa"
 TIMED_REPEATS = 3        # per candidate after its warm-up; the median is kept
 DROP_FACTOR = 3.0        # a first timed repeat over 3x the fastest so far ends that candidate's measuring
 QUANTIZED_MUST_BEAT = 0.97  # a quantized backend must run under 0.97x SDPA: exact attention wins ties and noise
+CLOSE_CALL = (0.90, 1.03)  # a best quantized ratio to SDPA in here is measured again, alternating with SDPA
+CLOSE_CALL_PAIRS = 4       # extra (SDPA, candidate) timings for such a close call
 FILE_FORMAT = 1
 
 # timer(fn, device) -> milliseconds of one call of fn; injectable so tests need no GPU.
@@ -356,7 +361,8 @@ class Autotuner:
         """Median ms per backend (SDPA first, the yardstick), failures by name, and whether one ran out of memory."""
         q, k, v = tensors
         device = q.device
-        timings: Dict[str, float] = {}
+        samples: Dict[str, List[float]] = {}
+        runs: Dict[str, Callable[[], object]] = {}
         failed: Dict[str, str] = {}
         transient = False
         best = math.inf
@@ -365,24 +371,45 @@ class Autotuner:
                 def run(backend=backend):
                     return backend(q, k, v, call, sm_scale, attn_mask)
                 try:
-                    ms = self._median_ms(run, device, best)
+                    times = self._timed_repeats(run, device, best)
                 except Exception as exc:
                     transient |= isinstance(exc, torch.cuda.OutOfMemoryError)
                     failed[backend.name] = f"failed while auto measured it: {type(exc).__name__}: {exc}"
                     if backend.name == SDPA:
                         break  # without the yardstick nothing can be judged
                     continue
-                timings[backend.name] = ms
-                best = min(best, ms)
+                samples[backend.name], runs[backend.name] = times, run
+                best = min(best, statistics.median(times))
+            close = self._close_call(samples)
+            if close is not None:
+                try:
+                    for _ in range(CLOSE_CALL_PAIRS):
+                        for name in (SDPA, close):
+                            samples[name].append(self.timer(runs[name], device))
+                except Exception as exc:  # it ran before: keep what was measured then, and say why it stopped
+                    transient |= isinstance(exc, torch.cuda.OutOfMemoryError)
+                    log.info("auto's second measurement of %s stopped: %s: %s", close, type(exc).__name__, exc)
+        timings = {name: statistics.median(times) for name, times in samples.items()}
         return timings, failed, transient
 
-    def _median_ms(self, run, device, best: float) -> float:
+    @staticmethod
+    def _close_call(samples: Dict[str, List[float]]) -> Optional[str]:
+        """The fastest quantized backend when its ratio to SDPA lies within CLOSE_CALL, else None."""
+        if SDPA not in samples:
+            return None
+        sdpa_ms = statistics.median(samples[SDPA])
+        quantized = [(statistics.median(times), name) for name, times in samples.items() if name != SDPA]
+        if not quantized or sdpa_ms <= 0:
+            return None
+        ms, name = min(quantized)
+        return name if CLOSE_CALL[0] <= ms / sdpa_ms <= CLOSE_CALL[1] else None
+
+    def _timed_repeats(self, run, device, best: float) -> List[float]:
         run()  # warm-up: compilation and caches, not timed (its time says nothing of the steady state)
         first = self.timer(run, device)
         if first > DROP_FACTOR * best:
-            return first  # clearly slower: one repeat is enough to rank it
-        times = [first] + [self.timer(run, device) for _ in range(TIMED_REPEATS - 1)]
-        return statistics.median(times)
+            return [first]  # clearly slower: one repeat is enough to rank it
+        return [first] + [self.timer(run, device) for _ in range(TIMED_REPEATS - 1)]
 
     # -- one call ----------------------------------------------------------------------------------
     @staticmethod

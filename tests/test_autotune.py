@@ -110,6 +110,60 @@ def test_a_candidate_far_slower_is_timed_once_only():
     assert clock.timed.count("triton_int8_fp16") == autotune.TIMED_REPEATS
 
 
+def test_a_close_call_is_timed_again_alternating_with_sdpa():
+    backends, clock, tuner = setup({"sdpa": 10.0, "triton_int8_fp8": 9.5, "triton_int8_fp16": 12.0})
+    qkv = tensors()
+    backend, _, decision = choose(tuner, backends, gpu_call(qkv), qkv)
+    pairs = autotune.CLOSE_CALL_PAIRS
+    assert clock.timed[-2 * pairs:] == ["sdpa", "triton_int8_fp8"] * pairs
+    assert len(clock.timed) == 3 * autotune.TIMED_REPEATS + 2 * pairs
+    assert backend.name == "triton_int8_fp8" and decision.ratio("triton_int8_fp8") == pytest.approx(0.95)
+
+
+class DriftingClock(Clock):
+    """Each backend's times in turn (the last one repeats): a GPU whose state drifts while it is measured."""
+
+    def __call__(self, fn, device):
+        fn()
+        name = self.ran[-1]
+        self.timed.append(name)
+        seq = self.times[name]
+        return seq[min(self.timed.count(name), len(seq)) - 1]
+
+
+def test_a_drift_while_sdpa_was_measured_first_cannot_tip_a_close_call():
+    """SDPA's first three repeats are 6 % slow (clocks still rising); the candidate's 9.6 ms looks like 0.92x then,
+    but against SDPA's settled 9.8 ms it is 0.98x: not under the bar, so SDPA stays."""
+    backends, _, tuner = setup({"sdpa": 9.8, "triton_int8_fp8": 9.6})
+    ran = backends["sdpa"].ran
+    clock = DriftingClock(ran, {"sdpa": [10.4, 10.4, 10.4, 9.8], "triton_int8_fp8": [9.6]})
+    tuner = autotune.Autotuner(timer=clock, store=autotune.DecisionStore(enabled=False), enabled=True)
+    qkv = tensors()
+    backend, _, decision = choose(tuner, backends, gpu_call(qkv), qkv)
+    assert backend.name == "sdpa", decision.summary
+    assert decision.timings["sdpa"] == pytest.approx(9.8)
+    assert decision.best_quantized == ("triton_int8_fp8", pytest.approx(9.6 / 9.8))
+
+
+def test_a_candidate_that_fails_when_timed_again_keeps_its_first_measurement():
+    backends, clock, tuner = setup({"sdpa": 10.0, "triton_int8_fp8": 9.0})
+    fp8 = backends["triton_int8_fp8"]
+    calls = []
+
+    def flaky(q, k, v, call, sm_scale, attn_mask):
+        calls.append(1)
+        if len(calls) > 1 + autotune.TIMED_REPEATS:  # the warm-up and the first repeats pass
+            raise RuntimeError("out of luck")
+        fp8.ran.append(fp8.name)
+        return q.clone(), None
+
+    fp8.launch = flaky
+    qkv = tensors()
+    backend, _, decision = choose(tuner, backends, gpu_call(qkv), qkv)
+    assert backend.name == "triton_int8_fp8" and decision.ratio("triton_int8_fp8") == pytest.approx(0.9)
+    assert decision.failed == {}
+
+
 def test_a_candidate_that_raises_or_refuses_is_left_out_with_its_reason():
     backends, clock, tuner = setup({"sdpa": 10.0, "hip_int8_fp8": 1.0, "triton_int8_fp8": 2.0, "triton_int8_fp16": 4.0},
                                    refuse={"hip_int8_fp8": "hiprtc not found"},
