@@ -12,6 +12,8 @@ SDPA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def sdpa_hnd(q, k, v, sm_scale, attn_mask=None, is_causal=False):
     """SDPA on HND tensors with GQA expanded by view when this torch has no enable_gqa."""
+    if attn_mask is None and k.shape[1] == q.shape[1]:  # the common call: nothing to adapt
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=sm_scale)
     kwargs = {}
     if k.shape[1] != q.shape[1]:
         kwargs["enable_gqa"] = True
@@ -51,8 +53,6 @@ class SdpaBackend(Backend):
             # query row comes out as zeros); exact attention keeps them visible. CPU is no speed path.
             out, _ = exact_attention(q, k, v, is_causal=call.is_causal, sm_scale=sm_scale, attn_mask=attn_mask)
             return out.to(q.dtype), None
-        if attn_mask is None and call.kv_heads == call.q_heads:  # the common call: nothing for sdpa_hnd to adapt
-            return F.scaled_dot_product_attention(q, k, v, is_causal=call.is_causal, scale=sm_scale), None
         return sdpa_hnd(q, k, v, sm_scale, attn_mask, call.is_causal), None
 
 
