@@ -4,10 +4,11 @@ The static preference list (registry.auto_order) is a guess made on other GPUs. 
 the first call of each kind (TuneKey: dtype, head dims, causal, GQA, mask kind, quantization options and
 power-of-two buckets of the query and key lengths) times, on that call's own tensors, SDPA and every
 candidate that accepts the call (`why_not(call) is None`, which runs a backend's first-use self-check):
-one untimed warm-up (compilation, caches), then up to TIMED_REPEATS repeats timed with CUDA events, the
-median kept. A candidate whose first timed repeat is over DROP_FACTOR x the fastest so far is not
-repeated. When the fastest quantized candidate lands near the bar (CLOSE_CALL, a ratio to SDPA between
-0.90 and 1.03), it and SDPA are timed CLOSE_CALL_PAIRS more times, alternately, and the medians of all their
+one untimed warm-up (compilation, caches), SETTLE_MS of calls whose times are not kept (the GPU's clocks
+settle to this backend's load), then up to TIMED_REPEATS repeats timed with CUDA events, the median kept. A
+candidate whose first timed repeat is over DROP_FACTOR x the fastest so far is not repeated. When the
+fastest quantized candidate lands near the bar (CLOSE_CALL, a ratio to SDPA between 0.90 and 1.03), it and
+SDPA are timed CLOSE_CALL_TURNS more times in turns, each turn settled first, and the medians of all their
 repeats decide: a drift in the GPU's state while SDPA was measured first cannot then tip the choice.
 A quantized backend is taken only when it beats SDPA by QUANTIZED_MUST_BEAT: `auto` never
 picks one slower than exact attention on the measured shape. A candidate that raises while measured is
@@ -41,11 +42,18 @@ log = logging.getLogger(__name__)
 ENV = "SAGE_RDNA4_AUTOTUNE"              # "0": no measuring, the static order decides
 CACHE_ENV = "SAGE_RDNA4_AUTOTUNE_CACHE"  # "0": decisions are kept in memory only
 SDPA = "sdpa"
-TIMED_REPEATS = 3        # per candidate after its warm-up; the median is kept
+TIMED_REPEATS = 3        # per candidate after its warm-up and settling; the median is kept
 DROP_FACTOR = 3.0        # a first timed repeat over 3x the fastest so far ends that candidate's measuring
 QUANTIZED_MUST_BEAT = 0.97  # a quantized backend must run under 0.97x SDPA: exact attention wins ties and noise
-CLOSE_CALL = (0.90, 1.03)  # a best quantized ratio to SDPA in here is measured again, alternating with SDPA
-CLOSE_CALL_PAIRS = 4       # extra (SDPA, candidate) timings for such a close call
+CLOSE_CALL = (0.90, 1.03)  # a best quantized ratio to SDPA in here is measured again, in turns with SDPA
+CLOSE_CALL_TURNS = 2       # extra settled (SDPA, candidate) timings for such a close call
+# Before its timed calls a backend runs, timed but not kept, until SETTLE_MS of its own GPU time have passed
+# (at least SETTLE_CALLS[0] calls, at most SETTLE_CALLS[1]): the GPU's clocks follow the power drawn by what ran
+# before. H200, Wan 480p, single calls: right after SDPA the FP8 kernel took 42.5 then 38.9, 37.2, 37.6 ms; right
+# after the quantized kernels SDPA took 35.8 then 38.9 ms. Timed at once, or alternating call by call, auto read
+# the FP8 kernel as 1.10x and 1.23x SDPA where it runs at 0.95x.
+SETTLE_MS = 100.0
+SETTLE_CALLS = (1, 20)
 FILE_FORMAT = 1
 
 # timer(fn, device) -> milliseconds of one call of fn; injectable so tests need no GPU.
@@ -383,8 +391,9 @@ class Autotuner:
             close = self._close_call(samples)
             if close is not None:
                 try:
-                    for _ in range(CLOSE_CALL_PAIRS):
+                    for _ in range(CLOSE_CALL_TURNS):
                         for name in (SDPA, close):
+                            self._settle(runs[name], device)
                             samples[name].append(self.timer(runs[name], device))
                 except Exception as exc:  # it ran before: keep what was measured then, and say why it stopped
                     transient |= isinstance(exc, torch.cuda.OutOfMemoryError)
@@ -404,8 +413,18 @@ class Autotuner:
         ms, name = min(quantized)
         return name if CLOSE_CALL[0] <= ms / sdpa_ms <= CLOSE_CALL[1] else None
 
+    def _settle(self, run, device) -> int:
+        """Runs `run` until SETTLE_MS of its GPU time have passed (SETTLE_CALLS bounds the count); returns the
+        number of calls."""
+        elapsed, calls = 0.0, 0
+        while calls < SETTLE_CALLS[0] or (elapsed < SETTLE_MS and calls < SETTLE_CALLS[1]):
+            elapsed += self.timer(run, device)
+            calls += 1
+        return calls
+
     def _timed_repeats(self, run, device, best: float) -> List[float]:
         run()  # warm-up: compilation and caches, not timed (its time says nothing of the steady state)
+        self._settle(run, device)
         first = self.timer(run, device)
         if first > DROP_FACTOR * best:
             return [first]  # clearly slower: one repeat is enough to rank it
