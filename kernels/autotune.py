@@ -413,14 +413,12 @@ class Autotuner:
         ms, name = min(quantized)
         return name if CLOSE_CALL[0] <= ms / sdpa_ms <= CLOSE_CALL[1] else None
 
-    def _settle(self, run, device) -> int:
-        """Runs `run` until SETTLE_MS of its GPU time have passed (SETTLE_CALLS bounds the count); returns the
-        number of calls."""
+    def _settle(self, run, device) -> None:
+        """Runs `run` until SETTLE_MS of its GPU time have passed (SETTLE_CALLS bounds the count)."""
         elapsed, calls = 0.0, 0
         while calls < SETTLE_CALLS[0] or (elapsed < SETTLE_MS and calls < SETTLE_CALLS[1]):
             elapsed += self.timer(run, device)
             calls += 1
-        return calls
 
     def _timed_repeats(self, run, device, best: float) -> List[float]:
         run()  # warm-up: compilation and caches, not timed (its time says nothing of the steady state)

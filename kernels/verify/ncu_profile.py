@@ -149,14 +149,11 @@ def _child(args) -> int:
 
 
 def _load_pack():
-    if "comfyui_sage_rdna4" in sys.modules:
-        return
-    import importlib.util
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location("_sage_rdna4_entry", os.path.join(root, "benchmark.py"))
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
-    entry.load_pack()
+    """The repo as the pack, with the tools' loader (this file may run as a script in the child)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "tools"))
+    from pack_loader import load_pack
+    load_pack()
 
 
 def profile(args) -> int:

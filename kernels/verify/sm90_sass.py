@@ -14,7 +14,6 @@ the causes and the un-serialised variants tried; kernels/verify/ncu_profile.py s
 """
 import argparse
 import collections
-import importlib.util
 import os
 import re
 import subprocess
@@ -24,12 +23,11 @@ import tempfile
 if __package__:
     from ..backends.triton.configs import AttentionConfig, attention_config
     from . import triton_aot
-else:  # run as a script: load the repo as the pack through benchmark.py's loader
-    _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    _spec = importlib.util.spec_from_file_location("_sage_rdna4_entry", os.path.join(_ROOT, "benchmark.py"))
-    _entry = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_entry)
-    _entry.load_pack()
+else:  # run as a script: load the repo as the pack with the tools' loader
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "tools"))
+    from pack_loader import load_pack
+    load_pack()
     from comfyui_sage_rdna4.kernels.backends.triton.configs import AttentionConfig, attention_config
     from comfyui_sage_rdna4.kernels.verify import triton_aot
 
