@@ -272,6 +272,26 @@ def test_diffuse_voffset_is_judged_by_rel_l1_not_cosine():
     assert benchmark.accuracy_problem(dict(row, quantized=False, rel_l1=0.5)) is None
 
 
+def test_regional_voffset_inputs_are_what_they_say():
+    """Each query weighs its own run of keys most (~0.9), and V's offsets differ between runs, so a global channel
+    mean (smooth_v) cannot take them out: the case that broke FP8 "mma" accumulation with smooth_v on the H200."""
+    shape = benchmark.Shape("r", 1, 2, 2048, 64, "float32")
+    q, k, v = benchmark.make_inputs(shape, torch.device("cpu"), kind="regional_voffset")
+    again = benchmark.make_inputs(shape, torch.device("cpu"), kind="regional_voffset")
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), again))  # deterministic per seed
+    p = torch.softmax(q @ k.transpose(-1, -2) / 8, dim=-1)
+    run = torch.arange(2048) * benchmark.REGIONS // 2048
+    own = (p * (run[:, None] == run[None, :])).sum(-1)
+    assert 0.8 < float(own.mean()) < 0.95 and float(p.max()) < 0.1  # mostly its own run, yet diffuse within it
+    run_means = v.reshape(1, 2, benchmark.REGIONS, -1, 64).mean(dim=3)  # (B, H, runs, D)
+    residual = run_means - v.mean(dim=2, keepdim=True)  # what is left after smooth_v's global mean
+    assert float(residual.abs().mean()) > 1.5
+    row = dict(status="ok", quantized=True, finite=True, inputs="regional_voffset", cos=0.99999, rel_l1=0.05,
+               shape="s:regional_voffset", backend="x")
+    assert "rel L1 0.0500 > 0.02" in benchmark.accuracy_problem(row)
+    assert benchmark.accuracy_problem(dict(row, rel_l1=0.003, cos=0.98)) is None  # cosine does not judge it
+
+
 def test_inputs_and_smooth_v_reach_the_rows(capsys):
     code, out, _ = main(capsys, *TINY, "--backends", "reference", "--inputs", "diffuse_voffset", "--smooth-v")
     assert code == 0, out

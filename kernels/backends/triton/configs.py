@@ -116,8 +116,9 @@ for _d, (_bm, _bn, _w) in _RDNA4_GEOMETRY.items():
 # one; diffuse + V offset rel L1 0.0016, was 0.0018). BM64 BN64 w4 s4 folded: 1.25 / 1.15 / 1.96 (not taken: SD1.5).
 # D64 FP16 with the fold: 1.56 / 1.55 / 2.02 against 1.50 / 1.64 / 2.22 unfolded: mixed, left as it was.
 # Why none of these overlaps MMA with the softmax, and what un-serialised variants measured (FP8 "mma" with the
-# key loop assumed non-empty 0.87x at Wan 480p but rel L1 0.47; periodic FP32 flushes, two 64-row halves, BM64
-# "split", FP16 un-serialised: all slower than the entries below): README, "Measured" (2026-12-01, ncu_profile.py).
+# key loop assumed non-empty 0.87x at Wan 480p but rel L1 0.47, and with smooth_v still 0.10 on regional V offsets,
+# benchmark.py's regional_voffset; periodic FP32 flushes, two 64-row halves, BM64 "split", FP16 un-serialised: all
+# slower than the entries below): README, "Measured" (2026-12-01, ncu_profile.py).
 _HOPPER: Dict[Tuple[int, str], AttentionConfig] = {
     (32, "fp8"): AttentionConfig(128, 128, 8, 3, True, "imprecise_k"),
     (64, "fp8"): AttentionConfig(128, 64, 4, 4, True, "imprecise_k", fold_q_scale=True),
