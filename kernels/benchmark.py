@@ -122,6 +122,20 @@ class Timing:
     high: float    # the slowest repeat
     reps: int
     host: Optional[float] = None  # median ms the host spent issuing one call, without waiting for the device
+    clock_mhz: Optional[float] = None  # median SM clock read while the repeats ran (None: not readable here)
+
+
+def sm_clock_mhz(device: torch.device) -> Optional[float]:
+    """The GPU's current SM clock in MHz as torch reads it (NVML on NVIDIA, amdsmi on AMD), or None where it
+    cannot be read (no such library, no GPU). Under a power cap the clock follows the power drawn, so a
+    kernel that draws less runs faster per cycle's worth of work: the benchmark shows it beside each time."""
+    if device.type != "cuda":
+        return None
+    try:
+        mhz = torch.cuda.clock_rate(device)
+    except Exception:  # pynvml / amdsmi missing or refusing: the column shows "-"
+        return None
+    return float(mhz) if isinstance(mhz, (int, float)) and mhz > 0 else None
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 2) -> Timing:
@@ -132,6 +146,7 @@ def time_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: i
         fn()
     times: List[float] = []
     host: List[float] = []
+    clocks: List[float] = []
     if device.type == "cuda":
         for _ in range(reps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -140,6 +155,11 @@ def time_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: i
             fn()
             host.append((time.perf_counter() - t0) * 1e3)
             end.record()
+            # Read while the call's kernels run (after end.record(), so the read never delays the timed work;
+            # a call shorter than its own issue time may be over by then and read the idle clock).
+            mhz = sm_clock_mhz(device)
+            if mhz is not None:
+                clocks.append(mhz)
             end.synchronize()  # each repeat starts on an idle device, so issuing never waits for earlier work
             times.append(start.elapsed_time(end))
     else:
@@ -148,7 +168,8 @@ def time_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: i
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
         host = times
-    return Timing(statistics.median(times), min(times), max(times), len(times), statistics.median(host))
+    return Timing(statistics.median(times), min(times), max(times), len(times), statistics.median(host),
+                  statistics.median(clocks) if clocks else None)
 
 
 def median_time_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 2) -> float:
@@ -193,7 +214,8 @@ def bench_shape(shape: Shape, device: torch.device, backends: List[str], reps: i
             rows.append({"backend": name, "status": f"error: {type(exc).__name__}: {exc}", "quantized": quantized})
             return
         rows.append({"backend": name, "status": "ok", "ms": t.median, "ms_min": t.low, "ms_max": t.high,
-                     "reps": t.reps, "host_us": t.host * 1e3, "cos": cosine(out, exact), "rel_l1": rel_l1(out, exact),
+                     "reps": t.reps, "host_us": t.host * 1e3, "clock_mhz": t.clock_mhz,
+                     "cos": cosine(out, exact), "rel_l1": rel_l1(out, exact),
                      "quantized": quantized, "finite": bool(torch.isfinite(out).all())})
 
     record("sdpa", lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), False)
@@ -243,6 +265,11 @@ columns: ms = median time per call over the timed repeats, and [fastest-slowest]
   host_us = median microseconds the host spent issuing one call (Python, checks, allocations, kernel launches),
           timed without waiting for the GPU; on the CPU there is no separate device, so it is the same wall
           time as ms (in microseconds);
+  MHz = median SM clock read while the timed repeats ran (torch.cuda.clock_rate: NVML on NVIDIA, amdsmi on
+          AMD; the driver averages it over its last sample period, 1/6 s to 1 s, so for short calls it reads
+          the recent repeats; "-" where it cannot be read, and on the CPU). Under a power cap the clock follows the power a
+          kernel draws: a faster time at a higher clock may not hold where the GPU is already near its cap, as
+          inside a model step after its matrix multiplications (README, "Measured");
   /sdpa = this backend's median / PyTorch's default SDPA median on the same shape in this run
           (1 = as fast as SDPA, above 1 = slower, below 1 = faster);
   /best = the same ratio against the fastest SDPA variant measured here (sdpa, and on a GPU sdpa_cudnn
@@ -279,18 +306,19 @@ def accuracy_problem(r: Dict) -> Optional[str]:
 
 def format_table(rows: List[Dict]) -> str:
     width = max([14] + [len(r["shape"]) for r in rows])
-    lines = [f"{'shape':<{width}} {'backend':<20} {'ms':>9} {'[fastest-slowest]':>19} {'host_us':>9} {'/sdpa':>7} "
-             f"{'/best':>7} {'cosine':>9} {'relL1':>8}  note"]
+    lines = [f"{'shape':<{width}} {'backend':<20} {'ms':>9} {'[fastest-slowest]':>19} {'host_us':>9} {'MHz':>5} "
+             f"{'/sdpa':>7} {'/best':>7} {'cosine':>9} {'relL1':>8}  note"]
     for r in rows:
         if r["status"] == "ok":
             flag = "SELF-CHECK FAIL" if accuracy_problem(r) else r.get("note", "")
             spread = f"[{r['ms_min']:.3f}-{r['ms_max']:.3f}]" if "ms_min" in r else ""
             lines.append(f"{r['shape']:<{width}} {r['backend']:<20} {r['ms']:9.3f} {spread:>19} "
-                         f"{_fmt(r.get('host_us'), 9, '.1f')} {_fmt(r['vs_sdpa'], 7, '.3f')} "
-                         f"{_fmt(r['vs_best_sdpa'], 7, '.3f')} {r['cos']:9.5f} {r['rel_l1']:8.4f}  {flag}")
+                         f"{_fmt(r.get('host_us'), 9, '.1f')} {_fmt(r.get('clock_mhz'), 5, '.0f')} "
+                         f"{_fmt(r['vs_sdpa'], 7, '.3f')} {_fmt(r['vs_best_sdpa'], 7, '.3f')} {r['cos']:9.5f} "
+                         f"{r['rel_l1']:8.4f}  {flag}")
         else:
-            lines.append(f"{r['shape']:<{width}} {r['backend']:<20} {'-':>9} {'-':>19} {'-':>9} {'-':>7} {'-':>7} "
-                         f"{'-':>9} {'-':>8}  {r['status']}")
+            lines.append(f"{r['shape']:<{width}} {r['backend']:<20} {'-':>9} {'-':>19} {'-':>9} {'-':>5} {'-':>7} "
+                         f"{'-':>7} {'-':>9} {'-':>8}  {r['status']}")
     return "\n".join(lines)
 
 

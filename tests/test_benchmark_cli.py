@@ -202,6 +202,41 @@ def test_the_columns_are_explained_above_the_table_and_cpu_figures_are_flagged(c
     assert host_us == pytest.approx(ms * 1e3, rel=1e-3, abs=0.1)  # on the CPU: the same wall time
 
 
+def test_sm_clock_is_read_where_it_can_be_and_shown_beside_the_time(capsys, monkeypatch):
+    """The MHz column: the clock torch reads (NVML / amdsmi) while the repeats ran, '-' where none can be read."""
+    assert benchmark.sm_clock_mhz(torch.device("cpu")) is None
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda device=None: 1755)
+    assert benchmark.sm_clock_mhz(cuda) == 1755.0
+
+    def missing(device=None):
+        raise ModuleNotFoundError("pynvml")
+    monkeypatch.setattr(torch.cuda, "clock_rate", missing)
+    assert benchmark.sm_clock_mhz(cuda) is None  # no NVML / amdsmi: no figure, never an error
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda device=None: 0)
+    assert benchmark.sm_clock_mhz(cuda) is None
+    row = dict(status="ok", shape="s", backend="x", ms=1.0, ms_min=0.9, ms_max=1.1, host_us=50.0, clock_mhz=1899.4,
+               vs_sdpa=0.95, vs_best_sdpa=0.95, cos=0.9999, rel_l1=0.002, quantized=True, finite=True)
+    header, line = benchmark.format_table([row]).splitlines()
+    assert header.split().index("MHz") == header.split().index("host_us") + 1
+    assert line.split()[header.split().index("MHz")] == "1899"
+    _, no_clock = benchmark.format_table([dict(row, clock_mhz=None)]).splitlines()
+    assert no_clock.split()[header.split().index("MHz")] == "-"
+    _, out, _ = main(capsys, "--backends", "reference", *TINY)
+    assert "MHz = " in out and "power cap" in out  # explained above the table
+
+
+@pytest.mark.gpu
+def test_sm_clock_is_read_on_an_nvidia_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    if torch.version.hip is None:
+        pytest.importorskip("pynvml")
+    x = torch.randn(4096, 4096, device="cuda")
+    t = benchmark.time_ms(lambda: [x @ x for _ in range(20)], torch.device("cuda"), reps=3)
+    assert t.clock_mhz is not None and 100 < t.clock_mhz < 5000
+
+
 def test_cpu_defaults_to_more_repeats_than_before_and_shows_the_range(capsys, monkeypatch):
     seen = {}
 
