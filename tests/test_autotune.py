@@ -6,6 +6,7 @@ the CPU; the timer returns each fake backend's set time for the backend that jus
 import dataclasses
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -189,6 +190,60 @@ def test_the_power_state_left_by_the_previous_backend_does_not_decide():
     backend, _, decision = choose(tuner, backends, gpu_call(qkv), qkv)
     assert backend.name == "triton_int8_fp8", decision.summary
     assert decision.timings == {"sdpa": pytest.approx(38.9), "triton_int8_fp8": pytest.approx(37.4)}
+
+
+LOAD = "power load"
+
+
+def loaded_setup(times, clock_class, with_load=True):
+    """setup() with a power load that marks itself in the backends' run log (no GPU: nothing is multiplied)."""
+    backends, _, _ = setup(times)
+    ran = backends["sdpa"].ran
+    clock = clock_class(ran, times)
+    power_load = (lambda device, dtype: (lambda: ran.append(LOAD))) if with_load else (lambda device, dtype: None)
+    tuner = autotune.Autotuner(timer=clock, store=autotune.DecisionStore(enabled=False), enabled=True,
+                               power_load=power_load)
+    return backends, clock, tuner
+
+
+def test_every_timed_call_runs_right_behind_the_power_load():
+    times = {"sdpa": 10.0, "triton_int8_fp8": 9.5}
+    backends, clock, tuner = loaded_setup(times, Clock)
+    qkv = tensors()
+    choose(tuner, backends, gpu_call(qkv), qkv)
+    ran = backends["sdpa"].ran
+    assert ran.count(LOAD) == 2 * autotune.TIMED_REPEATS + 2 * autotune.CLOSE_CALL_TURNS  # a close call: 2 turns more
+    # each load is followed by one timed call; warm-up and settling calls run without it
+    assert all(ran[i + 1] != LOAD for i, name in enumerate(ran) if name == LOAD)
+    sdpa_run = ran[:ran.index("triton_int8_fp8")]
+    assert sdpa_run == ["sdpa"] * (1 + settled(10.0)) + [LOAD, "sdpa"] * autotune.TIMED_REPEATS
+    assert autotune.gemm_power_load(torch.device("cpu"), torch.float16) is None  # no GPU, no load
+
+
+class PowerCapClock(Clock):
+    """A GPU at whose power cap the quantized kernel loses its edge: alone it runs at 0.95x SDPA, right behind the
+    GEMMs of a model step at 1.03x (what an H200 did at Wan 480p: 0.95x alone, 1.02-1.06x after 40 ms of GEMMs)."""
+
+    def __call__(self, fn, device):
+        fn()
+        name = self.ran[-1]
+        self.timed.append(name)
+        behind_load = len(self.ran) > 1 and self.ran[-2] == LOAD
+        if name == "sdpa":
+            return self.times[name]
+        return self.times[name] * (1.03 if behind_load else 0.95)
+
+
+@pytest.mark.parametrize("with_load", [True, False], ids=["behind the load", "alone"])
+def test_a_kernel_that_wins_only_alone_is_not_chosen(with_load):
+    times = {"sdpa": 38.0, "triton_int8_fp8": 38.0}
+    backends, _, tuner = loaded_setup(times, PowerCapClock, with_load)
+    qkv = tensors()
+    backend, _, decision = choose(tuner, backends, gpu_call(qkv), qkv)
+    if with_load:
+        assert backend.name == "sdpa" and decision.ratio("triton_int8_fp8") == pytest.approx(1.03)
+    else:  # what auto did before it timed behind the load
+        assert backend.name == "triton_int8_fp8" and decision.ratio("triton_int8_fp8") == pytest.approx(0.95)
 
 
 def test_a_candidate_that_fails_when_timed_again_keeps_its_first_measurement():
@@ -505,3 +560,21 @@ def test_on_a_gpu_auto_measures_real_backends_and_is_never_slower_than_sdpa():
         # measuring does not change the result: the chosen backend's output, as when named explicitly
         torch.testing.assert_close(sage_attention(q, k, v, kernel=backend.name),
                                    backend(q, k, v, call, q.shape[-1] ** -0.5)[0], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_power_load_queues_about_load_ms_without_waiting():
+    device = torch.device("cuda", torch.cuda.current_device())
+    load = autotune.gemm_power_load(device, torch.bfloat16)
+    assert load is not None
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    load()
+    issued_ms = (time.perf_counter() - t0) * 1e3
+    end.record()
+    end.synchronize()
+    ms = start.elapsed_time(end)
+    assert 0.5 * autotune.LOAD_MS <= ms <= 3 * autotune.LOAD_MS, ms
+    assert issued_ms < ms  # queued: the host did not wait for the GEMMs
