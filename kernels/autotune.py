@@ -300,7 +300,8 @@ _NOT_DECIDED = object()
 
 
 class Autotuner:
-    """Measured decisions per (device, TuneKey); thread-safe. `timer` and `store` are injectable for tests."""
+    """Measured decisions per (device, TuneKey); thread-safe. `timer`, `store` and `power_load` are injectable
+    for tests."""
 
     def __init__(self, timer: Optional[Timer] = None, store: Optional[DecisionStore] = None,
                  enabled: Optional[bool] = None, require_cuda: bool = True, power_load: Optional[PowerLoad] = None):

@@ -127,8 +127,8 @@ class Timing:
 
 def sm_clock_mhz(device: torch.device) -> Optional[float]:
     """The GPU's current SM clock in MHz as torch reads it (NVML on NVIDIA, amdsmi on AMD), or None where it
-    cannot be read (no such library, no GPU). Under a power cap the clock follows the power drawn, so a
-    kernel that draws less runs faster per cycle's worth of work: the benchmark shows it beside each time."""
+    cannot be read (no such library, no GPU). Under a power cap the clock follows the power drawn, so a kernel
+    that draws less power runs at a higher clock: the benchmark shows it beside each time."""
     if device.type != "cuda":
         return None
     try:
@@ -267,9 +267,9 @@ columns: ms = median time per call over the timed repeats, and [fastest-slowest]
           time as ms (in microseconds);
   MHz = median SM clock read while the timed repeats ran (torch.cuda.clock_rate: NVML on NVIDIA, amdsmi on
           AMD; the driver averages it over its last sample period, 1/6 s to 1 s, so for short calls it reads
-          the recent repeats; "-" where it cannot be read, and on the CPU). Under a power cap the clock follows the power a
-          kernel draws: a faster time at a higher clock may not hold where the GPU is already near its cap, as
-          inside a model step after its matrix multiplications (README, "Measured");
+          the recent repeats; "-" where it cannot be read, and on the CPU). Under a power cap the clock follows
+          the power a kernel draws: a faster time at a higher clock may not hold where the GPU is already near
+          its cap, as inside a model step after its matrix multiplications (README, "Measured");
   /sdpa = this backend's median / PyTorch's default SDPA median on the same shape in this run
           (1 = as fast as SDPA, above 1 = slower, below 1 = faster);
   /best = the same ratio against the fastest SDPA variant measured here (sdpa, and on a GPU sdpa_cudnn
