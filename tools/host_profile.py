@@ -9,6 +9,8 @@ Per (shape, backend) it prints, all from one run:
 and writes a cProfile of 200 calls per (shape, backend) (functions by own time) under --out.
 
     python tools/host_profile.py [--shapes flux_1mp,sdxl_1mp_d64] [--backends triton_int8_fp8,sdpa] [--out DIR]
+
+Figures: docs/MEASUREMENTS.md#host-time
 """
 import argparse
 import cProfile

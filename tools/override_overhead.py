@@ -6,6 +6,8 @@ On the CPU the figure includes the SDPA backend's finiteness check (CPU only: to
 NaN inputs), which a GPU never runs.
 
     python tools/override_overhead.py [--device cuda] [--calls 2000]
+
+Figures: docs/MEASUREMENTS.md#override-overhead
 """
 import argparse
 import statistics

@@ -8,9 +8,8 @@ columns stay empty without it).
 
     python tools/power_cap.py [--shape 2,40,32760,128] [--kernel triton_int8_fp8] [--gemms 0,1,3] [--rounds 6]
 
-2026-12-01, H200, Wan 480p with CFG (the default shape), two runs: ours / SDPA 0.943-0.960 with nothing before,
-0.964-0.999 after 1 GEMM, 1.022-1.034 after 3, 1.07-1.09 alternating; alone, ours ran at 1899 MHz (570 W) and cuDNN
-at 1723 MHz (638 W): cuDNN throttles itself at the 700 W cap, ours does not, and GEMMs take that difference away.
+Why: a kernel timed alone may run at a higher clock than inside a step, where GEMMs hold the GPU at its cap.
+Figures: docs/MEASUREMENTS.md#clocks-under-the-power-cap
 """
 import argparse
 import datetime

@@ -6,6 +6,8 @@ prologue's kernels per call (calls issued back to back, CUDA events, median of 5
 output (INT8 Q/K and their scales, FP8 V and its scales, K's mean) is bit-identical to the shipped config's.
 
     python tools/prologue_sweep.py [--shapes flux_1mp,sdxl_1mp_d64,wan_480p] [--pv fp8]
+
+Figures: docs/MEASUREMENTS.md#triton-prologue
 """
 import argparse
 import statistics

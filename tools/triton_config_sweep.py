@@ -4,7 +4,8 @@ alone against cuDNN SDPA, and its rel L1 against exact FP32 on standard and diff
     python3 tools/triton_config_sweep.py [--json out.json]
 
 Shapes: Wan 480p (B1 H40 N32760) and Flux 1 MP (B1 H24 N4608), bf16, D128, the main job's input kinds
-(kernels/benchmark.py make_inputs); accuracy on 256 sampled query rows. Figures: triton_h200.py's docstring.
+(kernels/benchmark.py make_inputs); accuracy on 256 sampled query rows.
+Figures: docs/MEASUREMENTS.md#triton-launch-configurations
 """
 import argparse
 import json

@@ -8,15 +8,9 @@ Accuracy: cosine and relative L1 against exact FP32 attention on 512 sampled que
 `--sweep` first times candidate launch configurations of the attention kernel alone (Wan 480p, Flux)
 and runs the benchmark with the fastest per P.V type.
 
-H200, torch 2.11+cu130, Triton 3.6, 2026-12-01, SWEEP below timed by the script that became
-`python3 tools/triton_config_sweep.py`
-(attention alone, time / cuDNN; diffuse + V offset rel L1 0.0020 for every FP8 entry, 0.0014 for FP16):
-    fp8 (imprecise_k, folded q scale)    Wan 480p  Flux 1 MP        fp16 (folded q scale)   Wan 480p  Flux 1 MP
-    BM128 BN64  w4 s4 (shipped)          0.94      1.19             BM128 BN64 w4 s4 (shipped) 1.05   1.32
-    BM128 BN64  w4 s3                    0.94      1.18             BM128 BN64 w4 s3        1.05      1.38
-    BM128 BN128 w8 s3 (shipped before)   1.00      1.28             BM128 BN128 w8 s3       1.15      1.45
-    BM64  BN64  w4 s3                    1.09      1.33             BM64 BN64 w4 s3         1.32      1.53
-The whole public call is in README "Measured" (`python benchmark.py`).
+The sweep exists to pick the shipped sm_90 entries in kernels/backends/triton/configs.py.
+Figures: docs/MEASUREMENTS.md#triton-launch-configurations; the whole public call: `python benchmark.py`,
+docs/MEASUREMENTS.md#main-benchmark.
 """
 import argparse
 import json
@@ -45,8 +39,8 @@ from comfyui_sage_rdna4.kernels.backends.triton.prologue import triton_quantize_
 SHAPES = {"flux_1mp": (1, 24, 4608, 128), "wan_480p": (1, 40, 32760, 128), "wan_720p": (1, 40, 75600, 128)}
 REPS = {"flux_1mp": 40, "wan_480p": 6, "wan_720p": 3}
 C = configs.AttentionConfig
-# Earlier sweeps (configs.py keeps their figures). This one is the 2026-12-01 sweep after q's row scale was
-# folded into exp2 (fold_q_scale), which freed the registers the FP8 partial accumulator needs at BM128 BN64 w4.
+# The candidates after q's row scale was folded into exp2 (fold_q_scale), which freed the registers the FP8 partial
+# accumulator needs at BM128 BN64 w4 (figures: docs/MEASUREMENTS.md#triton-launch-configurations).
 # FP8 entries accumulate P.V as the shipped sm_90 table does ("imprecise_k"; configs.py says why).
 _ACC = "imprecise_k"
 SWEEP = {

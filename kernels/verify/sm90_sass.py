@@ -9,8 +9,9 @@ N`: N > 0 would mean a wgmma still runs while other work is issued).
     python kernels/verify/sm90_sass.py [--head-dims 64,128] [--pv fp8,fp16] [--config BM,BN,WARPS,STAGES,ACC[,fold]]
 
 2026-12-01, Triton 3.6: every shipped entry is serialised by ptxas (C7514/C7515) and every wait is `gsb0, 0x0`;
-the "split" accumulation forms are not serialised, but were slower where they fit (README, "Measured", also for
-the causes and the un-serialised variants tried; kernels/verify/ncu_profile.py shows where the warps wait).
+the "split" accumulation forms are not serialised, but were slower where they fit (figures, the causes and the
+un-serialised variants tried: docs/MEASUREMENTS.md#the-sm_90-kernel; kernels/verify/ncu_profile.py shows where the
+warps wait).
 """
 import argparse
 import collections
