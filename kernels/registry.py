@@ -283,14 +283,12 @@ def _none_takes(call: AttentionCall, passed_over: Mapping[str, str]) -> str:
 
 def _measured_selection(call, quantized_only, tensors, sm_scale, attn_mask, tuner) -> Optional[Selection]:
     """choose_backend's answer from a measured decision, or None where nothing was measured."""
-    from . import autotune  # imported on first use: it reads the disk cache and cache identity
-    tuner = tuner or autotune.default_tuner()
-    if not tuner.applies(call, tensors):
-        return None
     names = [n for n in auto_candidates(call) if n != "sdpa"]
     candidates = [b for b in (get_backend(n) for n in names) if b.quantized]
     sdpa = get_backend("sdpa")
-    picked = tuner.choose(call, candidates, sdpa, tensors, sm_scale, attn_mask)
+    from . import autotune  # imported on first use: it reads the disk cache and cache identity
+    tuner = tuner or autotune.default_tuner()
+    picked = tuner.choose(call, candidates, sdpa, tensors, sm_scale, attn_mask)  # None where it does not measure
     if picked is None:
         return None
     backend, passed_over, decision = picked
