@@ -8,7 +8,7 @@ import torch
 from . import backends  # noqa: F401  (registers every backend lazily)
 from .call_spec import describe_call
 from .quant import default_sm_scale
-from .registry import choose_backend
+from .registry import KernelRefused, choose_backend
 
 LAYOUTS = ("HND", "NHD")
 
@@ -38,7 +38,9 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_lay
                          smooth_k=smooth_k, prologue=prologue, qk_group=qk_group, smooth_v=smooth_v)
     if sm_scale is None:
         sm_scale = default_sm_scale(call.head_dim)
-    backend, _ = choose_backend(call, kernel, tensors=(qh, kh, vh), sm_scale=float(sm_scale), attn_mask=attn_mask)
-    out, lse = backend(qh, kh, vh, call, float(sm_scale), attn_mask)
+    selection = choose_backend(call, kernel, tensors=(qh, kh, vh), sm_scale=float(sm_scale), attn_mask=attn_mask)
+    if selection.refusal is not None:
+        raise KernelRefused(selection.backend.name, selection.refusal)
+    out, lse = selection.backend.launch(qh, kh, vh, call, float(sm_scale), attn_mask)
     out = to_hnd(out, tensor_layout)
     return (out, lse) if return_lse else out

@@ -3,7 +3,7 @@
 The static preference list (registry.auto_order) is a guess made on other GPUs. On a CUDA/ROCm device,
 the first call of each kind (TuneKey: dtype, head dims, causal, GQA, mask kind, quantization options and
 power-of-two buckets of the query and key lengths) times, on that call's own tensors, SDPA and every
-candidate that accepts the call (`why_not(call) is None`, which runs a backend's first-use self-check):
+candidate that accepts the call (`ready(call) is None`, which runs a backend's first-use self-check):
 one untimed warm-up (compilation, caches), SETTLE_MS of calls whose times are not kept (the GPU's clocks
 settle to this backend's load), then up to TIMED_REPEATS repeats timed with CUDA events, each right behind
 LOAD_MS of queued GEMMs (as inside a model step, where attention follows the block's matrix multiplications
@@ -51,17 +51,13 @@ CLOSE_CALL = (0.90, 1.03)  # a best quantized ratio to SDPA in here is measured 
 CLOSE_CALL_TURNS = 2       # extra settled (SDPA, candidate) timings for such a close call
 # Before its timed calls a backend runs, timed but not kept, until SETTLE_MS of its own GPU time have passed
 # (at least SETTLE_CALLS[0] calls, at most SETTLE_CALLS[1]): the GPU's clocks follow the power drawn by what ran
-# before. H200, Wan 480p, single calls: right after SDPA the FP8 kernel took 42.5 then 38.9, 37.2, 37.6 ms; right
-# after the quantized kernels SDPA took 35.8 then 38.9 ms. Timed at once, or alternating call by call, auto read
-# the FP8 kernel as 1.10x and 1.23x SDPA where it runs at 0.95x.
+# before, and an unsettled timing misranks (figures: docs/MEASUREMENTS.md, "auto").
 SETTLE_MS = 100.0
 SETTLE_CALLS = (1, 20)
 # Right ahead of each timed call, LOAD_MS of matrix multiplications (LOAD_SIDE x LOAD_SIDE, half precision) are
 # queued on the same stream: inside a model step attention follows the block's GEMMs, which hold a GPU at its
-# power cap, and a kernel timed alone runs at other clocks. H200, Wan 480p with CFG (tools/power_cap.py): the FP8
-# kernel ran at 0.95x SDPA alone (1899 MHz against cuDNN's 1723), 0.96-1.00x after 13 ms of GEMMs, 1.02-1.06x
-# after 40 ms; inside real Wan steps its attention took 1.016x SDPA's. Where the operands do not fit in memory,
-# the calls are timed without it.
+# power cap, and a kernel timed alone runs at other clocks (figures: docs/MEASUREMENTS.md, "Clocks under the
+# power cap"). Where the operands do not fit in memory, the calls are timed without it.
 LOAD_MS = 40.0
 LOAD_SIDE = 4096
 LOAD_MAX_GEMMS = 400
@@ -350,19 +346,21 @@ class Autotuner:
             return None
         key = (call.device_type, call.device_index, tune_key(call))
         decision = self._decisions.get(key, _NOT_DECIDED)
+        judged_here = False
         if decision is _NOT_DECIDED:
             if not self.may_measure_now(call, attn_mask):
                 return None
-            decision = self._decide(key, call, candidates, sdpa, tensors, sm_scale, attn_mask)
+            decision, judged_here = self._decide(key, call, candidates, sdpa, tensors, sm_scale, attn_mask)
         if decision is None:
             return None
-        return self._pick(decision, call, candidates, sdpa)
+        return self._pick(decision, call, candidates, sdpa, judged_here)
 
     # -- one decision ------------------------------------------------------------------------------
-    def _decide(self, key, call, candidates, sdpa, tensors, sm_scale, attn_mask) -> Optional[Decision]:
+    def _decide(self, key, call, candidates, sdpa, tensors, sm_scale, attn_mask) -> Tuple[Optional[Decision], bool]:
+        """The decision for key, and whether this call's candidates were judged (`ready`) in making it."""
         with self._lock:
             if key in self._decisions:  # another thread measured it while we waited
-                return self._decisions[key]
+                return self._decisions[key], False
             started = time.perf_counter()
             try:
                 decision = self._measure_or_load(key[2], call, candidates, sdpa, tensors, sm_scale, attn_mask)
@@ -373,14 +371,14 @@ class Autotuner:
             self._decisions[key] = decision
         if decision is not None:  # the time says what measuring cost this first call
             log.info("%s (%.2f s)", decision.summary, time.perf_counter() - started)
-        return decision
+        return decision, True
 
     def _measure_or_load(self, key: TuneKey, call, candidates, sdpa, tensors, sm_scale, attn_mask):
         if sdpa.why_not(call) is not None:
             return None  # no yardstick (e.g. the LSE is asked for): the static order decides
         accepted, refused = [], {}
         for backend in candidates:
-            reason = backend.why_not(call)  # runs the backend's first-use self-check
+            reason = backend.ready(call)  # runs the backend's first-use self-check
             if reason is None:
                 accepted.append(backend)
             else:
@@ -415,8 +413,8 @@ class Autotuner:
         with torch.no_grad():
             load = self.power_load(device, q.dtype)
             for backend in backends:
-                def run(backend=backend):
-                    return backend(q, k, v, call, sm_scale, attn_mask)
+                def run(backend=backend):  # judged ready above: timed as the override's calls run it
+                    return backend.launch(q, k, v, call, sm_scale, attn_mask)
                 try:
                     times = self._timed_repeats(run, device, best, load)
                 except Exception as exc:
@@ -475,8 +473,10 @@ class Autotuner:
 
     # -- one call ----------------------------------------------------------------------------------
     @staticmethod
-    def _pick(decision: Decision, call, candidates, sdpa):
-        """The fastest measured backend that accepts this very call; SDPA once none ahead of it does."""
+    def _pick(decision: Decision, call, candidates, sdpa, judged_here: bool = False):
+        """The fastest measured backend that accepts this very call; SDPA once none ahead of it does.
+
+        `judged_here`: the decision was made on this very call, whose measured candidates were found ready."""
         by_name = {b.name: b for b in candidates}
         skipped = {**decision.refused, **decision.failed}
         for name in decision.ranking:
@@ -485,7 +485,8 @@ class Autotuner:
             backend = by_name.get(name)
             if backend is None:
                 continue
-            reason = backend.why_not(call)  # a self-check failure since, or a limit this call hits in the bucket
+            # Another call of the bucket: a self-check failure since, or a limit this call hits, shows here.
+            reason = None if judged_here else backend.ready(call)
             if reason is None:
                 return backend, skipped, decision
             skipped[name] = reason

@@ -229,7 +229,7 @@ def bench_shape(shape: Shape, device: torch.device, backends: List[str], reps: i
         if name == "sdpa":
             continue
         backend = get_backend(name)
-        reason = backend.why_not(call)
+        reason = backend.ready(call)  # runs its first-use self-check
         if reason:
             rows.append({"backend": name, "status": f"skipped: {reason}", "quantized": backend.quantized})
             continue
@@ -255,7 +255,7 @@ def auto_choice(q, k, v, call):
     from .autotune import default_tuner
     from .registry import choose_backend
 
-    backend, _ = choose_backend(call, "auto", tensors=(q, k, v))
+    backend = choose_backend(call, "auto", tensors=(q, k, v)).backend
     decision = default_tuner().decision_for(call)
     return backend, (decision.summary if decision is not None else "auto measured nothing here: static order")
 

@@ -1,18 +1,22 @@
 """The backend registry: one acceptance rule per backend, used by `auto` and by the backend itself.
 
-A backend answers two questions, both with a reason string or None:
+A backend answers, each with a reason string or None:
   * `unavailable(device_type, index)`: can it run on this device at all (import, driver, arch)?
   * `refuse(call)`: can it take this particular call (dtype, head_dim, mask, ...)?
-`why_not(call)` joins the two; the dispatcher asks it, and `backend(q, k, v, call, ...)` asks it
-again before launching, so a forced kernel can never be answered by another one.
+  * `why_not(call)`: both, plus a first-use verification already recorded as failed. A pure query.
+  * `ready(call)`: `why_not`, then the first-use verification (`verify`) where it has not run yet: the one
+    step that runs a kernel's self-check. `choose_backend` and `backend(q, k, v, call, ...)` ask it, so a
+    forced kernel can never be answered by another one, nor serve a call unverified.
 
-Callers that cache decisions per call signature (the ComfyUI override) keep them only while
-`decision_generation()` is unchanged: anything that can change a backend's answer bumps it.
+`choose_backend` returns a `Selection`: the backend, the backends passed over and why, and whether (and why)
+exact attention was chosen instead. Callers that keep selections per call signature (the ComfyUI override)
+trust them only while `decision_generation()` is unchanged: a backend disabled by its verification bumps it.
 """
 from __future__ import annotations
 
 import threading
-from typing import Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional
 
 import torch
 
@@ -51,25 +55,34 @@ def invalidate_decisions() -> None:
 
 
 class KernelRefused(RuntimeError):
-    """An explicitly requested backend cannot take this call; `reason` says why."""
+    """An explicitly requested backend cannot take this call; `reason` says why.
+
+    The message names the backend once, also when the reason already starts with its name."""
 
     def __init__(self, backend: str, reason: str):
-        super().__init__(f"{backend}: {reason}")
+        named = reason.startswith(f"{backend}:") or reason.startswith(f"{backend} ")
+        super().__init__(reason if named else f"{backend}: {reason}")
         self.backend = backend
         self.reason = reason
 
 
 class Backend:
-    """Base class. Subclasses set `name`, `description`, and implement `_unavailable`, `refuse`, `launch`."""
+    """Base class. Subclasses set `name`, `description`, and implement `_unavailable`, `refuse`, `launch`.
+
+    A backend built with a `selfcheck` (kernels.self_check.SelfCheck) proves itself on first use of each device
+    and variant (`verify`) wherever `needs_verification(call)` says so; `own_prologue` is the prologue its
+    `prologue="auto"` means."""
 
     name: str = ""
     description: str = ""
     quantized: bool = True
+    own_prologue: str = ""
 
-    def __init__(self) -> None:
-        self._availability: Dict[Tuple[str, Optional[int]], Optional[str]] = {}
-        self._disabled: Dict[Tuple[str, Optional[int]], str] = {}
+    def __init__(self, selfcheck=None) -> None:
+        self._availability: Dict[tuple, Optional[str]] = {}
+        self._disabled: Dict[tuple, str] = {}
         self._lock = threading.Lock()
+        self.selfcheck = selfcheck
 
     # -- environment -------------------------------------------------------------------------
     def _unavailable(self, device_type: str, index: Optional[int]) -> Optional[str]:
@@ -98,18 +111,45 @@ class Backend:
         raise NotImplementedError
 
     def why_not(self, call: AttentionCall) -> Optional[str]:
+        """Why this backend cannot take `call`, or None; runs nothing (a verification not yet made is no reason)."""
         if not call.same_device:
             return "q, k, v (and mask) are on different devices"
         if not call.same_dtype:
             return "q, k, v have different dtypes"
-        return self.unavailable(call.device_type, call.device_index) or self.refuse(call)
+        reason = self.unavailable(call.device_type, call.device_index) or self.refuse(call)
+        if reason or self.selfcheck is None:
+            return reason
+        return self.selfcheck.verdict(call.device_type, call.device_index, self.variant(call))[1]
+
+    # -- first-use verification -------------------------------------------------------------------
+    def prologue_of(self, call: AttentionCall) -> str:
+        """The prologue that serves `call`: 'auto' is the backend's own."""
+        return self.own_prologue if call.prologue == "auto" else call.prologue
+
+    def variant(self, call: AttentionCall):
+        """What, besides the shape, selects the code serving `call` (kernels.self_check.Variant)."""
+        return self.selfcheck.variant_of(call, self.prologue_of(call))
+
+    def needs_verification(self, call: AttentionCall) -> bool:
+        """Whether `call` runs code that must pass the self-check on its device first (no GPU interpreter)."""
+        return self.selfcheck is not None
+
+    def verify(self, call: AttentionCall) -> Optional[str]:
+        """The first-use step: the self-check of this call's device and variant, run once (or recalled)."""
+        if not self.needs_verification(call):
+            return None
+        return self.selfcheck.guard(self, call, self.variant(call))
+
+    def ready(self, call: AttentionCall) -> Optional[str]:
+        """`why_not`, then `verify`: None only when the backend may serve `call` now."""
+        return self.why_not(call) or self.verify(call)
 
     def launch(self, q, k, v, call: AttentionCall, sm_scale: float, attn_mask):
         """Run on HND tensors; return (out HND in q.dtype, lse (B, Hq, Nq) float32 or None)."""
         raise NotImplementedError
 
     def __call__(self, q, k, v, call: AttentionCall, sm_scale: float, attn_mask=None):
-        reason = self.why_not(call)
+        reason = self.ready(call)
         if reason:
             raise KernelRefused(self.name, reason)
         return self.launch(q, k, v, call, sm_scale, attn_mask)
@@ -153,14 +193,12 @@ def get_backend(name: str) -> Backend:
 
 
 def auto_order(call: AttentionCall) -> List[str]:
-    """Preference for `auto`, best first, per device family.
+    """Preference for `auto` where it does not measure, best first, per device family.
 
-    RDNA4: our HIP kernels, then our Triton kernels, then installed peers, then SDPA.
-    NVIDIA: SageAttention2 (0.74 / 0.71x cuDNN SDPA at Wan 480p / 720p on an H200, README) beats SDPA; our Triton path
-    (public call 1.70 / 0.97 / 0.89x SDPA at Flux 1 MP / Wan 480p / Wan 720p, README) and comfy-kitchen (1.19-1.98x)
-    are not faster than SDPA across the board there, so in this fixed order SDPA comes before them; `auto` that
-    measures (autotune.py) takes them where they are faster on the user's GPU.
-    CPU and anything else: SDPA (the reference is a spec, not a speed path).
+    RDNA4: our HIP kernels, then our Triton kernels, then installed peers, then SDPA. NVIDIA: SageAttention2,
+    then SDPA (our Triton kernels and comfy-kitchen are slower than cuDNN SDPA at image sizes there; `auto`
+    that measures weighs them too: `auto_candidates`). CPU and anything else: SDPA (the reference is a spec,
+    not a speed path). Figures: docs/MEASUREMENTS.md.
     """
     if call.device_type == "cuda" and call.rocm:
         if call.arch in ("gfx1200", "gfx1201"):
@@ -170,9 +208,6 @@ def auto_order(call: AttentionCall) -> List[str]:
     if call.device_type == "cuda":
         return ["sageattention", "sdpa"]
     return ["sdpa"]
-
-
-AUTO_VERDICT = "auto"  # the key in `skipped` under which a measured `auto` says why nothing quantized runs
 
 
 def auto_candidates(call: AttentionCall) -> List[str]:
@@ -186,59 +221,81 @@ def auto_candidates(call: AttentionCall) -> List[str]:
     return order
 
 
-def choose_backend(call: AttentionCall, kernel: str = "auto", quantized_only: bool = False, *,
-                   tensors=None, sm_scale: Optional[float] = None, attn_mask=None,
-                   on_choice: Optional[Callable] = None,
-                   tuner=None) -> Tuple[Optional[Backend], Dict[str, str]]:
-    """Return the backend that will run `call` and the reasons of those passed over.
+@dataclass(frozen=True)
+class Selection:
+    """What `choose_backend` decided for one call.
 
-    An explicit kernel is returned as is (it raises KernelRefused itself when called). `auto` given the
-    call's `tensors` (q, k, v in HND) on a GPU takes the fastest backend measured for this kind of call
-    (kernels/autotune.py; `on_choice(decision)` hears which); otherwise, and on the CPU, it walks the
-    device's preference list and takes the first backend whose rule accepts the call.
-    With `quantized_only` (the ComfyUI override, whose fallback is the call site's own exact
-    attention) exact backends are skipped and None is returned when nothing quantized accepts, or when
-    SDPA measured fastest (then `skipped[AUTO_VERDICT]` says so).
+    `backend` runs the call; None means the call site's own exact attention (only for `quantized_only`).
+    `passed_over`: backends `auto` considered ahead of the one taken, and why each was passed over.
+    `exact_reason`: why exact attention was chosen instead of a quantized kernel (None: it was not);
+    `measured` says it was auto's measurement (SDPA faster on this shape), not that nothing quantized takes
+    the call. `refusal`: why an explicitly named backend cannot take this call (None: it can).
+    `decision`: auto's measured decision for this kind of call (kernels.autotune.Decision), if it measured."""
+    backend: Optional[Backend]
+    passed_over: Mapping[str, str] = field(default_factory=dict)
+    exact_reason: Optional[str] = None
+    measured: bool = False
+    refusal: Optional[str] = None
+    decision: Optional[object] = None
+
+
+def choose_backend(call: AttentionCall, kernel: str = "auto", quantized_only: bool = False, *,
+                   tensors=None, sm_scale: Optional[float] = None, attn_mask=None, tuner=None) -> Selection:
+    """The backend that will run `call`, as a `Selection`.
+
+    An explicit kernel is selected as is, with its refusal when it cannot take the call (its first-use
+    verification runs here). `auto` given the call's `tensors` (q, k, v in HND) on a GPU takes the fastest
+    backend measured for this kind of call (kernels/autotune.py); otherwise, and on the CPU, it takes the
+    first backend in the device's preference list that is `ready` for the call.
+    With `quantized_only` (the ComfyUI override, whose fallback is the call site's own exact attention)
+    exact backends are not candidates: the selection's backend is None, with `exact_reason`, when nothing
+    quantized takes the call or when SDPA measured fastest.
     """
     if kernel != "auto":
-        return get_backend(kernel), {}
+        backend = get_backend(kernel)
+        return Selection(backend, refusal=backend.ready(call))
     if tensors is not None:
-        measured = _measured_choice(call, quantized_only, tensors, sm_scale, attn_mask, on_choice, tuner)
+        measured = _measured_selection(call, quantized_only, tensors, sm_scale, attn_mask, tuner)
         if measured is not None:
             return measured
-    skipped: Dict[str, str] = {}
+    passed_over: Dict[str, str] = {}
     for name in auto_order(call):
         backend = get_backend(name)
         if quantized_only and not backend.quantized:
             continue
-        reason = backend.why_not(call)
+        reason = backend.ready(call)
         if reason is None:
-            return backend, skipped
-        skipped[name] = reason
+            exact = None if backend.quantized else _none_takes(call, passed_over)
+            return Selection(backend, passed_over, exact_reason=exact)
+        passed_over[name] = reason
+    exact = _none_takes(call, passed_over)
     if quantized_only:
-        return None, skipped
+        return Selection(None, passed_over, exact_reason=exact)
     # SDPA is last everywhere; reaching here means even it refused (e.g. LSE was asked for).
-    return get_backend("reference"), skipped
+    reference = get_backend("reference")
+    return Selection(reference, passed_over, exact_reason=exact, refusal=reference.ready(call))
 
 
-def _measured_choice(call, quantized_only, tensors, sm_scale, attn_mask, on_choice, tuner):
+def _none_takes(call: AttentionCall, passed_over: Mapping[str, str]) -> str:
+    detail = "; ".join(f"{n}: {r}" for n, r in passed_over.items()) or f"none is built for {call.arch}"
+    return f"auto: no quantized kernel takes this call ({detail})"
+
+
+def _measured_selection(call, quantized_only, tensors, sm_scale, attn_mask, tuner) -> Optional[Selection]:
     """choose_backend's answer from a measured decision, or None where nothing was measured."""
-    from . import autotune  # imported on first use: it reads the self-check's cache helpers
-    tuner = tuner or autotune.default_tuner()
-    if not tuner.applies(call, tensors):
-        return None
     names = [n for n in auto_candidates(call) if n != "sdpa"]
     candidates = [b for b in (get_backend(n) for n in names) if b.quantized]
     sdpa = get_backend("sdpa")
-    picked = tuner.choose(call, candidates, sdpa, tensors, sm_scale, attn_mask)
+    from . import autotune  # imported on first use: it reads the disk cache and cache identity
+    tuner = tuner or autotune.default_tuner()
+    picked = tuner.choose(call, candidates, sdpa, tensors, sm_scale, attn_mask)  # None where it does not measure
     if picked is None:
         return None
-    backend, skipped, decision = picked
-    if on_choice is not None:
-        on_choice(decision)
-    if backend is sdpa and quantized_only:
-        return None, {**skipped, AUTO_VERDICT: decision.sdpa_reason()}
-    return backend, skipped
+    backend, passed_over, decision = picked
+    if backend is not sdpa:
+        return Selection(backend, passed_over, decision=decision)
+    return Selection(None if quantized_only else sdpa, passed_over, exact_reason=decision.sdpa_reason(),
+                     measured=True, decision=decision)
 
 
 def available_backends(device=None) -> Dict[str, Optional[str]]:

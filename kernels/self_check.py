@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -350,15 +350,26 @@ def self_check(attention: Callable, device, *, accepts: Optional[Callable[[Case]
 
 # -- first use of a backend on a device ------------------------------------------------------------------
 
-def _describe_variant(variant) -> str:
-    prologue, qk_group, smooth_k, smooth_v = variant
-    return (f"{prologue} prologue, qk_group {qk_group}, smooth_k {'on' if smooth_k else 'off'}, "
-            f"smooth_v {'on' if smooth_v else 'off'}")
+class Variant(NamedTuple):
+    """What, besides the shape, selects the code that serves a call: prologue and quantization options."""
+    prologue: str
+    qk_group: str
+    smooth_k: bool
+    smooth_v: bool
+
+    @property
+    def accurate(self) -> bool:
+        """The options a sound kernel must pass with (per-token INT8, smooth_k on): a failure there is a defect."""
+        return self.qk_group == "token" and self.smooth_k
+
+    def describe(self) -> str:
+        return (f"{self.prologue} prologue, qk_group {self.qk_group}, smooth_k {'on' if self.smooth_k else 'off'}, "
+                f"smooth_v {'on' if self.smooth_v else 'off'}")
 
 
-def call_variant(call, prologue: Optional[str] = None) -> tuple:
-    """What, besides the shape, selects the code that serves `call`: prologue and quantization options."""
-    return (prologue or call.prologue, call.qk_group, bool(call.smooth_k), bool(call.smooth_v))
+def call_variant(call, prologue: Optional[str] = None) -> Variant:
+    """The variant serving `call`; `prologue` overrides the call's own (a backend resolves 'auto')."""
+    return Variant(prologue or call.prologue, call.qk_group, bool(call.smooth_k), bool(call.smooth_v))
 
 
 def _case_call(case: Case, like_call, variant):
@@ -367,22 +378,21 @@ def _case_call(case: Case, like_call, variant):
     meta = torch.device("meta")
     q = torch.empty(case.batch, case.q_heads, case.q_len, case.head_dim, dtype=case.dtype, device=meta)
     kv = torch.empty(case.batch, case.kv_heads, case.kv_len, case.head_dim, dtype=case.dtype, device=meta)
-    prologue, qk_group, smooth_k, smooth_v = variant
-    call = describe_call(q, kv, kv, is_causal=case.is_causal, return_lse=case.return_lse, smooth_k=smooth_k,
-                         prologue=prologue, qk_group=qk_group, smooth_v=smooth_v)
+    call = describe_call(q, kv, kv, is_causal=case.is_causal, return_lse=case.return_lse,
+                         smooth_k=variant.smooth_k, prologue=variant.prologue, qk_group=variant.qk_group,
+                         smooth_v=variant.smooth_v)
     return replace(call, device_type=like_call.device_type, device_index=like_call.device_index,
                    arch=like_call.arch, rocm=like_call.rocm)
 
 
-def backend_attention(backend, variant) -> Callable:
+def backend_attention(backend, variant: Variant) -> Callable:
     """`attention(q, k, v, is_causal=False, return_lse=False)` through `backend.launch` with the variant's options."""
     from .call_spec import describe_call
     from .registry import KernelRefused
-    prologue, qk_group, smooth_k, smooth_v = variant
 
     def attention(q, k, v, is_causal=False, return_lse=False):
-        call = describe_call(q, k, v, is_causal=is_causal, return_lse=return_lse, smooth_k=smooth_k,
-                             prologue=prologue, qk_group=qk_group, smooth_v=smooth_v)
+        call = describe_call(q, k, v, is_causal=is_causal, return_lse=return_lse, smooth_k=variant.smooth_k,
+                             prologue=variant.prologue, qk_group=variant.qk_group, smooth_v=variant.smooth_v)
         reason = backend.refuse(call)
         if reason:
             raise KernelRefused(backend.name, reason)
@@ -409,14 +419,17 @@ class SelfCheck:
         self._guard = threading.Lock()
         self.last_result: Optional[SelfCheckResult] = None
 
-    def verdict(self, device_type: str, index: Optional[int], variant=None) -> Tuple[bool, Optional[str]]:
+    variant_of = staticmethod(call_variant)
+
+    def verdict(self, device_type: str, index: Optional[int], variant: Optional[Variant] = None
+                ) -> Tuple[bool, Optional[str]]:
         """(checked, reason) without running anything."""
         key = (device_type, index, variant)
         return key in self._verdicts, self._verdicts.get(key)
 
-    def guard(self, backend, call, prologue: Optional[str] = None) -> Optional[str]:
-        """`why_not`'s last step: the verdict for this call's device and variant, checking on first use."""
-        variant = call_variant(call, prologue)
+    def guard(self, backend, call, variant: Optional[Variant] = None) -> Optional[str]:
+        """`Backend.verify`: the verdict for this call's device and variant, checking on first use."""
+        variant = variant or call_variant(call)
         key = (call.device_type, call.device_index, variant)
         if key in self._verdicts:
             return self._verdicts[key]
@@ -433,7 +446,7 @@ class SelfCheck:
                            accepts, variant)
 
     def ensure(self, backend, device_type: str, index: Optional[int], attention: Callable,
-               accepts: Optional[Callable[[Case], bool]] = None, variant=None) -> Optional[str]:
+               accepts: Optional[Callable[[Case], bool]] = None, variant: Optional[Variant] = None) -> Optional[str]:
         """Run the check on first use of (device, variant); a failure disables `backend` there. Returns the reason."""
         key = (device_type, index, variant)
         if key in self._verdicts:
@@ -444,7 +457,7 @@ class SelfCheck:
             if key in self._verdicts:  # another thread finished it while we waited
                 return self._verdicts[key]
             device = torch.device(device_type, index) if index is not None else torch.device(device_type)
-            options = _describe_variant(variant) if variant else "default options"
+            options = variant.describe() if variant else "default options"
             cache_key = self.cache.key(backend.name, variant, device, self.cases) if device.type == "cuda" else None
             if cache_key and self.cache.has_pass(cache_key, backend.name):
                 log.info("%s (%s): self-check passed earlier on this GPU, driver and code (cached)", backend.name, options)
@@ -459,11 +472,10 @@ class SelfCheck:
             if reason:
                 reason = f"{backend.name} disabled on {device}: {FAILED} ({options}): {reason}"
                 log.warning("%s; calls fall back to the next backend", reason)
-                # A kernel failing with the accurate options (per-token INT8, smooth_k on) is broken: out of
-                # service on this device. Weaker options (per-block groups, smooth_k off) can miss bounds the
-                # spec itself misses (LSE 0.145 with block128 and no smooth_k, seen on the H200): only calls
-                # with those options are refused (`guard` returns this verdict for them).
-                if variant is None or (variant[1] == "token" and variant[2]):
+                # A kernel failing with the accurate options is broken: out of service on this device. Weaker
+                # options can miss bounds the spec itself misses (docs/VERIFICATION.md): only calls with those
+                # options are refused (`guard` returns this verdict for them).
+                if variant is None or variant.accurate:
                     backend.disable(device_type, index, reason)
             else:
                 log.info("%s (%s) passed its self-check on %s: %d cases in %.2f s", backend.name, options, device,

@@ -4,8 +4,9 @@ A Flux step makes ~57 attention calls of a handful of signatures; describing eac
 backend's rule again (arch, availability, shape limits, the self-check verdict) cost more host time than
 some of those calls take on the GPU. A signature is everything those decisions read: shapes, strides,
 dtypes and devices of q, k, v and the mask, `heads` and `skip_reshape`; the patch's config is fixed per
-cache. A plan is trusted only while `registry.decision_generation()` is the one it was made under, so a
-backend that its self-check (or anything else) disables is never served from here.
+cache. A plan keeps the `registry.Selection` it was made from and is trusted only while
+`registry.decision_generation()` is the one it was made under, so a backend that its self-check (or
+anything else) disables is never served from here.
 
 What depends on the call itself and not on its signature (transformer_options: step, block_index;
 `scale`, `enable_gqa`, `low_precision_attention`) is not in a plan: the override reads it on every call.
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from ..kernels.call_spec import AttentionCall
-from ..kernels.registry import Backend, decision_generation
+from ..kernels.registry import Backend, Selection, decision_generation
 
 MAX_PLANS = 256  # distinct signatures kept per patch; a long session of changing sizes evicts the oldest
 
@@ -26,9 +27,9 @@ MAX_PLANS = 256  # distinct signatures kept per patch; a long session of changin
 class CallPlan:
     view_shapes: Optional[tuple]      # layouts.head_split_shapes, None when the call came HND (skip_reshape)
     call: AttentionCall
-    backend: Optional[Backend]        # None: no quantized backend takes the call
-    skipped: Mapping[str, str]        # backends `auto` passed over -> why (not its SDPA verdict, that is `routed`);
-                                      # counted on every call (never mutated)
+    selection: Selection              # choose_backend's answer; the fields below are read off it once
+    backend: Optional[Backend]        # None: no quantized backend runs the call
+    skipped: Mapping[str, str]        # backends `auto` passed over -> why; counted on every call (never mutated)
     refusal: Optional[Tuple[str, str]]  # (fallback reason, kernel named when raising), or None: the backend runs
     default_scale: float              # 1/sqrt(head_dim), for calls without `scale`
     generation: int                   # registry.decision_generation() before the decision was made

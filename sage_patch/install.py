@@ -7,6 +7,7 @@ from typing import Optional, Tuple
 from .config import PatchConfig
 from .override import SageAttentionOverride
 from .stats import PatchStats
+from .timing import attach_step_timer
 
 OVERRIDE_KEY = "optimized_attention_override"
 log = logging.getLogger("sage_rdna4")
@@ -41,13 +42,7 @@ def patch_model(model, config: PatchConfig, stats: Optional[PatchStats] = None) 
                  "run go to it", getattr(previous, "__qualname__", previous))
     override = SageAttentionOverride(config, stats or PatchStats(f"sage_rdna4[{config.kernel}]"), previous=previous)
     options[OVERRIDE_KEY] = override
-    try:
-        from .timing import attach_step_timer
-        attach_step_timer(patched, override)
-    except ModuleNotFoundError as exc:
-        if not (exc.name or "").startswith("comfy"):
-            raise
-        log.info("[sage_rdna4] per-step timing not attached outside ComfyUI (%s)", exc)
+    attach_step_timer(patched, override)
     return patched, override
 
 

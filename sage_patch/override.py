@@ -27,7 +27,7 @@ import torch
 
 from ..kernels.call_spec import AttentionCall, describe_call
 from ..kernels.quant import default_sm_scale
-from ..kernels.registry import AUTO_VERDICT, KernelRefused, choose_backend, decision_generation
+from ..kernels.registry import KernelRefused, Selection, choose_backend, decision_generation
 from .call_plans import CallPlan, PlanCache, call_signature
 from .config import PatchConfig
 from .layouts import expand_mask, from_hnd, head_split_shapes, hnd_views, strided_hnd, strided_layout
@@ -95,24 +95,20 @@ class SageAttentionOverride:
         self.stats.record_fallback(reason)
         return self._pass_on(func, args, kwargs)
 
-    def _make_plan(self, call: AttentionCall, view_shapes, generation: int, backend, skipped,
+    @staticmethod
+    def _make_plan(call: AttentionCall, view_shapes, generation: int, selection: Selection,
                    strided=None) -> CallPlan:
-        """The decision `choose_backend` made for `call`, with the chosen backend's own answer (`why_not`)."""
+        """What the override does with calls of this signature, read off the selection `choose_backend` made."""
         refusal = routed = None
-        if backend is None and AUTO_VERDICT in skipped:  # SDPA measured fastest: exact attention by choice
-            routed = skipped[AUTO_VERDICT]
-        elif backend is None:
-            detail = "; ".join(f"{n}: {r}" for n, r in skipped.items()) or f"none is built for {call.arch}"
-            refusal = (f"auto: no quantized kernel takes this call ({detail})", "auto")
-        else:
-            reason = backend.why_not(call)
-            if reason:
-                refusal = (f"{backend.name}: {reason}", backend.name)
-        # auto's own verdict is `routed`; `skipped` keeps the backends passed over, which the stats count.
-        passed_over = {n: r for n, r in skipped.items() if n != AUTO_VERDICT}
-        return CallPlan(view_shapes=view_shapes, call=call, backend=backend, skipped=passed_over, refusal=refusal,
-                        default_scale=default_sm_scale(call.head_dim), generation=generation,
-                        routed=routed, strided=strided)
+        if selection.refusal is not None:  # the named kernel cannot take the call
+            refusal = (f"{selection.backend.name}: {selection.refusal}", selection.backend.name)
+        elif selection.backend is None and selection.measured:  # SDPA measured fastest: exact attention by choice
+            routed = selection.exact_reason
+        elif selection.backend is None:  # nothing quantized takes the call
+            refusal = (selection.exact_reason, "auto")
+        return CallPlan(view_shapes=view_shapes, call=call, selection=selection, backend=selection.backend,
+                        skipped=selection.passed_over, refusal=refusal, default_scale=default_sm_scale(call.head_dim),
+                        generation=generation, routed=routed, strided=strided)
 
     def _plan_call(self, key, q, k, v, mask, view_shapes, scale):
         """Describe a call not seen before and decide its backend; the plan is stored for its signature. A str
@@ -126,9 +122,11 @@ class SageAttentionOverride:
         generation = decision_generation()  # read before deciding: a change meanwhile leaves the plan stale
         sm_scale = float(scale) if scale is not None else default_sm_scale(call.head_dim)
         # With the tensors, `auto` on a GPU takes the fastest backend measured for this kind of call.
-        backend, skipped = choose_backend(call, self.config.kernel, quantized_only=True, tensors=(q, k, v),
-                                          sm_scale=sm_scale, attn_mask=mask, on_choice=self.stats.record_choice)
-        plan = self._make_plan(call, view_shapes, generation, backend, skipped,
+        selection = choose_backend(call, self.config.kernel, quantized_only=True, tensors=(q, k, v),
+                                   sm_scale=sm_scale, attn_mask=mask)
+        if selection.decision is not None:
+            self.stats.record_choice(selection.decision)
+        plan = self._make_plan(call, view_shapes, generation, selection,
                                strided_layout(q, k, v) if view_shapes is not None else None)
         self.plans.store(key, plan)
         return plan
@@ -192,8 +190,8 @@ class SageAttentionOverride:
         sm_scale = float(scale) if scale is not None else plan.default_scale
         timer = self.attention_timer
         try:
-            # The plan holds this backend's why_not answer, made under the current decision generation, so
-            # launch directly (calling the backend would ask why_not again).
+            # The plan holds this backend's `ready` answer, made under the current decision generation, so
+            # launch directly (calling the backend would ask again).
             if timer is not None:
                 with timer.measure():
                     out, _ = backend.launch(q, k, v, plan.call, sm_scale, mask)

@@ -50,8 +50,36 @@ def test_sdpa_refuses_lse_and_auto_moves_on():
 
 def test_auto_on_cpu_is_sdpa():
     q, k, v = qkv()
-    backend, skipped = registry.choose_backend(describe_call(q, k, v), "auto")
-    assert backend.name == "sdpa"
+    selection = registry.choose_backend(describe_call(q, k, v), "auto")
+    assert selection.backend.name == "sdpa"
+    assert selection.refusal is None and not selection.measured
+    assert selection.exact_reason == "auto: no quantized kernel takes this call (none is built for cpu)"
+
+
+def test_quantized_only_selection_says_why_exact_attention_runs():
+    q, k, v = qkv()
+    selection = registry.choose_backend(describe_call(q, k, v), "auto", quantized_only=True)
+    assert selection.backend is None and not selection.measured and selection.decision is None
+    assert selection.exact_reason.startswith("auto: no quantized kernel takes this call")
+
+
+def test_explicit_kernel_selection_carries_its_refusal():
+    q, k, v = qkv()
+    call = describe_call(q, k, v)
+    selection = registry.choose_backend(call, "hip_int8_fp8")
+    assert selection.backend.name == "hip_int8_fp8"
+    assert selection.refusal == registry.get_backend("hip_int8_fp8").why_not(call) and selection.refusal
+    assert registry.choose_backend(call, "reference").refusal is None
+
+
+def test_kernel_refused_names_the_backend_once():
+    plain = KernelRefused("triton_int8_fp8", "head_dim 512 above 256")
+    assert str(plain) == "triton_int8_fp8: head_dim 512 above 256"
+    named = KernelRefused("triton_int8_fp8", "triton_int8_fp8: head_dim 512 above 256")
+    assert str(named) == "triton_int8_fp8: head_dim 512 above 256"
+    disabled = KernelRefused("hip_int8_fp8", "hip_int8_fp8 disabled on cuda:0: self-check failed (x)")
+    assert str(disabled).count("hip_int8_fp8") == 1
+    assert named.reason == "triton_int8_fp8: head_dim 512 above 256" and named.backend == "triton_int8_fp8"
 
 
 def test_nhd_layout_matches_hnd():
@@ -123,15 +151,14 @@ def test_one_rule_used_by_dispatcher_and_wrapper(monkeypatch):
     monkeypatch.setitem(registry._REGISTRY, "sdpa", picky)
     q, k, v = qkv(d=32)
     call = describe_call(q, k, v)
-    backend, skipped = registry.choose_backend(call, "auto")
-    assert backend is not picky
-    assert skipped["sdpa"] == "head_dim 32 is not 64"
+    selection = registry.choose_backend(call, "auto")
+    assert selection.backend is not picky
+    assert selection.passed_over["sdpa"] == "head_dim 32 is not 64"
     with pytest.raises(KernelRefused, match="head_dim 32 is not 64"):
         picky(q, k, v, call, 1.0)
     assert _PickyBackend.launched == 0
     q, k, v = qkv(d=64)
-    backend, _ = registry.choose_backend(describe_call(q, k, v), "auto")
-    assert backend is picky
+    assert registry.choose_backend(describe_call(q, k, v), "auto").backend is picky
 
 
 def test_every_backend_name_has_a_loader():

@@ -13,7 +13,7 @@ import torch
 
 from comfyui_sage_rdna4.kernels import autotune, registry
 from comfyui_sage_rdna4.kernels.call_spec import describe_call
-from comfyui_sage_rdna4.kernels.registry import AUTO_VERDICT, Backend
+from comfyui_sage_rdna4.kernels.registry import Backend
 from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride
 from comfyui_sage_rdna4.sage_patch.report import format_report_text
 
@@ -334,21 +334,20 @@ def registered(monkeypatch):
 def test_quantized_only_gets_none_and_the_reason_when_sdpa_is_fastest(registered):
     _, _, tuner = registered({"sdpa": 5.0, "triton_int8_fp8": 6.0})
     qkv = tensors()
-    backend, skipped = registry.choose_backend(gpu_call(qkv), "auto", quantized_only=True, tensors=qkv, tuner=tuner)
-    assert backend is None
-    assert skipped == {AUTO_VERDICT: "auto: SDPA measured faster on this shape (best quantized: triton_int8_fp8 "
-                                     "1.20x SDPA)"}
-    backend, skipped = registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner)
-    assert backend.name == "sdpa" and skipped == {}
+    selection = registry.choose_backend(gpu_call(qkv), "auto", quantized_only=True, tensors=qkv, tuner=tuner)
+    assert selection.backend is None and selection.measured and selection.passed_over == {}
+    assert selection.exact_reason == ("auto: SDPA measured faster on this shape (best quantized: triton_int8_fp8 "
+                                      "1.20x SDPA)")
+    selection = registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner)
+    assert selection.backend.name == "sdpa" and selection.passed_over == {} and selection.measured
 
 
 def test_choose_backend_reports_the_decision(registered):
     _, _, tuner = registered({"sdpa": 5.0, "triton_int8_fp8": 4.0})
-    heard = []
     qkv = tensors()
-    backend, _ = registry.choose_backend(gpu_call(qkv), "auto", quantized_only=True, tensors=qkv, tuner=tuner,
-                                         on_choice=heard.append)
-    assert backend.name == "triton_int8_fp8" and heard[0].ranking == ("triton_int8_fp8", "sdpa")
+    selection = registry.choose_backend(gpu_call(qkv), "auto", quantized_only=True, tensors=qkv, tuner=tuner)
+    assert selection.backend.name == "triton_int8_fp8" and selection.exact_reason is None
+    assert selection.decision.ranking == ("triton_int8_fp8", "sdpa")
 
 
 def test_env_switch_off_keeps_the_static_order(registered, monkeypatch):
@@ -357,10 +356,10 @@ def test_env_switch_off_keeps_the_static_order(registered, monkeypatch):
     tuner = autotune.Autotuner(timer=clock, store=autotune.DecisionStore(enabled=False))
     qkv = tensors()
     monkeypatch.setenv(autotune.ENV, "0")
-    assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner)[0].name == "triton_int8_fp8"
+    assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp8"
     assert clock.timed == []
     monkeypatch.setenv(autotune.ENV, "1")
-    assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner)[0].name == "triton_int8_fp16"
+    assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp16"
 
 
 def test_no_tensors_cpu_or_a_first_call_in_capture_keep_the_static_order(registered, monkeypatch):
@@ -368,17 +367,17 @@ def test_no_tensors_cpu_or_a_first_call_in_capture_keep_the_static_order(registe
     qkv = tensors()
     cpu_call = describe_call(*qkv)
     assert cpu_call.device_type == "cpu"
-    assert registry.choose_backend(cpu_call, "auto", tensors=qkv, tuner=tuner)[0].name == "triton_int8_fp8"
-    assert registry.choose_backend(gpu_call(qkv), "auto", tuner=tuner)[0].name == "triton_int8_fp8"
+    assert registry.choose_backend(cpu_call, "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp8"
+    assert registry.choose_backend(gpu_call(qkv), "auto", tuner=tuner).backend.name == "triton_int8_fp8"
     capturing = [True]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner)[0].name == "triton_int8_fp8"
+    assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp8"
     assert clock.timed == [] and clock.ran == []
     capturing[0] = False
-    assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner)[0].name == "triton_int8_fp16"
+    assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp16"
     timed = len(clock.timed)
     capturing[0] = True  # a decision made before a capture serves the captured calls, without timing
-    assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner)[0].name == "triton_int8_fp16"
+    assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp16"
     assert len(clock.timed) == timed
 
 
@@ -387,9 +386,9 @@ def test_a_masked_call_is_measured_only_with_its_mask(registered):
     qkv = tensors()
     mask = torch.ones(4000, 4000, dtype=torch.bool)
     call = gpu_call(qkv, attn_mask=mask)
-    assert registry.choose_backend(call, "auto", tensors=qkv, tuner=tuner)[0].name == "triton_int8_fp8"
+    assert registry.choose_backend(call, "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp8"
     assert clock.timed == []
-    assert registry.choose_backend(call, "auto", tensors=qkv, attn_mask=mask, tuner=tuner)[0].name == \
+    assert registry.choose_backend(call, "auto", tensors=qkv, attn_mask=mask, tuner=tuner).backend.name == \
         "triton_int8_fp16"
 
 
@@ -550,11 +549,12 @@ def test_on_a_gpu_auto_measures_real_backends_and_is_never_slower_than_sdpa():
     tuner = autotune.Autotuner(store=autotune.DecisionStore(enabled=False), enabled=True)
     q, k, v = (t.cuda() for t in tensors(nq=2048, nk=2048, d=128, dtype=torch.bfloat16))
     call = describe_call(q, k, v)
-    backend, skipped = registry.choose_backend(call, "auto", quantized_only=True, tensors=(q, k, v), tuner=tuner)
+    selection = registry.choose_backend(call, "auto", quantized_only=True, tensors=(q, k, v), tuner=tuner)
+    backend = selection.backend
     decision = tuner.decision_for(call)
     assert decision is not None and "sdpa" in decision.timings and all(ms > 0 for ms in decision.timings.values())
     if backend is None:
-        assert skipped[AUTO_VERDICT].startswith("auto: SDPA")
+        assert selection.measured and selection.exact_reason.startswith("auto: SDPA")
     else:
         assert decision.ratio(backend.name) < autotune.QUANTIZED_MUST_BEAT
         # measuring does not change the result: the chosen backend's output, as when named explicitly
@@ -578,3 +578,19 @@ def test_on_a_gpu_the_power_load_queues_about_load_ms_without_waiting():
     ms = start.elapsed_time(end)
     assert 0.5 * autotune.LOAD_MS <= ms <= 3 * autotune.LOAD_MS, ms
     assert issued_ms < ms  # queued: the host did not wait for the GEMMs
+
+
+def test_a_first_call_asks_each_candidate_once(registered):
+    """Deciding a new kind of call asks each backend's rule once (no second `ready` for the one just measured)."""
+    backends, _, tuner = registered({"sdpa": 5.0, "triton_int8_fp8": 2.0, "triton_int8_fp16": 3.0})
+    asked = []
+    for backend in backends.values():
+        real = backend.why_not
+        backend.why_not = lambda call, real=real, name=backend.name: asked.append(name) or real(call)
+    qkv = tensors()
+    selection = registry.choose_backend(gpu_call(qkv), "auto", quantized_only=True, tensors=qkv, tuner=tuner)
+    assert selection.backend.name == "triton_int8_fp8"
+    assert sorted(asked) == ["sdpa", "triton_int8_fp16", "triton_int8_fp8"]
+    asked.clear()  # another call of the same kind: the decision is kept, the chosen backend asked about this call
+    registry.choose_backend(gpu_call(qkv), "auto", quantized_only=True, tensors=qkv, tuner=tuner)
+    assert asked == ["triton_int8_fp8"]

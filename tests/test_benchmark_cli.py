@@ -271,7 +271,7 @@ def test_triton_under_the_interpreter_on_the_cpu_warns_of_minutes(capsys, monkey
 
 
 def test_a_failed_first_use_self_check_fails_even_the_default_run(capsys, monkeypatch):
-    """Triton reports its self-check through unavailable(), HIP through why_not(): either way the run fails."""
+    """A failed first-use self-check disables the backend (its unavailable() reason): the run fails."""
     hip = get_backend("hip_int8_fp8")
     reason = "hip_int8_fp8 disabled on cpu: self-check failed on D128 fp16: cosine 0.2"
     monkeypatch.setattr(hip, "_disabled", {("cpu", None): reason})

@@ -80,7 +80,7 @@ def test_a_repeated_signature_is_described_and_decided_once(counted):
 
 
 def test_the_backend_is_not_asked_again_on_a_hit(monkeypatch):
-    """why_not (the self-check guard on a GPU) is answered by the plan: not per call, and not twice per call."""
+    """The backend's answer (`ready`: why_not and the self-check on a GPU) is kept by the plan: asked once."""
     backend = registry.get_backend("reference")
     asked = []
     real = backend.why_not
@@ -102,12 +102,16 @@ def test_the_plan_is_the_uncached_decision(kernel):
     qh = q.view(1, -1, 2, 32).transpose(1, 2)
     fresh = override_mod.describe_call(qh, qh, qh, smooth_k=True, prologue="auto", qk_group="token", smooth_v=False)
     assert plan.call == fresh
-    backend, skipped = registry.choose_backend(fresh, kernel, quantized_only=True)
-    assert plan.backend is backend and dict(plan.skipped) == skipped
+    selection = registry.choose_backend(fresh, kernel, quantized_only=True)
+    assert plan.selection == selection
+    backend = selection.backend
+    assert plan.backend is backend and dict(plan.skipped) == dict(selection.passed_over)
     reason = backend.why_not(fresh) if backend is not None else "none"
     assert (plan.refusal is None) == (reason is None)
     if reason and backend is not None:
         assert plan.refusal == (f"{backend.name}: {reason}", backend.name)
+    if backend is None:
+        assert plan.refusal == (selection.exact_reason, "auto") and plan.routed is None
 
 
 SEQUENCE = [  # (kernel, calls): signatures repeated, changed, and calls each path ends differently
@@ -214,7 +218,7 @@ def test_a_failed_self_check_verdict_invalidates_plans():
     backend = Fake()
     check = sc.SelfCheck(cases=(sc.Case("tiny", "peaked", torch.float16, 64, 1, 1, 1, 16, 16),))
     before = registry.decision_generation()
-    reason = check.ensure(backend, "cpu", None, broken, variant=("triton", "block64", True, False))
+    reason = check.ensure(backend, "cpu", None, broken, variant=sc.Variant("triton", "block64", True, False))
     assert reason and backend.unavailable("cpu", None) is None  # these options refused, the backend not disabled
     assert registry.decision_generation() != before
 

@@ -469,7 +469,7 @@ def api_call(tally: Tally, case: Case, kernel: str, device):
     if kernel == "auto":  # judge by the backend auto chose (SDPA, or the reference where SDPA refuses)
         call = describe_call(q, k, v, attn_mask=mask, is_causal=case.is_causal, smooth_k=case.smooth_k,
                              qk_group=case.qk_group)
-        ran = choose_backend(call, "auto")[0].name
+        ran = choose_backend(call, "auto").backend.name
     judge(tally, case, out, q, k, v, mask, get_backend(ran).quantized, case.is_causal, label=f"{kernel}->{ran}"
           if kernel != ran else kernel)
 

@@ -396,28 +396,6 @@ def test_missing_triton_prologue_is_a_refusal(monkeypatch):
     assert reason and "Triton prologue is unavailable" in reason
 
 
-def _smooth_v_call(prologue):
-    t = torch.empty(1, 2, 40, 128, dtype=torch.float16)
-    return describe_call(t, t, t, prologue=prologue, smooth_v=True)
-
-
-def test_triton_prologue_without_smooth_v_is_a_refusal(monkeypatch):
-    """smooth_v through the Triton prologue needs a triton_quantize_qkv that takes it (v_mean in its QuantizedQKV)."""
-    name = "comfyui_sage_rdna4.kernels.backends.triton.prologue"
-    old = types.SimpleNamespace(triton_prologue_refusal=lambda call: None,
-                                triton_quantize_qkv=lambda q, k, v, *, sm_scale, smooth_k=True, pv="fp8",
-                                qk_group="token": None)
-    monkeypatch.setitem(__import__("sys").modules, name, old)
-    reason = hip_backend.prologue_refusal(_smooth_v_call("triton"))
-    assert reason and "smooth_v" in reason and reason.startswith("Triton prologue:")
-    assert hip_backend.prologue_refusal(_call(prologue="triton")) is None
-    new = types.SimpleNamespace(triton_prologue_refusal=lambda call: None,
-                                triton_quantize_qkv=lambda q, k, v, *, sm_scale, smooth_k=True, pv="fp8",
-                                qk_group="token", smooth_v=False: None)
-    monkeypatch.setitem(__import__("sys").modules, name, new)
-    assert hip_backend.prologue_refusal(_smooth_v_call("triton")) is None
-
-
 def test_hip_prologue_refuses_cpu():
     reason = hip_backend.prologue_refusal(_call(prologue="hip"))
     assert reason and reason.startswith("HIP prologue:")
@@ -458,7 +436,7 @@ def cpu_hip_backend(monkeypatch):
 def test_selfcheck_passes_a_correct_kernel(cpu_hip_backend):
     cpu_hip_backend.attention_impl = good_attention
     cpu_hip_backend.selfcheck = SelfCheck()  # the full default set, as on a user's GPU
-    assert cpu_hip_backend.why_not(_call()) is None
+    assert cpu_hip_backend.ready(_call()) is None
     assert cpu_hip_backend.selfcheck.verdict("cpu", None, call_variant(_call(), "hip")) == (True, None)
     assert [r.case for r in cpu_hip_backend.selfcheck.last_result.results] == list(DEFAULT_CASES)  # LSE too
 
@@ -475,8 +453,10 @@ def _nan_attention(qq, call, pv, s, q=None):
 def test_selfcheck_disables_a_broken_kernel(cpu_hip_backend, monkeypatch, broken, words):
     cpu_hip_backend.attention_impl = broken
     call = _call()
-    reason = cpu_hip_backend.why_not(call)
+    assert cpu_hip_backend.why_not(call) is None  # a pure query: nothing has been checked yet
+    reason = cpu_hip_backend.ready(call)
     assert reason and "self-check failed (hip prologue" in reason and words in reason
+    assert cpu_hip_backend.why_not(call) == reason
     assert cpu_hip_backend.unavailable("cpu", None) == reason  # disabled for the process, reason kept
     with pytest.raises(registry.KernelRefused, match="self-check failed"):
         cpu_hip_backend(torch.randn(1, 2, 40, 128).half(), torch.randn(1, 2, 40, 128).half(),
@@ -484,8 +464,8 @@ def test_selfcheck_disables_a_broken_kernel(cpu_hip_backend, monkeypatch, broken
     # auto falls back past it, and records why
     monkeypatch.setitem(registry._REGISTRY, "hip_int8_fp8", cpu_hip_backend)
     monkeypatch.setattr(registry, "auto_order", lambda c: ["hip_int8_fp8", "sdpa"])
-    chosen, skipped = registry.choose_backend(call)
-    assert chosen.name == "sdpa" and "self-check failed" in skipped["hip_int8_fp8"]
+    selection = registry.choose_backend(call)
+    assert selection.backend.name == "sdpa" and "self-check failed" in selection.passed_over["hip_int8_fp8"]
 
 
 def test_selfcheck_catches_a_wrong_lse(cpu_hip_backend):
@@ -494,7 +474,7 @@ def test_selfcheck_catches_a_wrong_lse(cpu_hip_backend):
         return out, (None if lse is None else lse + 1.0)
 
     cpu_hip_backend.attention_impl = bad_lse
-    reason = cpu_hip_backend.why_not(_call())
+    reason = cpu_hip_backend.ready(_call())
     assert reason and "LSE off by" in reason
 
 
@@ -509,7 +489,7 @@ def test_selfcheck_runs_once_per_prologue_across_threads(cpu_hip_backend, monkey
 
     cpu_hip_backend.attention_impl = counting
     call, results = _call(), []
-    threads = [threading.Thread(target=lambda: results.append(cpu_hip_backend.why_not(call))) for _ in range(4)]
+    threads = [threading.Thread(target=lambda: results.append(cpu_hip_backend.ready(call))) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -517,10 +497,10 @@ def test_selfcheck_runs_once_per_prologue_across_threads(cpu_hip_backend, monkey
     assert results == [None] * 4
     calls = CALLS_PER_CASE * len(SMALL_CASES)
     assert len(runs) == calls  # every case accepted, LSE included
-    cpu_hip_backend.why_not(call)
-    cpu_hip_backend.why_not(_call(prologue="hip"))  # 'auto' is the HIP prologue: the same combination
+    cpu_hip_backend.ready(call)
+    cpu_hip_backend.ready(_call(prologue="hip"))  # 'auto' is the HIP prologue: the same combination
     assert len(runs) == calls  # not run again
-    cpu_hip_backend.why_not(_call(prologue="triton"))  # another kernel + prologue combination: its own check
+    cpu_hip_backend.ready(_call(prologue="triton"))  # another kernel + prologue combination: its own check
     assert len(runs) == 2 * calls
 
 
@@ -528,8 +508,9 @@ def test_selfcheck_without_acceptable_case_disables(cpu_hip_backend, monkeypatch
     cpu_hip_backend.attention_impl = good_attention
     monkeypatch.setattr(hip_prologue, "hip_prologue_refusal", lambda call: "nothing fits")
     # the real call is refused by the prologue rule before the self-check is reached
-    assert "nothing fits" in cpu_hip_backend.why_not(_call())
-    reason = cpu_hip_backend.ensure_selfcheck("cpu", None)
+    assert "nothing fits" in cpu_hip_backend.ready(_call())
+    # the self-check itself, as if the call had been accepted: no case of it is
+    reason = cpu_hip_backend.selfcheck.guard(cpu_hip_backend, _call(), cpu_hip_backend.variant(_call()))
     assert reason and "no case" in reason
 
 

@@ -175,7 +175,8 @@ def test_emulated_backend_matches_reference(pv, monkeypatch):
     backend = _backend_or_skip(pv, monkeypatch)
     dev = torch.device("cuda", torch.cuda.current_device())
     t0 = time.perf_counter()
-    assert backend.ensure_selfcheck(dev.type, dev.index) is None  # the first-use check passes for real
+    first = torch.empty(1, 1, 1, 64, device=dev, dtype=torch.float16)
+    assert backend.ready(describe_call(first, first, first)) is None  # the first-use check passes for real
     print(f"\n[selfcheck] {backend.name}: first use (compile or cache load + {len(backend.selfcheck.cases)} cases) "
           f"{time.perf_counter() - t0:.2f} s")
     # Against the spec: fp16 P.V matches to rounding; fp8 P is quantized against the running row max of the
@@ -192,7 +193,7 @@ def test_emulated_backend_matches_reference(pv, monkeypatch):
         k = torch.randn(2, hkv, nk, d, device=dev, dtype=dtype) + 2.0 * torch.randn(1, hkv, 1, d, device=dev, dtype=dtype)
         v = torch.randn(2, hkv, nk, d, device=dev, dtype=dtype)
         call = describe_call(q, k, v, is_causal=causal, return_lse=lse, prologue="hip")
-        assert backend.why_not(call) is None
+        assert backend.ready(call) is None
         out, got_lse = backend(q, k, v, call, 1.0 / math.sqrt(d))
         ref, ref_lse = reference_attention(q, k, v, is_causal=causal, pv=pv, return_lse=lse)
         exact, _ = exact_attention(q, k, v, is_causal=causal)
@@ -217,7 +218,7 @@ def test_emulated_backend_is_disabled_by_a_broken_kernel(monkeypatch):
     backend.attention_impl = garbage
     q = torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.float16)
     call = describe_call(q, q, q)
-    reason = backend.why_not(call)
+    reason = backend.ready(call)
     assert reason and "self-check failed" in reason
 
 
@@ -267,7 +268,7 @@ def test_emulated_backend_with_triton_prologue(monkeypatch):
     k = torch.randn(1, 4, 200, 64, device="cuda", dtype=torch.float16)
     v = torch.randn(1, 4, 200, 64, device="cuda", dtype=torch.float16)
     call = describe_call(q, k, v, prologue="triton")
-    reason = backend.why_not(call)
+    reason = backend.ready(call)
     if reason and "Triton prologue" in reason:
         pytest.skip(reason)
     assert reason is None

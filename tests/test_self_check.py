@@ -305,8 +305,46 @@ def test_selfcheck_failure_disables_the_backend_with_the_reason(monkeypatch):
     assert backend.unavailable("cpu", None) == reason  # Backend.disable: stats and available_backends show it
     monkeypatch.setitem(registry._REGISTRY, "hip_int8_fp8", backend)
     monkeypatch.setattr(registry, "auto_order", lambda c: ["hip_int8_fp8", "sdpa"])
-    chosen, skipped = registry.choose_backend(_call())
-    assert chosen.name == "sdpa" and "self-check failed" in skipped["hip_int8_fp8"]
+    selection = registry.choose_backend(_call())
+    assert selection.backend.name == "sdpa" and "self-check failed" in selection.passed_over["hip_int8_fp8"]
+
+
+class VerifiedFake(FakeBackend):
+    """A backend that proves itself on first use through the Backend base class (as Triton and HIP do)."""
+    own_prologue = "hip"
+
+    def __init__(self, attention):
+        super().__init__(attention)
+        self.selfcheck = sc.SelfCheck(SMALL)
+
+
+def test_why_not_runs_nothing_and_verify_is_the_one_step_that_checks():
+    backend = VerifiedFake(reference)
+    call = _call()
+    assert backend.why_not(call) is None and backend.runs == 0  # a pure query: no self-check ran
+    assert backend.selfcheck.verdict("cpu", None, backend.variant(call)) == (False, None)
+    assert backend.variant(call) == sc.Variant("hip", "token", True, False)  # 'auto' is the backend's own
+    assert backend.ready(call) is None and backend.runs > 0
+    runs = backend.runs
+    assert backend.ready(call) is None and backend.why_not(call) is None and backend.runs == runs  # recalled
+
+
+def test_why_not_reports_a_recorded_failure_without_checking_again():
+    backend = VerifiedFake(planted(repeated_batch))
+    weak = _call(qk_group="block64")
+    reason = backend.ready(weak)
+    assert reason and "self-check failed" in reason
+    runs = backend.runs
+    assert backend.why_not(weak) == reason and backend.runs == runs
+    assert backend.why_not(_call()) is None  # the accurate options are not judged by the weak variant's verdict
+
+
+def test_variant_is_named():
+    variant = sc.call_variant(_call(prologue="triton", qk_group="block64"))
+    assert (variant.prologue, variant.qk_group, variant.smooth_k, variant.smooth_v) == ("triton", "block64", True,
+                                                                                        False)
+    assert not variant.accurate and sc.call_variant(_call()).accurate
+    assert variant.describe() == "triton prologue, qk_group block64, smooth_k on, smooth_v off"
 
 
 # -- passes cached on disk ----------------------------------------------------------------------------

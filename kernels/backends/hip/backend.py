@@ -7,9 +7,9 @@ Acceptance, stated once:
   * the call (`attention_refusal`): the one shape rule that `refuse` and the launch wrapper
     `hip_attention` both apply;
   * the prologue the call asks for: 'auto'/'hip' -> the HIP prologue, 'triton' -> the Triton one;
-  * the first-use self-check (`kernels/self_check.py`), once per device and kernel + prologue
-    combination, folded into `why_not` so `auto` falls back past a kernel that failed it and an
-    explicit request gets the reason.
+  * the first-use self-check (`Backend.verify`, kernels/self_check.py), once per device and kernel +
+    prologue combination, so `auto` falls back past a kernel that failed it and an explicit request gets
+    the reason.
 """
 from __future__ import annotations
 
@@ -62,29 +62,18 @@ def prologue_refusal(call: AttentionCall) -> Optional[str]:
     """Why the prologue the call asks for cannot quantize it, or None."""
     if call.prologue == "triton":
         try:
-            from ..triton.prologue import triton_prologue_refusal, triton_quantize_qkv
+            from ..triton.prologue import triton_prologue_refusal
         except Exception as exc:
             return f"the Triton prologue is unavailable: {type(exc).__name__}: {exc}"
         reason = triton_prologue_refusal(call)
-        if not reason and call.smooth_v and not _accepts_keyword(triton_quantize_qkv, "smooth_v"):
-            reason = "smooth_v is not implemented in the Triton prologue"
         return f"Triton prologue: {reason}" if reason else None
     reason = hip_prologue.hip_prologue_refusal(call)
     return f"HIP prologue: {reason}" if reason else None
 
 
-def _accepts_keyword(fn, name: str) -> bool:
-    import inspect
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def quantize(q, k, v, call: AttentionCall, sm_scale: float, pv: str) -> quant.QuantizedQKV:
-    kw = dict(sm_scale=sm_scale, smooth_k=call.smooth_k, pv=pv, qk_group=call.qk_group)
-    if call.smooth_v:  # v_mean comes back in the QuantizedQKV; the attention kernel adds it to the output
-        kw["smooth_v"] = True
+    # With smooth_v, v_mean comes back in the QuantizedQKV; the attention kernel adds it to the output.
+    kw = dict(sm_scale=sm_scale, smooth_k=call.smooth_k, pv=pv, qk_group=call.qk_group, smooth_v=call.smooth_v)
     if call.prologue == "triton":
         from ..triton.prologue import triton_quantize_qkv
         return triton_quantize_qkv(q, k, v, **kw)
@@ -110,16 +99,16 @@ def launch_attention(qq, *, pv, is_causal, return_lse, sm_scale, q, out_dtype):
 
 class HipBackend(Backend):
     quantized = True
+    own_prologue = "hip"
 
     def __init__(self, pv: str):
-        super().__init__()
+        super().__init__(SelfCheck())
         if pv not in PV_MODES:
             raise ValueError(f"pv must be one of {PV_MODES}, got {pv!r}")
         self.pv = pv
         self.name = f"hip_int8_{pv}"
         self.description = (f"HIP gfx12 kernels: INT8 Q.K, {pv.upper()} P.V, FP32 accumulation "
                             f"(compiled at first use with hiprtc; emulated on NVIDIA)")
-        self.selfcheck = SelfCheck()
         # The kernel path after quantization; a test replaces it with a broken one to exercise the self-check.
         self.attention_impl: Callable = hip_attention
 
@@ -137,34 +126,12 @@ class HipBackend(Backend):
     def refuse(self, call: AttentionCall) -> Optional[str]:
         return attention_refusal(call, self.pv) or prologue_refusal(call)
 
-    def why_not(self, call: AttentionCall) -> Optional[str]:
-        reason = super().why_not(call)
-        if reason:
-            return reason
-        # First real call of this device and kernel + prologue combination: prove it before it serves calls.
-        return self.selfcheck.guard(self, call, prologue="triton" if call.prologue == "triton" else "hip")
-
-    def ensure_selfcheck(self, device_type: str, index: Optional[int], prologue: str = "hip") -> Optional[str]:
-        """Run (or recall) the first-use self-check of `prologue` with default options on one device."""
-        from ...call_spec import describe_call
-        meta = torch.empty(1, 1, 1, 64, dtype=torch.float16, device="meta")
-        call = _replace_device(describe_call(meta, meta, meta, prologue=prologue), device_type, index)
-        return self.selfcheck.guard(self, call, prologue=prologue)
-
     # -- running --------------------------------------------------------------------------------
     def launch(self, q, k, v, call: AttentionCall, sm_scale: float, attn_mask):
         if sm_scale is None or not math.isfinite(sm_scale):
             sm_scale = quant.default_sm_scale(call.head_dim)
         qq = quantize(q, k, v, call, sm_scale, self.pv)
         return self.attention_impl(qq, call, self.pv, sm_scale, q)
-
-
-def _replace_device(call: AttentionCall, device_type: str, index: Optional[int]) -> AttentionCall:
-    import dataclasses
-    from ...call_spec import device_arch, is_rocm
-    arch = device_arch(device_type, index) if device_type == "cuda" else device_type
-    return dataclasses.replace(call, device_type=device_type, device_index=index, arch=arch,
-                               rocm=device_type == "cuda" and is_rocm())
 
 
 def make_backend(pv: str) -> HipBackend:

@@ -2,12 +2,11 @@
 
 The acceptance rule is stated once, in `refuse`; `_unavailable` judges the environment only.
 On a GPU (ROCm and NVIDIA; not the CPU interpreter) the first use of a device by each kernel + prologue
-combination runs the shared self-check (kernels/self_check.py); a failure takes the backend out of
-service there (the dispatcher then falls back with that reason).
+combination runs the shared self-check (`Backend.verify`, kernels/self_check.py); a failure takes the
+backend out of service there (the dispatcher then falls back with that reason).
 """
 from __future__ import annotations
 
-import inspect
 import os
 from typing import Optional
 
@@ -46,14 +45,6 @@ def _hip_prologue():
     return hip_prologue_refusal, hip_quantize_qkv
 
 
-def _takes_smooth_v(fn) -> bool:
-    """Whether a prologue function has a `smooth_v` parameter (the HIP prologue gains it separately)."""
-    try:
-        return "smooth_v" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def lse_smooth_term(q: torch.Tensor, k_mean: torch.Tensor, sm_scale: float) -> torch.Tensor:
     """q . mean(K) * sm_scale per query row (B, Hq, Nq) in FP32: what smooth_k took out of every score.
 
@@ -70,15 +61,16 @@ def lse_smooth_term(q: torch.Tensor, k_mean: torch.Tensor, sm_scale: float) -> t
 
 
 class TritonBackend(Backend):
+    own_prologue = "triton"
+
     def __init__(self, pv: str):
-        super().__init__()
+        super().__init__(SelfCheck())
         if pv not in ("fp8", "fp16"):
             raise ValueError(f"pv must be 'fp8' or 'fp16', got {pv!r}")
         self.pv = pv
         self.name = f"triton_int8_{pv}"
         self.description = (f"Triton: INT8 Q.K, {pv.upper()} P.V, FP32 accumulation "
                             f"(RDNA4 fallback, NVIDIA, interpreter)")
-        self.selfcheck = SelfCheck()
 
     # -- environment ---------------------------------------------------------------------
     def _unavailable(self, device_type, index):
@@ -106,12 +98,8 @@ class TritonBackend(Backend):
             return f"{arch} has no FP8 tensor cores; use triton_int8_fp16"
         return None
 
-    def why_not(self, call):
-        reason = super().why_not(call)
-        if reason or call.device_type != "cuda" or _interpreting():
-            return reason
-        # First use of this GPU by this kernel + prologue combination: the shared self-check.
-        return self.selfcheck.guard(self, call, prologue="hip" if call.prologue == "hip" else "triton")
+    def needs_verification(self, call):
+        return call.device_type == "cuda" and not _interpreting()  # the interpreter runs no GPU code
 
     # -- one call --------------------------------------------------------------------------
     def refuse(self, call):
@@ -128,11 +116,7 @@ class TritonBackend(Backend):
             if isinstance(hip, str):
                 return hip
             reason = hip[0](call)
-            if reason:
-                return f"HIP prologue: {reason}"
-            if call.smooth_v and not _takes_smooth_v(hip[1]):
-                return "HIP prologue: smooth_v is not implemented there (use prologue='triton')"
-            return None
+            return f"HIP prologue: {reason}" if reason else None
         from .prologue import triton_prologue_refusal
         return triton_prologue_refusal(call)
 
@@ -140,9 +124,8 @@ class TritonBackend(Backend):
         prologue, attention = _kernel_modules()
         cfg = attention_config(call.arch, max(call.head_dim, call.v_head_dim), self.pv)
         if call.prologue == "hip":
-            extra = {"smooth_v": True} if call.smooth_v else {}  # only asked of it when needed
             qq = _hip_prologue()[1](q, k, v, sm_scale=sm_scale, smooth_k=call.smooth_k, pv=self.pv,
-                                    qk_group=call.qk_group, **extra)
+                                    qk_group=call.qk_group, smooth_v=call.smooth_v)
         else:
             qq = prologue.triton_quantize_qkv(q, k, v, sm_scale=sm_scale, smooth_k=call.smooth_k, pv=self.pv,
                                               qk_group=call.qk_group, v_transposed=cfg.v_transposed,

@@ -115,15 +115,8 @@ _INTERPRETER = {"fp8": AttentionConfig(32, 32, 4, 1, True, "split"),
 _PROLOGUE_GPU = PrologueConfig(block_n=64, stats_block_n=256, num_warps=4)
 _PROLOGUE_INTERPRETER = PrologueConfig(block_n=32, stats_block_n=64, num_warps=4)
 
-# Test/benchmark hook: (arch, padded_d, pv) -> config replacing the table entry.
-OVERRIDES: Dict[Tuple[str, int, str], AttentionConfig] = {}
-
-
 def attention_config(arch: str, head_dim: int, pv: str) -> AttentionConfig:
-    d = padded_head_dim(head_dim)
-    if OVERRIDES and (arch, d, pv) in OVERRIDES:
-        return OVERRIDES[(arch, d, pv)]
-    return _table_config(arch, d, pv)
+    return _table_config(arch, padded_head_dim(head_dim), pv)
 
 
 @functools.lru_cache(maxsize=None)
