@@ -423,6 +423,25 @@ and a shared CPU's timings vary several-fold between runs); more repeats are tak
 Under TRITON_INTERPRET=1 the Triton backends run on the CPU in Python: minutes per call at these shapes."""
 
 
+def json_path_problem(path: str) -> Optional[str]:
+    """Why --json PATH cannot be written (checked before the run, so a long benchmark is not lost at its end),
+    or None. '-' is stdout."""
+    if path == "-":
+        return None
+    if os.path.isdir(path):
+        return f"{path!r} is a folder; give a file name in it"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.exists(folder):
+        return f"cannot write {path!r}: its folder does not exist ({folder})"
+    if not os.path.isdir(folder):
+        return f"cannot write {path!r}: {folder} is not a folder"
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return f"cannot write {path!r}: the file is not writable"
+    if not os.path.exists(path) and not os.access(folder, os.W_OK | os.X_OK):
+        return f"cannot write {path!r}: its folder {folder} is not writable"
+    return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = _Parser(prog="benchmark.py", description=__doc__.splitlines()[0],
                      epilog=EPILOG.format(floor=COSINE_FLOOR), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -446,10 +465,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--smooth-v", action="store_true",
                         help="run our kernels with smooth_v (V's per-channel mean out before quantizing, added back)")
     parser.add_argument("--json", default=None, metavar="PATH",
-                        help="write the results as JSON to PATH; '-' writes them to stdout (the table then goes to "
-                             "stderr)")
+                        help="write the results as JSON to PATH (checked before the run: a PATH that cannot be "
+                             "written is a usage error); '-' writes them to stdout (the table then goes to stderr)")
     args = parser.parse_args(argv)
 
+    if args.json:
+        problem = json_path_problem(args.json)
+        if problem:
+            parser.error(f"argument --json: {problem}")
     device = parse_device(parser, args.device)
     catalogue = {s.name: s for s in GPU_SHAPES + CPU_SHAPES + SMOKE_SHAPES}
     if args.shapes:

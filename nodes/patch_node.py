@@ -3,16 +3,17 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..kernels.registry import BACKEND_NAMES
-from ..sage_patch.config import PatchConfig
+from ..sage_patch.config import KERNEL_CHOICES, PROLOGUE_CHOICES, PatchConfig
 from ..sage_patch.install import patch_model
 
-KERNEL_CHOICES = ["auto", *BACKEND_NAMES]
+DISPLAY_NAME = "Patch Sage Attention (RDNA4)"
 
 KERNEL_TOOLTIP = (
-    "Attention kernel for this model. 'auto' takes the best quantized kernel that accepts each call "
-    "(on RX 9070/9060: hip_int8_fp8, then hip_int8_fp16, triton_int8_fp8, triton_int8_fp16, comfy_kitchen, "
-    "sageattention). A kernel that cannot take a call (not installed, wrong GPU, unsupported head size...) "
+    "Attention kernel for this model. 'auto' measures, on your GPU at first use of each kind of call, every "
+    "quantized kernel that accepts it (on RX 9070/9060: hip_int8_fp8, hip_int8_fp16, triton_int8_fp8, "
+    "triton_int8_fp16, comfy_kitchen, sageattention) against SDPA, and takes the fastest; where no quantized "
+    "kernel is measured faster than SDPA, 'auto' keeps exact attention (SDPA) for those calls, so it may bring "
+    "no speed-up there. A kernel that cannot take a call (not installed, wrong GPU, unsupported head size...) "
     "sends it to ComfyUI's own attention and the reason is counted and logged once.")
 
 
@@ -30,17 +31,17 @@ class PatchSageAttentionRDNA4(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="PatchSageAttentionRDNA4",
-            display_name="Patch Sage Attention (RDNA4)",
+            display_name=DISPLAY_NAME,
             category="model_patches/attention",
             description="Runs the model's attention on SageAttention-style quantized kernels (INT8 Q.K, FP8/FP16 "
                         "P.V) written for AMD RDNA4. Text encoders and the VAE are not affected.",
             inputs=[
                 io.Model.Input("model", tooltip="The diffusion model to patch. The original stays unpatched."),
-                io.Combo.Input("kernel", options=KERNEL_CHOICES, default="auto", tooltip=KERNEL_TOOLTIP),
+                io.Combo.Input("kernel", options=list(KERNEL_CHOICES), default="auto", tooltip=KERNEL_TOOLTIP),
                 io.Boolean.Input("smooth_k", default=True,
                                  tooltip="Subtract the per-channel key mean before INT8 quantization. Exact for "
                                          "softmax and more accurate on diffusion models; keep it on."),
-                io.Combo.Input("prologue", options=["auto", "hip", "triton"], default="auto",
+                io.Combo.Input("prologue", options=list(PROLOGUE_CHOICES), default="auto",
                                tooltip="Which kernel quantizes Q, K and V before attention: 'auto' uses the "
                                        "attention kernel's own; 'hip' the hand-written HIP one (RDNA4 only); "
                                        "'triton' the portable Triton one."),
@@ -80,7 +81,10 @@ class PatchSageAttentionRDNA4(io.ComfyNode):
     def execute(cls, model, kernel, smooth_k, prologue, on_unsupported, step_start=0.0, step_end=1.0,
                 exact_blocks="", min_seq_len=0, cross_attention="quantized", time_attention=False,
                 smooth_v=False) -> io.NodeOutput:
-        config = config_from_inputs(kernel, smooth_k, prologue, on_unsupported, step_start, step_end,
-                                    exact_blocks, min_seq_len, cross_attention, time_attention, smooth_v)
+        try:
+            config = config_from_inputs(kernel, smooth_k, prologue, on_unsupported, step_start, step_end,
+                                        exact_blocks, min_seq_len, cross_attention, time_attention, smooth_v)
+        except ValueError as exc:  # e.g. a value from a prompt JSON that no combo checked: say which node
+            raise ValueError(f"{DISPLAY_NAME}: {exc}") from exc
         patched, _ = patch_model(model, config)
         return io.NodeOutput(patched)

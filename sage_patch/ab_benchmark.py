@@ -25,7 +25,7 @@ from .config import PatchConfig
 from .install import OVERRIDE_KEY, find_override, patch_model
 from .layouts import expand_mask, to_hnd
 from .override import bind_attention_args
-from .report import format_report_text, plot_step_times, report_json, summarize_steps
+from .report import format_report_text, plot_step_times, report_json, summarize_steps, timing_caveat
 from .stats import PatchStats
 from .timing import step_timer_of
 
@@ -161,7 +161,8 @@ def patched_config(model, kernel: Optional[str]) -> PatchConfig:
 def run_ab(model, positive, negative, latent: dict, seed: int, steps: int, cfg: float, sampler_name: str,
            scheduler: str, vae=None, kernel: Optional[str] = None, accuracy_samples: int = ACCURACY_SAMPLES,
            progress: Optional[Callable[[int, int], None]] = None, save_dir: Optional[str] = None):
-    """Run the A/B comparison. Returns (patched LATENT dict, report dict, report text, plot IMAGE, json path)."""
+    """Run the A/B comparison. Returns (patched LATENT dict, report dict, report text, plot IMAGE, json path);
+    the path is None when the report could not be saved (the reason is in the report's "save_error")."""
     config = patched_config(model, kernel)
     baseline = PatchConfig(kernel="sdpa", time_attention=True)
     sdpa_model, sdpa_override = patch_model(model, baseline, PatchStats("sage_rdna4[sdpa baseline]"))
@@ -189,6 +190,7 @@ def run_ab(model, positive, negative, latent: dict, seed: int, steps: int, cfg: 
     summary = summarize_steps([s.as_dict() for s in run_a.steps], [s.as_dict() for s in run_b.steps], WARMUP_STEPS)
     device = getattr(model, "load_device", None)
     accuracy = attention_accuracy(probe.samples)
+    caveat = timing_caveat(device)
     report = {
         "kind": "sage_rdna4 A/B benchmark",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -196,6 +198,7 @@ def run_ab(model, positive, negative, latent: dict, seed: int, steps: int, cfg: 
         "config": dataclasses.asdict(config),
         "model": type(getattr(model, "model", model)).__name__,
         "device": _device_name(device), "clock": run_b.clock,
+        "cpu_run": caveat is not None, "timing_caveat": caveat,
         "latent_shape": list(latent["samples"].shape), "steps": steps, "cfg": cfg, "seed": seed,
         "sampler": sampler_name, "scheduler": scheduler,
         "ratio_definition": "patched time / SDPA time per step (below 1 is faster); speed-up = SDPA / patched",
@@ -212,10 +215,16 @@ def run_ab(model, positive, negative, latent: dict, seed: int, steps: int, cfg: 
         "notes": ab_override.stats.snapshot()["notes"],
         "auto_choices": ab_override.stats.snapshot()["auto_choices"],
     }
-    text = format_report_text(report)
-    plot = plot_step_times(summary["per_step"], title=f"time per step: SDPA vs {config.kernel}")
-    path = save_report(report, save_dir)
+    path = None
+    try:
+        path = save_report(report, save_dir)
+    except OSError as exc:  # an unwritable output folder must not cost the two sampling runs just made
+        report["save_error"] = f"report not saved: {type(exc).__name__}: {exc}"
+        log.warning("[sage_rdna4 A/B] %s", report["save_error"])
     report["json_path"] = path
+    text = format_report_text(report)
+    plot = plot_step_times(summary["per_step"], title=f"time per step: SDPA vs {config.kernel}"
+                                                      + (" (CPU: not speed claims)" if caveat else ""))
     out = dict(latent)
     out["samples"] = patched_samples
     return out, report, text, plot, path

@@ -3,7 +3,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..kernels.call_spec import PROLOGUES
+from ..kernels.registry import BACKEND_NAMES
+
 ON_UNSUPPORTED = ("fallback", "raise")
+# The one rule for kernel and prologue values; the node offers exactly these. A prompt JSON can skip the UI's
+# combo check, so an unknown value must stop here rather than fail in KSampler or make every call fall back.
+KERNEL_CHOICES = ("auto", *BACKEND_NAMES)
+PROLOGUE_CHOICES = PROLOGUES
+
+
+def _choices(values) -> str:
+    return ", ".join(repr(v) for v in values)
 
 
 @dataclass(frozen=True)
@@ -23,6 +34,10 @@ class PatchConfig:
     time_attention: bool = False    # per-step attention time from device events (costs a little)
 
     def __post_init__(self):
+        if self.kernel not in KERNEL_CHOICES:
+            raise ValueError(f"kernel must be one of {_choices(KERNEL_CHOICES)}, got {self.kernel!r}")
+        if self.prologue not in PROLOGUE_CHOICES:
+            raise ValueError(f"prologue must be one of {_choices(PROLOGUE_CHOICES)}, got {self.prologue!r}")
         if self.on_unsupported not in ON_UNSUPPORTED:
             raise ValueError(f"on_unsupported must be one of {ON_UNSUPPORTED}, got {self.on_unsupported!r}")
         if not 0.0 <= self.step_start <= self.step_end <= 1.0:

@@ -15,6 +15,20 @@ import torch
 
 from .stats import format_skipped
 
+# On the CPU both runs time the torch reference of the algorithm (or the Triton interpreter) on a shared CPU:
+# the same graph has shown 0.46x to 4.4x there, so a CPU report must not read as a speed result.
+CPU_CAVEAT = "CPU run: timings here are not speed claims (no GPU)"
+
+
+def timing_caveat(device) -> Optional[str]:
+    """CPU_CAVEAT when the runs were on the CPU (`device`: the model's load device), else None."""
+    if device is None:
+        return None
+    try:
+        return CPU_CAVEAT if torch.device(device).type == "cpu" else None
+    except (RuntimeError, TypeError, ValueError):  # not a device torch knows: say nothing rather than guess
+        return None
+
 
 def _share(attention_ms: Optional[float], step_ms: float) -> Optional[float]:
     if attention_ms is None or step_ms <= 0:
@@ -79,8 +93,11 @@ def format_report_text(report: dict) -> str:
              f"model {report.get('model', '?')} | latent {report.get('latent_shape', '?')} | "
              f"{report.get('sampler', '?')}/{report.get('scheduler', '?')} | steps {report.get('steps', '?')} | "
              f"cfg {report.get('cfg', '?')} | seed {report.get('seed', '?')} | {report.get('device', '?')} "
-             f"({report.get('clock', '?')})",
-             "",
+             f"({report.get('clock', '?')})"]
+    caveat = report.get("timing_caveat")
+    if caveat:
+        lines.append(caveat)
+    lines += ["",
              f"{'step':>4} {'SDPA ms':>9} {'patched ms':>10} {'ratio':>6} {'attn SDPA':>9} {'attn patched':>12}"]
     for s in report.get("per_step", []):
         mark = "  (warm-up, excluded)" if s["warmup"] else ""
@@ -90,7 +107,8 @@ def format_report_text(report: dict) -> str:
     if t.get("measured_steps"):
         lines.append(f"total over {t['measured_steps']} steps ({t['warmup_steps_excluded']} warm-up excluded): "
                      f"SDPA {_fmt(t['sdpa_ms'])} ms, patched {_fmt(t['patched_ms'])} ms -> ratio "
-                     f"{_fmt(t['ratio'], '.3f')}, speed-up {_fmt(t['speedup'], '.3f')}x")
+                     f"{_fmt(t['ratio'], '.3f')}, speed-up {_fmt(t['speedup'], '.3f')}x"
+                     + (" (CPU: not a speed claim)" if caveat else ""))
         if t.get("attention_speedup") is not None:
             lines.append(f"attention: SDPA {_fmt(t['sdpa_attention_ms'])} ms ({_pct(t['sdpa_attention_share'])} of "
                          f"the step), patched {_fmt(t['patched_attention_ms'])} ms "
@@ -133,6 +151,8 @@ def format_report_text(report: dict) -> str:
         lines.append(f"exact by policy ({policy}): {n}")
     for note in report.get("notes", []):
         lines.append(f"note: {note}")
+    if report.get("save_error"):
+        lines.append(f"WARNING: {report['save_error']}")
     return "\n".join(lines)
 
 

@@ -2,7 +2,8 @@
 # Sourced by scripts/setup_and_benchmark.sh and scripts/setup_and_test.sh, not run by itself.
 # `sage_setup_python` sets PY to a Python that has torch: $PYTHON if it has torch, else the virtual
 # environment $VENV (made here if missing), else python3 if it has torch, else a new $VENV with the
-# PyTorch build that fits this machine. Messages go to stderr (stdout stays the benchmark's).
+# PyTorch build that fits this machine. Messages go to stderr, and so does what pip and venv print (stdout stays
+# the benchmark's: `setup_and_benchmark.sh --json -` must write nothing there but the JSON).
 #
 # Settings, all optional:
 #   PYTHON           a Python to use as it is when it has torch (e.g. ComfyUI's); without torch, $VENV
@@ -164,10 +165,10 @@ sage_torch_plan() {
 
 sage_install_torch() {
   if sage_has_torch "$PY"; then return 0; fi
-  "$PY" -m pip install -q --upgrade pip || sage_die "could not upgrade pip in $VENV"
+  "$PY" -m pip install -q --upgrade pip >&2 || sage_die "could not upgrade pip in $VENV"
   sage_torch_plan
   # shellcheck disable=SC2086  # TORCH_SPEC may name several requirements
-  "$PY" -m pip install ${SAGE_TORCH_ARGS[@]+"${SAGE_TORCH_ARGS[@]}"} $SAGE_TORCH_SPEC ||
+  "$PY" -m pip install ${SAGE_TORCH_ARGS[@]+"${SAGE_TORCH_ARGS[@]}"} $SAGE_TORCH_SPEC >&2 ||
     sage_die "pip could not install $SAGE_TORCH_SPEC: set TORCH_INDEX_URL or TORCH_SPEC, or PYTHON to a Python that has torch"
   "$PY" -W ignore - <<'EOF' >&2
 import torch
@@ -213,7 +214,7 @@ sage_setup_python() {
     fi
     sage_say "$base has no torch: making the virtual environment $VENV"
   fi
-  "$base" -m venv "$VENV" ||
+  "$base" -m venv "$VENV" >&2 ||
     sage_die "$base -m venv $VENV failed (on Debian/Ubuntu: apt-get install python3-venv), or set PYTHON to a Python that has torch"
   PY=$(sage_venv_python)
   [ -n "$PY" ] || sage_die "no Python in $VENV after $base -m venv"

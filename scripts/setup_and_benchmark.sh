@@ -9,5 +9,6 @@ cd "$(dirname "$0")/.."
 # shellcheck source=scripts/_python_env.sh
 . scripts/_python_env.sh
 sage_setup_python
-"$PY" -m pip install -q -r requirements.txt
+# pip's log to stderr: stdout is the benchmark's alone (with --json - it must be just the JSON document).
+"$PY" -m pip install -q -r requirements.txt >&2
 exec "$PY" benchmark.py "$@"

@@ -173,6 +173,58 @@ def test_json_path_writes_a_file(capsys, tmp_path):
         assert doc["verdict"]["passed"] is False and doc["verdict"]["problems"]
 
 
+def _no_run(monkeypatch):
+    """bench_shape that records being called: a bad --json PATH must stop before any benchmark runs."""
+    calls = []
+    monkeypatch.setattr(benchmark, "bench_shape", lambda *a, **k: calls.append(a) or [])
+    return calls
+
+
+@pytest.mark.parametrize("where, words", [
+    (lambda tmp: tmp / "no-such-folder" / "r.json", "folder does not exist"),
+    (lambda tmp: tmp, "is a folder"),
+    (lambda tmp: tmp / "file.txt" / "r.json", "is not a folder"),
+], ids=["missing-folder", "a-folder", "under-a-file"])
+def test_json_path_that_cannot_be_written_is_refused_before_the_run(capsys, monkeypatch, tmp_path, where, words):
+    (tmp_path / "file.txt").write_text("x")
+    calls = _no_run(monkeypatch)
+    path = where(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        benchmark.main(["--backends", "reference", "--json", str(path), *TINY])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert calls == [] and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "argument --json" in lines[0] and str(path) in lines[0] and words in lines[0], lines[0]
+
+
+def test_json_path_in_a_read_only_folder_is_refused_before_the_run(capsys, monkeypatch, tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:  # root writes anywhere: let the OS answer as it would a user
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **k: False if (mode & os.W_OK and os.path.abspath(p)
+                                                                         == str(folder)) else real(p, mode, **k))
+    calls = _no_run(monkeypatch)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            benchmark.main(["--backends", "reference", "--json", str(folder / "r.json"), *TINY])
+    finally:
+        folder.chmod(0o755)
+    assert exc.value.code == 2 and calls == []
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "not writable" in err
+
+
+def test_json_path_unwritable_in_a_real_process_is_one_line(tmp_path):
+    proc = run_cli("--backends", "reference", "--json", str(tmp_path / "missing" / "r.json"), *TINY)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "argument --json" in proc.stderr
+
+
 # -- what the numbers mean -------------------------------------------------------------------------------
 
 def test_help_explains_the_columns_and_the_exit_status(capsys):

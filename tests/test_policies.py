@@ -178,6 +178,33 @@ def test_config_rejects_impossible_settings(bad):
         PatchConfig(**bad)
 
 
+@pytest.mark.parametrize("field, bad, choices", [
+    ("kernel", "hip_int8", ("auto", "hip_int8_fp8", "triton_int8_fp16", "sdpa", "reference")),
+    ("kernel", "", ("auto", "sdpa")),
+    ("prologue", "cuda", ("auto", "hip", "triton")),
+    ("prologue", "HIP", ("auto", "hip", "triton")),  # a prompt JSON skips the UI's combo: exact spelling only
+])
+def test_config_refuses_an_unknown_kernel_or_prologue_naming_the_choices(field, bad, choices):
+    """An unknown kernel failed only later in KSampler, an unknown prologue made every call fall back silently."""
+    with pytest.raises(ValueError) as exc:
+        PatchConfig(**{field: bad})
+    message = str(exc.value)
+    assert field in message and repr(bad) in message
+    assert all(f"'{c}'" in message for c in choices), message
+
+
+def test_config_takes_every_kernel_and_prologue_the_node_offers():
+    from comfyui_sage_rdna4.kernels.call_spec import PROLOGUES
+    from comfyui_sage_rdna4.kernels.registry import BACKEND_NAMES
+    from comfyui_sage_rdna4.sage_patch import config
+
+    assert config.KERNEL_CHOICES == ("auto", *BACKEND_NAMES) and config.PROLOGUE_CHOICES == PROLOGUES
+    for kernel in config.KERNEL_CHOICES:
+        assert PatchConfig(kernel=kernel).kernel == kernel
+    for prologue in config.PROLOGUE_CHOICES:
+        assert PatchConfig(prologue=prologue).prologue == prologue
+
+
 # -- through the override: stats show how many calls each policy routed -----------------------------
 
 def comfy_attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,

@@ -7,6 +7,7 @@ import torch
 
 from comfyui_sage_rdna4.kernels.reference import exact_attention
 from comfyui_sage_rdna4.sage_patch import ab_benchmark
+from comfyui_sage_rdna4.sage_patch import report as report_mod
 from comfyui_sage_rdna4.sage_patch.report import (PATCHED_COLOR, SDPA_COLOR, format_report_text, plot_step_times,
                                                   report_json, summarize_steps)
 
@@ -67,6 +68,24 @@ def test_text_report_shows_every_part():
     assert "patched run, calls served by a kernel of this pack: reference 4" in text
     assert "kernels 'auto' passed over" in text
     assert "auto passed over hip_int8_fp8 on 4 calls: hip_int8_fp8 disabled on cuda:0: self-check failed: NaN" in text
+
+
+def test_cpu_report_says_its_timings_are_no_speed_claims():
+    """On the CPU the same graph has measured 0.46x to 4.4x: the report must not read as a speed result."""
+    assert report_mod.timing_caveat(torch.device("cpu")) == report_mod.CPU_CAVEAT
+    assert report_mod.timing_caveat("cpu") == report_mod.CPU_CAVEAT
+    assert report_mod.timing_caveat(torch.device("cuda", 0)) is None
+    assert report_mod.timing_caveat(None) is None  # unknown device: no claim either way
+    cpu = format_report_text({**make_report(), "timing_caveat": report_mod.CPU_CAVEAT}).splitlines()
+    assert cpu[2] == "CPU run: timings here are not speed claims (no GPU)"
+    assert next(line for line in cpu if line.startswith("total over")).endswith("(CPU: not a speed claim)")
+    gpu = format_report_text({**make_report(), "device": "NVIDIA H200 (sm_90)", "timing_caveat": None})
+    assert "not speed claim" not in gpu and "not a speed claim" not in gpu
+
+
+def test_a_save_error_is_in_the_text():
+    text = format_report_text({**make_report(), "save_error": "report not saved: PermissionError: denied"})
+    assert text.splitlines()[-1] == "WARNING: report not saved: PermissionError: denied"
 
 
 def test_text_report_without_measured_steps_says_so():

@@ -203,3 +203,33 @@ exec "{sys.executable}" "$@"
     r = run_bash('sage_torch_plan', env={"PY": str(fake_py), "SAGE_BASE_PY": str(fake_base), "SAGE_GPU": "none",
                                         "TORCH_SPEC": "torch==9.9"})
     assert r.returncode == 1 and "cannot be reached" in r.stderr
+
+
+def test_setup_and_benchmark_json_dash_puts_only_the_json_on_stdout(tmp_path):
+    """A first run makes the venv and installs torch and requirements.txt: pip's log (which pip writes to stdout)
+    must go to stderr, so `setup_and_benchmark.sh --json -` can be piped into a JSON reader."""
+    marker, venv = tmp_path / "torch-installed", tmp_path / "venv"
+    doc = {"verdict": {"passed": True}, "rows": []}
+    # A stand-in Python: no torch until pip installs it; pip and venv chatter on stdout as the real ones can.
+    fake = write_exe(tmp_path / "fakepy", f"""#!{BASH}
+case "$1" in
+  -c) [ -e "{marker}" ] || exit 1; case "$2" in *print*) echo 2.13.0;; esac; exit 0;;
+  -W) cat >/dev/null; echo "torch summary"; exit 0;;
+  benchmark.py) echo '{json.dumps(doc)}'; exit 0;;
+esac
+if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; echo "venv: made $3"; exit 0; fi
+if [ "$1 $2" = "-m pip" ]; then
+  echo "Collecting $*"; echo "Successfully installed something"
+  case " $* " in *" torch "*) touch "{marker}";; esac
+  exit 0
+fi
+echo "fake python: unexpected $*" >&2; exit 3
+""")
+    env = {"HOME": os.environ.get("HOME", "/tmp"), "PATH": os.environ["PATH"], "PYTHON": str(fake),
+           "VENV": str(venv), "TORCH_INDEX_URL": "https://example.invalid/simple"}
+    r = subprocess.run([BASH, "scripts/setup_and_benchmark.sh", "--json", "-"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert marker.exists()  # the first-run path (venv made, torch installed) was taken
+    assert json.loads(r.stdout) == doc, r.stdout
+    assert "Collecting" in r.stderr and "venv: made" in r.stderr  # the setup's log is kept, on stderr

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from comfyui_sage_rdna4.sage_patch.report import report_json, summarize_steps
+from comfyui_sage_rdna4.sage_patch.report import CPU_CAVEAT, report_json, summarize_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome", "chrome")) if p),
@@ -103,6 +103,64 @@ try {
 """
 
 
+# The report widget laid out as ComfyUI lays out a DOM widget (ComfyUI_frontend DomWidgets.vue and LiteGraph's
+# node layout): the element fills a box of (node width - 2 margin) x (computedHeight - 2 margin), where
+# computedHeight is the node's free height below the widget's y, kept between getMinHeight() and getMaxHeight().
+# A report measured for a width the node does not get, or taller than that box, loses its last lines.
+LAYOUT_PAGE = """<!doctype html><html><body><pre id="result">pending</pre>
+<script type="module">
+const out = document.getElementById("result");
+try {
+  const { app } = await import("/scripts/app.js");
+  await import("/extensions/sage_rdna4/sage_rdna4.js");
+  const ext = app.extensions[0];
+  const MARGIN = 10, Y0 = 30;  // ComfyUI's DOM widget margin; the widget's y below one row of sockets
+  function BenchmarkNode(pos, others) {
+    this.widgets = []; this.size = [300, 200]; this.pos = pos; this.graph = { _nodes: [this, ...others] };
+  }
+  BenchmarkNode.prototype.addDOMWidget = function (name, type, element, options) {
+    const w = { name, type, element, options, margin: MARGIN, y: Y0 };
+    this.widgets.push(w);
+    return w;
+  };
+  BenchmarkNode.prototype.computeSize = function () {  // LiteGraph: the widgets at their least height
+    return [this.size[0], Y0 + (this.widgets[0] ? this.widgets[0].options.getMinHeight() : 0)];
+  };
+  BenchmarkNode.prototype.setSize = function (size) { this.size = size; };
+  await ext.beforeRegisterNodeDef(BenchmarkNode, { name: "SageAttentionBenchmarkRDNA4" }, app);
+  function layout(node) {
+    const w = node.widgets[0], o = w.options;
+    const computed = Math.max(o.getMinHeight(), Math.min(o.getMaxHeight(), node.size[1] - w.y));
+    const box = document.createElement("div");
+    box.style.cssText = `position:absolute;left:${node.pos[0] + MARGIN}px;top:${node.pos[1] + w.y + MARGIN}px;` +
+      `width:${node.size[0] - 2 * MARGIN}px;height:${computed - 2 * MARGIN}px;overflow:hidden`;
+    w.element.style.width = "100%";  // ComfyUI adds the classes h-full w-full
+    w.element.style.height = "100%";
+    box.appendChild(w.element);
+    document.body.appendChild(box);
+    const el = w.element, last = el.lastElementChild, b = box.getBoundingClientRect();
+    return { size: node.size, clientHeight: el.clientHeight, scrollHeight: el.scrollHeight,
+             clientWidth: el.clientWidth, scrollWidth: el.scrollWidth, last: last.textContent,
+             lastBottom: last.getBoundingClientRect().bottom, boxBottom: b.bottom };
+  }
+  const results = {};
+  for (const [name, pos, others] of [
+    ["roomy", [0, 0], []],
+    // a node on the right: the report is narrower than it would like, and wraps onto more lines
+    ["neighbour_right", [0, 2000], [{ pos: [420, 2040], size: [200, 100] }]],
+  ]) {
+    const node = new BenchmarkNode(pos, others);
+    node.onExecuted({ sage_rdna4_report: [REPORT] });
+    results[name] = layout(node);
+  }
+  out.textContent = JSON.stringify(results);
+} catch (err) {
+  out.textContent = JSON.stringify({ fatal: String(err && err.stack || err) });
+}
+</script></body></html>
+"""
+
+
 def make_report():
     steps = lambda times, attn: [{"index": i, "step_ms": t, "attention_ms": a} for i, (t, a) in  # noqa: E731
                                  enumerate(zip(times, attn))]
@@ -125,6 +183,12 @@ def served(tmp_path):
         ext_dir.mkdir(parents=True)
         shutil.copy(ROOT / "web" / "sage_rdna4.js", ext_dir / "sage_rdna4.js")
     (tmp_path / "test.html").write_text(PAGE.replace("REPORT", json.dumps(report_json(make_report()))))
+    # A real run's report ends with its saved path: long, and without a space to wrap at.
+    long_path = dict(make_report(), json_path="/home/someone/ComfyUI/output/sage_rdna4/" + "x" * 90 + "/ab_1.json")
+    (tmp_path / "layout.html").write_text(LAYOUT_PAGE.replace("REPORT", json.dumps(report_json(long_path))))
+    cpu = dict(make_report(), device="cpu", cpu_run=True, timing_caveat=CPU_CAVEAT, json_path=None,
+               save_error="report not saved: NotADirectoryError: [Errno 20] Not a directory: '/out/x'")
+    (tmp_path / "cpu.html").write_text(PAGE.replace("REPORT", json.dumps(report_json(cpu))))
 
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args):
@@ -169,6 +233,37 @@ def test_extension_renders_the_report_table(served):
     assert 300 < w <= 410 and 200 < h <= 520, result["size"]
     # LiteGraph gives the report between these heights; the report scrolls below its natural height.
     assert 0 < result["minHeight"] <= 60 < result["maxHeight"] <= 480
+
+
+@pytest.mark.browser
+def test_a_cpu_report_says_its_timings_are_no_speed_claims(served):
+    """The widget shows the headline speed-up; from a CPU run it must say, above it, that it is no speed claim.
+    A report that could not be saved says so where the saved path would be."""
+    url, tmp = served
+    result = run_page(url.replace("test.html", "cpu.html"), tmp / "profile")
+    assert "fatal" not in result, result.get("fatal")
+    text = result["text"]
+    assert CPU_CAVEAT in text and text.index(CPU_CAVEAT) < text.index("speed-up 2.000x")
+    assert "warning: report not saved: NotADirectoryError" in text and "saved: /" not in text
+    gpu = run_page(url, tmp / "profile2")["text"]
+    assert "not speed claims" not in gpu and "not saved" not in gpu
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("case", ["roomy", "neighbour_right"])
+def test_report_widget_shows_its_last_line(served, case):
+    """Where the node has the room, the laid-out widget shows the whole report down to its last line
+    (the saved path): nothing scrolls away, and no horizontal scrollbar covers the bottom line."""
+    url, tmp = served
+    result = run_page(url.replace("test.html", "layout.html"), tmp / "profile")
+    assert "fatal" not in result, result.get("fatal")
+    r = result[case]
+    assert r["last"].startswith("saved: /home/someone/ComfyUI/output/sage_rdna4/"), r
+    assert r["scrollWidth"] <= r["clientWidth"], r  # a long path wraps instead of widening the report
+    assert r["scrollHeight"] <= r["clientHeight"], r  # all of it visible ...
+    assert r["lastBottom"] <= r["boxBottom"] + 0.5, r  # ... the last line included
+    if case == "neighbour_right":
+        assert r["size"][0] <= 410, r  # and the node still stays clear of its neighbour
 
 
 def test_web_folder_is_registered_one_way():

@@ -129,6 +129,28 @@ def test_the_patch_node_shows_all_its_widgets():
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_template_has_a_readable_title_and_a_one_line_description(path):
+    """Released ComfyUI shows a custom node's template by its file name (server: /workflow_templates lists names
+    only; frontend: workflowTemplatesStore takes title and description from the name), cut off on the card. Each
+    template carries its own title and description in the workflow's `extra.template`, in the fields of a core
+    template entry (templates/index.json: title, description), for a frontend or an index that reads them."""
+    meta = load(path)["extra"].get("template")
+    assert isinstance(meta, dict), f"{path.name}: no extra.template"
+    title, description = meta.get("title"), meta.get("description")
+    assert isinstance(title, str) and title.strip() == title and 8 <= len(title) <= 40, f"{path.name}: {title!r}"
+    assert "_" not in title and not title.endswith(".json")  # words, not a file name
+    assert title.lower() != path.stem.replace("_", " ").lower()
+    assert isinstance(description, str) and description.strip() == description, f"{path.name}: {description!r}"
+    assert "\n" not in description and 20 <= len(description) <= 160, f"{path.name}: {description!r}"
+    assert description.endswith(".") and description != title
+
+
+def test_template_titles_are_distinct():
+    titles = [load(p)["extra"]["template"]["title"] for p in WORKFLOWS]
+    assert len(set(titles)) == len(titles) == len(WORKFLOWS)
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
 def test_template_thumbnail(path):
     """ComfyUI's template browser shows example_workflows/<name>.jpg on the workflow's card."""
     from PIL import Image, ImageStat

@@ -41,8 +41,11 @@ function table(doc, header, rows) {
 
 // Builds the report's DOM (a <div>); exported so it can be checked without a ComfyUI page.
 export function renderReport(report, doc = document) {
+  // border-box: the padding stays inside the height LiteGraph gives the widget; overflow-wrap: a long saved
+  // path wraps rather than bringing a horizontal scrollbar that would cover the last line.
   const root = el(doc, "div", undefined,
-    "font:12px monospace;color:var(--fg-color,#ddd);overflow:auto;max-height:100%;padding:4px");
+    "font:12px monospace;color:var(--fg-color,#ddd);overflow:auto;max-height:100%;padding:4px;" +
+    "box-sizing:border-box;overflow-wrap:anywhere");
   root.className = "sage-rdna4-report";
   if (!report || typeof report !== "object") {
     root.appendChild(el(doc, "div", "no report"));
@@ -51,6 +54,8 @@ export function renderReport(report, doc = document) {
   const t = report.totals || {};
   root.appendChild(el(doc, "div", `kernel ${report.kernel} vs exact SDPA — ${report.model ?? "?"} on ${report.device ?? "?"}`,
     "font-weight:bold"));
+  // Above the speed-up: on the CPU the figures below are no speed result.
+  if (report.timing_caveat) root.appendChild(el(doc, "div", report.timing_caveat, "color:#e9a23b;font-weight:bold"));
   if (t.measured_steps) {
     root.appendChild(el(doc, "div",
       `speed-up ${fmt(t.speedup, 3)}x (ratio ${fmt(t.ratio, 3)}) over ${t.measured_steps} steps; ` +
@@ -92,6 +97,7 @@ export function renderReport(report, doc = document) {
     root.appendChild(el(doc, "div", `exact by policy (${policy}): ${n}`));
   }
   if (report.json_path) root.appendChild(el(doc, "div", `saved: ${report.json_path}`, "opacity:0.7"));
+  if (report.save_error) root.appendChild(el(doc, "div", `warning: ${report.save_error}`, "color:#e05a4f"));
   return root;
 }
 
@@ -102,6 +108,8 @@ const MAX_W = 720;
 const MAX_H = 480; // the report's area, graph units
 const MIN_H = 60; // the smallest report area LiteGraph keeps when the node is resized by hand
 const GAP = 10; // space kept free next to other nodes
+const SPARE = 16; // one line of the report's 12px font beyond its measured height: a rounding in the
+// frontend's layout must not hide the last line
 
 function boxOf(node) {
   const title = globalThis.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
@@ -145,14 +153,26 @@ function measure(view, width) {
 function fitNode(node, widget, view) {
   const margin = widget.margin ?? 10;
   const wantW = Math.min(MAX_W, Math.max(node.size?.[0] ?? 0, measure(view)[0] + 2 * margin + 4));
-  const reportH = Math.min(MAX_H, measure(view, wantW - 2 * margin)[1] + 2 * margin + 4);
+  // The report area that shows all of the report at node width `nodeW` (LiteGraph lays the widget out at
+  // the node's width less its margins).
+  const reportAt = (nodeW) => Math.min(MAX_H, measure(view, nodeW - 2 * margin)[1] + 2 * margin + SPARE);
+  // The node height that shows a report area of `reportH`: LiteGraph's own layout (sockets, the other
+  // widgets) with the report at that height.
+  const nodeHeightFor = (reportH) => {
+    widget.sageMinHeight = reportH;
+    const h = typeof node.computeSize === "function" ? node.computeSize()[1] : (node.size?.[1] ?? 0) + reportH;
+    widget.sageMinHeight = Math.min(MIN_H, reportH);
+    return h;
+  };
+  let reportH = reportAt(wantW);
+  let [w, h] = roomFor(node, [wantW, nodeHeightFor(reportH)]);
+  if (w < wantW) {
+    // A node on the right keeps this one narrower: the report wraps onto more lines at the width it gets,
+    // so its height is measured again there (measured at wantW, its last lines were cut off).
+    reportH = reportAt(w);
+    [w, h] = roomFor(node, [w, nodeHeightFor(reportH)]);
+  }
   widget.sageMaxHeight = reportH;
-  // The node height that shows the whole report: LiteGraph's own layout (sockets, the other widgets) with
-  // the report at that height.
-  widget.sageMinHeight = reportH;
-  const needH = typeof node.computeSize === "function" ? node.computeSize()[1] : (node.size?.[1] ?? 0) + reportH;
-  widget.sageMinHeight = Math.min(MIN_H, reportH);
-  const [w, h] = roomFor(node, [wantW, needH]);
   node.setSize?.([w, h]);
 }
 

@@ -1,0 +1,85 @@
+"""The Patch node without ComfyUI: nodes/patch_node.py loaded against a small stand-in for `comfy_api.latest`
+(only what the module touches at import and in execute). The real ComfyUI: tests/test_comfyui_integration.py.
+
+A prompt JSON reaches execute() without the UI's combo checks, so the node itself must refuse a bad value.
+"""
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _stub_io():
+    """comfy_api.latest.io as far as patch_node uses it: inputs keep their id and keyword arguments."""
+    io = types.ModuleType("comfy_api.latest.io")
+
+    def socket(name):
+        return type(name, (), {"Input": staticmethod(lambda id, **kw: types.SimpleNamespace(id=id, **kw)),
+                               "Output": staticmethod(lambda **kw: types.SimpleNamespace(**kw))})
+    for name in ("Model", "Combo", "Boolean", "Float", "String", "Int"):
+        setattr(io, name, socket(name))
+    io.ComfyNode = type("ComfyNode", (), {})
+    io.Schema = lambda **kw: types.SimpleNamespace(**kw)
+    io.NodeOutput = lambda *args, **kw: types.SimpleNamespace(args=args, **kw)
+    return io
+
+
+@pytest.fixture
+def patch_node(monkeypatch):
+    latest = types.ModuleType("comfy_api.latest")
+    latest.io = _stub_io()
+    monkeypatch.setitem(sys.modules, "comfy_api", types.ModuleType("comfy_api"))
+    monkeypatch.setitem(sys.modules, "comfy_api.latest", latest)
+    name = "comfyui_sage_rdna4.nodes.patch_node"
+    spec = importlib.util.spec_from_file_location(name, ROOT / "nodes" / "patch_node.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # not kept in sys.modules: the stand-in must not outlive this test
+    return module
+
+
+def node_input(module, name):
+    schema = module.PatchSageAttentionRDNA4.define_schema()
+    return next(i for i in schema.inputs if i.id == name)
+
+
+def execute(module, **overrides):
+    args = dict(model=object(), kernel="auto", smooth_k=True, prologue="auto", on_unsupported="fallback")
+    args.update(overrides)
+    return module.PatchSageAttentionRDNA4.execute(**args)
+
+
+@pytest.mark.parametrize("field, bad, choice", [("kernel", "hip_int8", "hip_int8_fp8"),
+                                                ("prologue", "rocm", "triton")])
+def test_the_node_refuses_an_unknown_kernel_or_prologue_before_patching(patch_node, monkeypatch, field, bad,
+                                                                        choice):
+    patched = []
+    monkeypatch.setattr(patch_node, "patch_model", lambda model, config: patched.append(config) or (model, None))
+    with pytest.raises(ValueError) as exc:
+        execute(patch_node, **{field: bad})
+    message = str(exc.value)
+    assert patched == []  # refused when the patch is made, not on the first attention call in KSampler
+    assert "Patch Sage Attention (RDNA4)" in message and field in message and repr(bad) in message
+    assert f"'{choice}'" in message and "'auto'" in message, message
+    # The same node with a valid value patches.
+    out = execute(patch_node, **{field: choice})
+    assert len(patched) == 1 and getattr(patched[0], field) == choice and out.args[0] is not None
+
+
+def test_the_node_offers_exactly_the_values_the_config_takes(patch_node):
+    from comfyui_sage_rdna4.sage_patch import config
+
+    assert tuple(node_input(patch_node, "kernel").options) == config.KERNEL_CHOICES
+    assert tuple(node_input(patch_node, "prologue").options) == config.PROLOGUE_CHOICES
+
+
+def test_the_kernel_tooltip_says_auto_may_keep_exact_attention(patch_node):
+    """auto measures each shape on first use and keeps SDPA where no quantized kernel is faster there: a user who
+    picks auto and sees no speed-up must be able to read why in the tooltip."""
+    tooltip = node_input(patch_node, "kernel").tooltip
+    assert tooltip == patch_node.KERNEL_TOOLTIP
+    assert "SDPA" in tooltip and "exact attention" in tooltip
+    assert "auto" in tooltip and "faster" in tooltip and "measure" in tooltip
