@@ -68,7 +68,7 @@ SDPA_VARIANTS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION
 #                    weight on its own run's keys, and V carries a per-run channel offset (std 3). A global
 #                    channel mean (smooth_v) does not take those offsets out, so an accumulator that loses small
 #                    increments still fails here (H200, Wan 480p: FP8 "mma" accumulation with smooth_v rel L1
-#                    0.10, the shipped accumulation 0.002; README, "Measured")
+#                    0.10, the shipped accumulation 0.002; docs/MEASUREMENTS.md)
 INPUT_KINDS = ("standard", "diffuse", "diffuse_voffset", "regional_voffset")
 # Kinds whose output is mostly a V offset: cosine cannot see a loss of scale there, so only rel L1 judges them.
 OFFSET_KINDS = ("diffuse_voffset", "regional_voffset")
@@ -269,7 +269,7 @@ columns: ms = median time per call over the timed repeats, and [fastest-slowest]
           AMD; the driver averages it over its last sample period, 1/6 s to 1 s, so for short calls it reads
           the recent repeats; "-" where it cannot be read, and on the CPU). Under a power cap the clock follows
           the power a kernel draws: a faster time at a higher clock may not hold where the GPU is already near
-          its cap, as inside a model step after its matrix multiplications (README, "Measured");
+          its cap, as inside a model step after its matrix multiplications (docs/MEASUREMENTS.md);
   /sdpa = this backend's median / PyTorch's default SDPA median on the same shape in this run
           (1 = as fast as SDPA, above 1 = slower, below 1 = faster);
   /best = the same ratio against the fastest SDPA variant measured here (sdpa, and on a GPU sdpa_cudnn

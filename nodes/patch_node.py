@@ -72,7 +72,7 @@ class PatchSageAttentionRDNA4(io.ComfyNode):
                                  tooltip="Subtract V's per-channel mean before quantizing and add it back to the "
                                          "output (exact). Helps where V carries a large per-channel offset on "
                                          "hardware whose FP8 accumulator truncates; costs accuracy on zero-mean V "
-                                         "at long sequences. Off by default (see the README)."),
+                                         "at long sequences. Off by default (docs/MEASUREMENTS.md says why)."),
             ],
             outputs=[io.Model.Output(tooltip="A patched clone of the model.")],
         )

@@ -2,8 +2,8 @@
 
 For gfx1201 and gfx1200: the kernel compiles with num_stages=1, its ISA uses the gfx12 INT8 WMMA for
 Q.K^T and the FP8 (or F16) WMMA for P.V, no VGPR is spilled (no scratch), and LDS fits 64 KiB.
-SGPR spills are reported, not failed: they go to VGPR lanes, not memory (the README states which
-configurations spill them and how many). Prints VGPRs, SGPRs, spills, LDS and occupancy per configuration
+SGPR spills are reported, not failed: they go to VGPR lanes, not memory (docs/MEASUREMENTS.md states
+which configurations spill them and how many). Prints VGPRs, SGPRs, spills, LDS and occupancy per configuration
 (run with -s to see them).
 Both P.V accumulation forms ("mma", "split") are compiled for the FP8 entries, and the IR shows that
 the shipped one is what runs (Triton's combiner would otherwise fold "split" back into "mma").

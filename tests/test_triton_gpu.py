@@ -152,8 +152,8 @@ def rel_l1_per_head(out, exact):
 
 
 DIFFUSE_BOUND = {True: 0.02, False: 0.05}  # with / without a V offset
-# smooth_v on zero-mean V: FP8 rounding of V shifted off its symmetric grid costs accuracy as N grows (README,
-# "Accuracy on long, diffuse attention": the spec alone 0.030 -> 0.083 at 75600 keys; H200 FP8 at 32760 keys
+# smooth_v on zero-mean V: FP8 rounding of V shifted off its symmetric grid costs accuracy as N grows
+# (docs/MEASUREMENTS.md, "Why smooth_v is off": the spec alone 0.030 -> 0.083 at 75600 keys; H200 FP8 at 32760 keys
 # 0.049-0.063 per (b, h)), which is why smooth_v is off by default. Bounded by the benchmark's diffuse bound.
 SMOOTH_V_BOUND = {True: 0.02, False: 0.08}
 
@@ -231,7 +231,7 @@ def test_regional_v_offsets_catch_fp8_mma_accumulation_even_with_smooth_v():
     """The negative control of the test above, on Hopper, whose FP8 MMA truncates its accumulator: accumulating
     P.V across key tiles inside the MMA ("mma", 0.87x SDPA at Wan 480p when un-serialised) fails these inputs,
     and smooth_v does not rescue it (it removes V's global channel mean, not the per-run offsets), while it
-    does rescue a global V offset. Why FP8 P.V on sm_90 accumulates "imprecise_k" (README, "Measured")."""
+    does rescue a global V offset. Why FP8 P.V on sm_90 accumulates "imprecise_k": docs/MEASUREMENTS.md."""
     from comfyui_sage_rdna4.kernels import benchmark
     from comfyui_sage_rdna4.kernels.backends.triton import attention, prologue
     from comfyui_sage_rdna4.kernels.backends.triton.configs import attention_config
