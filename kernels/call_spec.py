@@ -89,7 +89,7 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
             raise ValueError(f"mask shape {tuple(attn_mask.shape)} does not broadcast to {(b, hq, nq, nk)}")
 
 
-# Descriptions by everything they are a function of (issue 11: describing a Flux-size call took 15-18 µs of
+# Descriptions by everything they are a function of (describing a Flux-size call took 15-18 µs of
 # host time, the key takes a few). Cleared when full; a malformed call raises before it is kept.
 _DESCRIBED: dict = {}
 _DESCRIBED_MAX = 512

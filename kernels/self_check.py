@@ -7,7 +7,7 @@ default softmax scale 1/sqrt(head_dim); a case that needs the LSE calls it with 
 expects `(out, lse)`. It is what every HIP and Triton kernel + prologue combination runs on the user's
 GPU before its first call (`SelfCheck` below), and it runs on the CPU too (the torch reference passes it).
 
-Why these cases (issue 10): a kernel that is right on short, peaked inputs can still lose output mass on
+Why these cases: a kernel that is right on short, peaked inputs can still lose output mass on
 near-uniform attention over tens of thousands of keys (an accumulator that truncates), or get one batch,
 head or query block wrong. So the cases use batch 2, several heads (GQA where the backend takes it),
 query lengths over 8 query blocks of 128 rows with tails that are no multiple of 64, thousands of keys,
@@ -75,7 +75,7 @@ MAX_LSE_ERROR = 0.1
 SCALE_LOSS_MUST_FAIL = 0.05  # the output scale loss the probe is built to reject (tests plant it)
 
 # What a sampled real call (the A/B node) may reach before it is flagged, by P.V precision: FP8 at the
-# scale loss the probe must reject, FP16 (and exact fallbacks) at issue 10's per-call target. A sound
+# scale loss the probe must reject, FP16 (and exact fallbacks) at the per-call accuracy target. A sound
 # kernel sits far below: 0.0007-0.003 on real self-attention (peers, our FP16), FP8 ~0.002-0.03.
 FLAG_REL_L1 = {"fp8": SCALE_LOSS_MUST_FAIL, "fp16": 0.02}
 

@@ -160,7 +160,7 @@ def make_qkv(b, hq, hkv, nq, nk, d, dtype, device, layout: str = "hnd", seed: in
 
 def diffuse_qkv(b, h, nq, nk, d, dtype, device, seed: int = 0, v_offset: bool = True):
     """Near-uniform attention over many keys (q, k = 0.7 randn), V = randn plus, with `v_offset`, a per-channel
-    offset 2 + 2|randn(D)| (issue 10's precision case: where a truncating P.V accumulator loses mass)."""
+    offset 2 + 2|randn(D)| (the precision case: where a truncating P.V accumulator loses mass)."""
     g = torch.Generator().manual_seed(seed)
     q = 0.7 * torch.randn(b, h, nq, d, generator=g)
     k = 0.7 * torch.randn(b, h, nk, d, generator=g)
