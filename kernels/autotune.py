@@ -16,17 +16,15 @@ A quantized backend is taken only when it beats SDPA by QUANTIZED_MUST_BEAT: `au
 picks one slower than exact attention on the measured shape. A candidate that raises while measured is
 left out with its reason; nothing here ever raises to the caller.
 
-Decisions live in memory and on disk (one JSON file per GPU identity, driver, torch, pack version and
-kernel source digest, next to the self-check passes). SAGE_RDNA4_AUTOTUNE=0 turns measuring off (the
-static order decides); SAGE_RDNA4_AUTOTUNE_CACHE=0 keeps decisions in memory only. Never imports ComfyUI.
+Decisions live in memory and on disk (one entry per kind of call, GPU identity, driver, torch, pack version
+and kernel source digest, in the cache folder's auto_decisions/: kernels/disk_cache.py). SAGE_RDNA4_AUTOTUNE=0
+turns measuring off (the static order decides); SAGE_RDNA4_AUTOTUNE_CACHE=0 keeps decisions in memory only
+(kernels/settings.py). Never imports ComfyUI.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
-import os
 import statistics
 import threading
 import time
@@ -35,14 +33,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .atomic_file import write_atomically
+from . import settings
 from .cache_identity import code_digest, gpu_identity, pack_version
+from .disk_cache import AUTO_DECISIONS, EntryStore, cache_key
 from .quant import default_sm_scale
 
 log = logging.getLogger(__name__)
 
-ENV = "SAGE_RDNA4_AUTOTUNE"              # "0": no measuring, the static order decides
-CACHE_ENV = "SAGE_RDNA4_AUTOTUNE_CACHE"  # "0": decisions are kept in memory only
 SDPA = "sdpa"
 TIMED_REPEATS = 3        # per candidate after its warm-up and settling; the median is kept
 DROP_FACTOR = 3.0        # a first timed repeat over 3x the fastest so far ends that candidate's measuring
@@ -196,25 +193,27 @@ class Decision:
 
 
 class DecisionStore:
-    """Decisions on disk: one JSON file per GPU identity + pack version + code digest, in the cache folder
-    the self-check passes use. Unreadable or corrupt files are ignored (and replaced on the next write)."""
+    """Decisions on disk: one entry per TuneKey, GPU identity, pack version and code digest, in the cache
+    folder's auto_decisions/ (kernels/disk_cache.py; `root`: another folder for them). A corrupt entry is a
+    miss and is removed; one measured among other candidates is measured again and replaced."""
+
+    LABEL = "autotune"
 
     def __init__(self, root: Optional[str] = None, enabled: Optional[bool] = None,
                  identity: Callable[[torch.device], Optional[dict]] = gpu_identity):
         self._root = root
         self._enabled = enabled
         self._identity = identity
-        self._folder: Optional[str] = None
+        self._entries: Optional[EntryStore] = None
 
     @property
     def enabled(self) -> bool:
-        return self._enabled if self._enabled is not None else os.environ.get(CACHE_ENV, "1") != "0"
+        return self._enabled if self._enabled is not None else settings.autotune_cache_enabled()
 
-    def folder(self) -> Optional[str]:
-        if self._folder is None:
-            from .backends.hip.cache import CodeObjectCache
-            self._folder = CodeObjectCache(self._root).root  # same folder and fallbacks as the pass cache
-        return self._folder
+    def entries(self) -> EntryStore:
+        if self._entries is None:
+            self._entries = EntryStore(AUTO_DECISIONS, self._root)
+        return self._entries
 
     def header(self, device: torch.device) -> Optional[dict]:
         identity = self._identity(device)
@@ -222,60 +221,37 @@ class DecisionStore:
             return None
         return {"format": FILE_FORMAT, "identity": identity, "pack": pack_version(), "code": code_digest()}
 
-    def path(self, header: dict) -> Optional[str]:
-        folder = self.folder()
-        if folder is None:
-            return None
-        digest = hashlib.sha256(json.dumps(header, sort_keys=True, default=str).encode()).hexdigest()[:20]
-        return os.path.join(folder, f"autotune-{digest}.json")
-
-    def _read(self, path: str, header: dict) -> Dict[str, dict]:
-        """The file's decisions, or {} when it is missing, unreadable, corrupt or written for another header."""
-        try:
-            with open(path, encoding="utf-8") as fh:
-                doc = json.load(fh)
-            if doc.get("header") != json.loads(json.dumps(header, default=str)):  # as it reads back from JSON
-                return {}
-            decisions = doc["decisions"]
-            return decisions if isinstance(decisions, dict) else {}
-        except FileNotFoundError:
-            return {}
-        except Exception as exc:  # a corrupt cache is never a reason to fail a call
-            log.info("ignoring unreadable autotune cache %s: %s: %s", path, type(exc).__name__, exc)
-            return {}
-
-    def _file_for(self, device: torch.device):
-        """(header, path) of this device's decisions file; path None when the disk cache is off or unusable."""
+    def _entry_key(self, device: torch.device, key: TuneKey) -> Tuple[Optional[str], Optional[dict]]:
+        """(entry key, header) of this device's decision for `key`; (None, None) when off or the GPU is unknown."""
         if not self.enabled:
             return None, None
         header = self.header(device)
-        return header, (self.path(header) if header else None)
+        if header is None:
+            return None, None
+        return cache_key(kind="auto decision", tune_key=key.ident(), header=header), header
 
     def load(self, device: torch.device, key: TuneKey, candidates: Sequence[str]) -> Optional[Decision]:
         """The stored decision for key, if it was measured among exactly these candidates."""
         try:
-            header, path = self._file_for(device)
-            if not path:
+            entry_key, _ = self._entry_key(device, key)
+            if entry_key is None:
                 return None
-            entry = self._read(path, header).get(key.ident())
+            entry = self.entries().load_json(entry_key, self.LABEL)
             if not isinstance(entry, dict) or entry.get("candidates") != sorted(candidates):
                 return None  # a backend came or went since: measure again
             decision = Decision.from_json(key, entry)
             return decision if set(decision.timings) <= set(candidates) | {SDPA} else None
-        except Exception:
+        except Exception:  # a corrupt cache is never a reason to fail a call
             return None
 
     def save(self, device: torch.device, decision: Decision, candidates: Sequence[str]) -> Optional[str]:
-        """Merge one decision into the file, written atomically; None when nothing was written."""
+        """Write the decision's entry; its path, or None when nothing was written."""
         try:
-            header, path = self._file_for(device)
-            if not path:
+            entry_key, header = self._entry_key(device, decision.key)
+            if entry_key is None:
                 return None
-            decisions = self._read(path, header)  # read again: another process may have added entries
-            decisions[decision.key.ident()] = decision.to_json(candidates)
-            text = json.dumps({"header": header, "decisions": decisions}, indent=1, sort_keys=True, default=str)
-            write_atomically(path, text.encode("utf-8"))
-            return path
+            return self.entries().store_json(entry_key, self.LABEL, decision.to_json(candidates),
+                                             {"header": header, "tune_key": decision.key.ident()})
         except Exception as exc:
             log.info("could not write the autotune cache: %s: %s", type(exc).__name__, exc)
             return None
@@ -311,7 +287,7 @@ class Autotuner:
 
     @property
     def enabled(self) -> bool:
-        return self._enabled if self._enabled is not None else os.environ.get(ENV, "1") != "0"
+        return self._enabled if self._enabled is not None else settings.autotune_enabled()
 
     def decisions(self) -> List[Decision]:
         """Every decision made or loaded in this process (for reports and the benchmark)."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -32,13 +31,14 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from . import settings
 from .cache_identity import code_digest, gpu_identity, pack_version  # PassCache keys; tests patch them here
+from .disk_cache import SELF_CHECK_PASSES, EntryStore, cache_key
 from .reference import exact_attention
 
 log = logging.getLogger(__name__)
 
 FAILED = "self-check failed"  # in every failure reason a backend is disabled with
-SKIP_ENV = "SAGE_RDNA4_SELF_CHECK"  # "0": no first-use check (developers only; kernels then serve unproven)
 CALLS_PER_CASE = 2  # check_case calls the attention twice per case: the second call must repeat the first's bits
 QUERY_BLOCK = 128  # rows per query block: the largest BLOCK_M of our kernels (Triton and HIP)
 
@@ -433,9 +433,9 @@ class SelfCheck:
         key = (call.device_type, call.device_index, variant)
         if key in self._verdicts:
             return self._verdicts[key]
-        if os.environ.get(SKIP_ENV, "1") == "0":  # developers measuring a kernel that fails it
-            log.warning("%s on %s:%s serves calls WITHOUT its first-use self-check (%s=0)", backend.name,
-                        call.device_type, call.device_index, SKIP_ENV)
+        if not settings.self_check_enabled():  # developers measuring a kernel that fails it
+            log.warning("%s on %s:%s serves calls WITHOUT its first-use self-check (%s)", backend.name,
+                        call.device_type, call.device_index, f"{settings.SELF_CHECK.name}=0")
             self._verdicts[key] = None
             return None
 
@@ -491,24 +491,22 @@ class SelfCheck:
 
 # -- passes cached on disk ---------------------------------------------------------------------------------
 
-CACHE_ENV = "SAGE_RDNA4_SELF_CHECK_CACHE"  # "0" turns the pass cache off
-
-
 class PassCache:
-    """Self-check passes on disk, next to the HIP code objects (kernels/backends/hip/cache.py's folder,
-    same atomic, checksummed entries). A key hashes the backend, the variant, the code digest, the
-    cases, the GPU's name and arch, the driver/runtime versions and the pack version: any change is a
-    new key and the check runs again. Failures are never cached. SAGE_RDNA4_SELF_CHECK_CACHE=0 turns it off."""
+    """Self-check passes on disk, in the cache folder's self_check_passes/ (kernels/disk_cache.py; `root`:
+    another folder for them). A key hashes the backend, the variant, the code digest, the cases, the GPU's
+    name and arch, the driver/runtime versions and the pack version: any change is a new key and the check
+    runs again. Failures are never cached. SAGE_RDNA4_SELF_CHECK_CACHE=0 turns it off (kernels/settings.py)."""
+
+    PASS = "pass"
 
     def __init__(self, root: Optional[str] = None, enabled: Optional[bool] = None):
         self._root = root
-        self.enabled = enabled if enabled is not None else os.environ.get(CACHE_ENV, "1") != "0"
-        self._store = None
+        self.enabled = enabled if enabled is not None else settings.self_check_cache_enabled()
+        self._store: Optional[EntryStore] = None
 
-    def _entries(self):
+    def _entries(self) -> EntryStore:
         if self._store is None:
-            from .backends.hip.cache import CodeObjectCache
-            self._store = CodeObjectCache(self._root)
+            self._store = EntryStore(SELF_CHECK_PASSES, self._root)
         return self._store
 
     def key(self, backend: str, variant, device: Optional[torch.device], cases=DEFAULT_CASES,
@@ -520,7 +518,6 @@ class PassCache:
             identity = identity if identity is not None else gpu_identity(device)
             if identity is None:
                 return None
-            from .backends.hip.cache import cache_key
             return cache_key(kind="self-check pass", backend=backend, variant=list(variant or ()),
                              code=code_digest(), cases=[repr(c) for c in cases], bounds=repr(BOUNDS),
                              pack=pack_version(), **identity)
@@ -529,17 +526,18 @@ class PassCache:
 
     def has_pass(self, key: str, backend: str) -> bool:
         try:
-            payload, _ = self._entries().load(key, f"selfcheck-{backend}")
+            entry = self._entries().load_json(key, f"selfcheck-{backend}")
         except Exception:
             return False
-        return payload == b"pass"
+        return isinstance(entry, dict) and entry.get("verdict") == self.PASS
 
     def store_pass(self, key: str, backend: str, result: Optional[SelfCheckResult] = None) -> Optional[str]:
-        meta = {}
-        if result is not None:
-            meta = {"seconds": round(result.seconds, 3),
-                    "cases": {r.case.name: {"rel_l1": r.worst_rel_l1, "cosine": r.worst_cosine} for r in result.results}}
+        entry = {"verdict": self.PASS, "backend": backend}
+        if result is not None:  # what the pass measured, for whoever reads the file
+            entry.update(seconds=round(result.seconds, 3),
+                         cases={r.case.name: {"rel_l1": r.worst_rel_l1, "cosine": r.worst_cosine}
+                                for r in result.results})
         try:
-            return self._entries().store(key, f"selfcheck-{backend}", b"pass", meta)
+            return self._entries().store_json(key, f"selfcheck-{backend}", entry)
         except Exception:
             return None

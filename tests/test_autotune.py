@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from comfyui_sage_rdna4.kernels import autotune, registry
+from comfyui_sage_rdna4.kernels import autotune, disk_cache, registry, settings
 from comfyui_sage_rdna4.kernels.call_spec import describe_call
 from comfyui_sage_rdna4.kernels.registry import Backend
 from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride
@@ -355,10 +355,10 @@ def test_env_switch_off_keeps_the_static_order(registered, monkeypatch):
     backends, clock, _ = registered({"sdpa": 5.0, "triton_int8_fp8": 50.0, "triton_int8_fp16": 1.0})
     tuner = autotune.Autotuner(timer=clock, store=autotune.DecisionStore(enabled=False))
     qkv = tensors()
-    monkeypatch.setenv(autotune.ENV, "0")
+    monkeypatch.setenv(settings.AUTOTUNE.name, "0")
     assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp8"
     assert clock.timed == []
-    monkeypatch.setenv(autotune.ENV, "1")
+    monkeypatch.setenv(settings.AUTOTUNE.name, "1")
     assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp16"
 
 
@@ -410,17 +410,30 @@ def disk_tuner(tmp_path, times, identity=IDENTITY, **kw):
 TIMES = {"sdpa": 10.0, "triton_int8_fp8": 4.0, "triton_int8_fp16": 6.0}
 
 
+def entries(folder):
+    return sorted(folder.glob("autotune-*.bin"))
+
+
 def test_a_decision_survives_on_disk_and_is_reused(tmp_path):
     backends, clock, tuner = disk_tuner(tmp_path, TIMES)
     qkv = tensors()
     first = choose(tuner, backends, gpu_call(qkv), qkv)[2]
-    files = list(tmp_path.glob("autotune-*.json"))
-    assert len(files) == 1 and json.loads(files[0].read_text())["header"]["identity"] == IDENTITY
+    files = entries(tmp_path)
+    assert len(files) == 1
+    meta = disk_cache.read_meta(str(files[0]))  # the entry says what it is for whoever reads the folder
+    assert meta["kind"] == disk_cache.AUTO_DECISIONS and meta["header"]["identity"] == IDENTITY
+    assert meta["tune_key"] == first.key.ident()
     backends, clock, tuner = disk_tuner(tmp_path, TIMES)  # a new process
     backend, _, again = choose(tuner, backends, gpu_call(qkv), qkv)
     assert clock.timed == [] and again.source == "disk"
     assert backend.name == "triton_int8_fp8" and again.timings == first.timings
     assert again.summary.endswith("from disk]")
+
+
+def test_the_default_folder_is_the_cache_folders_auto_decisions(tmp_path, monkeypatch):
+    monkeypatch.setenv(settings.CACHE.name, str(tmp_path))
+    store = autotune.DecisionStore(enabled=True, identity=lambda device: IDENTITY)
+    assert store.entries().folder == str(tmp_path / disk_cache.AUTO_DECISIONS)
 
 
 def test_the_disk_cache_is_per_gpu_driver_pack_version_and_candidates(tmp_path, monkeypatch):
@@ -443,22 +456,27 @@ def test_the_disk_cache_is_per_gpu_driver_pack_version_and_candidates(tmp_path, 
     assert measured_again(times={**TIMES, "comfy_kitchen": 3.0})  # a backend came: measure again
 
 
-def test_a_corrupt_or_unreadable_cache_file_is_ignored(tmp_path):
+def test_a_corrupt_or_unreadable_cache_entry_is_measured_again(tmp_path):
     backends, _, tuner = disk_tuner(tmp_path, TIMES)
     qkv = tensors()
-    choose(tuner, backends, gpu_call(qkv), qkv)
-    path = next(tmp_path.glob("autotune-*.json"))
-    doc = json.loads(path.read_text())
-    entry = next(iter(doc["decisions"]))
-    for content in ("{not json", json.dumps({"header": doc["header"], "decisions": {entry: {"timings": "x"}}}),
-                    json.dumps({"header": doc["header"], "decisions": []}), "\x00\xff"):
-        path.write_text(content, encoding="latin-1")
+    decision = choose(tuner, backends, gpu_call(qkv), qkv)[2]
+    path = entries(tmp_path)[0]
+    key = disk_cache.read_meta(str(path))["key"]
+    sound = path.read_bytes()
+    for payload in (b"{not json", json.dumps({"timings": "x"}).encode(), b"[]", b"\x00\xff"):
+        path.write_bytes(disk_cache.encode_entry(key, payload))  # checksummed, but not a decision
         backends, clock, tuner = disk_tuner(tmp_path, TIMES)
-        backend, _, decision = choose(tuner, backends, gpu_call(qkv), qkv)
-        assert clock.timed and backend.name == "triton_int8_fp8" and decision.source == "measured"
-        assert json.loads(path.read_text())["decisions"][entry]["timings"] == decision.timings  # rewritten whole
+        backend, _, again = choose(tuner, backends, gpu_call(qkv), qkv)
+        assert clock.timed and backend.name == "triton_int8_fp8" and again.source == "measured"
+        entry = disk_cache.EntryStore(disk_cache.AUTO_DECISIONS, str(tmp_path)).load_json(key, "autotune")
+        assert entry["timings"] == again.timings == decision.timings  # rewritten whole
+    for damaged in (sound[:-3], b"garbage"):  # truncated or not an entry at all
+        path.write_bytes(damaged)
+        backends, clock, tuner = disk_tuner(tmp_path, TIMES)
+        assert choose(tuner, backends, gpu_call(qkv), qkv)[2].source == "measured" and clock.timed
+        assert path.read_bytes() != damaged
     path.unlink()
-    path.mkdir()  # a folder where the file should be: unreadable, and unwritable
+    path.mkdir()  # a folder where the entry should be: unreadable, and unwritable
     backends, clock, tuner = disk_tuner(tmp_path, TIMES)
     assert choose(tuner, backends, gpu_call(qkv), qkv)[0].name == "triton_int8_fp8"
 
@@ -467,16 +485,16 @@ def test_no_identity_means_memory_only(tmp_path):
     backends, _, tuner = disk_tuner(tmp_path, TIMES, identity=None)
     qkv = tensors()
     assert choose(tuner, backends, gpu_call(qkv), qkv)[0].name == "triton_int8_fp8"
-    assert list(tmp_path.glob("autotune-*.json")) == []
+    assert entries(tmp_path) == []
 
 
 def test_the_cache_env_switch_keeps_decisions_in_memory(tmp_path, monkeypatch):
-    monkeypatch.setenv(autotune.CACHE_ENV, "0")
+    monkeypatch.setenv(settings.AUTOTUNE_CACHE.name, "0")
     backends, clock, _ = setup(TIMES)
     store = autotune.DecisionStore(str(tmp_path), identity=lambda device: IDENTITY)
     qkv = tensors()
     choose(autotune.Autotuner(timer=clock, store=store, enabled=True), backends, gpu_call(qkv), qkv)
-    assert clock.timed and list(tmp_path.glob("autotune-*.json")) == []
+    assert clock.timed and entries(tmp_path) == []
 
 
 # -- the ComfyUI override, its stats and the A/B report ------------------------------------------------------

@@ -7,14 +7,14 @@ import types
 import pytest
 import torch
 
-from comfyui_sage_rdna4.kernels import quant, registry
+from comfyui_sage_rdna4.kernels import disk_cache, quant, registry, settings
 from comfyui_sage_rdna4.kernels.call_spec import describe_call
 from comfyui_sage_rdna4.kernels.backends.hip import backend as hip_backend
-from comfyui_sage_rdna4.kernels.backends.hip import cache as kcache
 from comfyui_sage_rdna4.kernels.backends.hip import compiler, runtime
 from comfyui_sage_rdna4.kernels.backends.hip import prologue as hip_prologue
 from comfyui_sage_rdna4.kernels.reference import attention_from_quantized
 from comfyui_sage_rdna4.kernels.self_check import CALLS_PER_CASE, DEFAULT_CASES, Case, SelfCheck, call_variant
+from comfyui_sage_rdna4.kernels.verify import cuda_twin  # the loader on NVIDIA, for the tests that use it
 
 
 @pytest.fixture(autouse=True)
@@ -37,86 +37,20 @@ def test_parse_gcn_arch(name, arch):
 
 
 def test_nvrtc_target_falls_back_to_ptx_for_unknown_arch():
-    assert compiler.nvrtc_target(90, [75, 80, 90]) == "sm_90"
-    assert compiler.nvrtc_target(120, [75, 80, 90]) == "compute_90"  # newer GPU than nvrtc knows: PTX
-    assert compiler.nvrtc_target(90, []) == "sm_90"
+    assert cuda_twin.nvrtc_target(90, [75, 80, 90]) == "sm_90"
+    assert cuda_twin.nvrtc_target(120, [75, 80, 90]) == "compute_90"  # newer GPU than nvrtc knows: PTX
+    assert cuda_twin.nvrtc_target(90, []) == "sm_90"
 
 
-# -- the cache --------------------------------------------------------------------------------------
+# -- the code-object cache (kernels/disk_cache.py's own tests: tests/test_disk_cache.py) --------------
 
-BASE = dict(source="s" * 64, target="gfx1201", compiler="hiprtc-7.0", runtime="hip-70000", flags=["-O3"])
-
-
-@pytest.mark.parametrize("part, other", [
-    ("source", "t" * 64), ("target", "gfx1200"), ("compiler", "hiprtc-6.4"), ("runtime", "hip-60400"),
-    ("flags", ["-O2"]),
-])
-def test_cache_key_changes_with_every_part(part, other):
-    assert kcache.cache_key(**BASE) == kcache.cache_key(**dict(BASE))
-    assert kcache.cache_key(**{**BASE, part: other}) != kcache.cache_key(**BASE)
+def code_objects(folder):
+    return disk_cache.EntryStore(disk_cache.HIP_CODE_OBJECTS, str(folder))
 
 
-def test_cache_dir_env_override(monkeypatch, tmp_path):
-    monkeypatch.setenv(kcache.ENV_VAR, str(tmp_path / "here"))
-    assert kcache.default_cache_dir() == str(tmp_path / "here")
-    assert kcache.CodeObjectCache().root == str(tmp_path / "here")
-    monkeypatch.delenv(kcache.ENV_VAR)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    if os.name != "nt":
-        assert kcache.default_cache_dir().startswith(str(tmp_path / "xdg"))
-
-
-def test_cache_roundtrip_is_atomic(tmp_path):
-    c = kcache.CodeObjectCache(str(tmp_path))
-    key = kcache.cache_key(**BASE)
-    path = c.store(key, "attn-gfx1201", b"\x7fELF" + bytes(range(256)))
-    assert path and os.path.isfile(path)
-    assert not [p for p in os.listdir(tmp_path) if p.endswith(".part")]  # no temp file left
-    fresh = kcache.CodeObjectCache(str(tmp_path))  # a new process: nothing in memory
-    payload, hit = fresh.load(key, "attn-gfx1201")
-    assert payload == b"\x7fELF" + bytes(range(256)) and hit == path
-
-
-def _corrupt(path, how):
+def _corrupt(path):
     blob = open(path, "rb").read()
-    if how == "truncate":
-        blob = blob[: len(blob) - 7]
-    elif how == "flip":
-        blob = blob[:-1] + bytes([blob[-1] ^ 0xFF])
-    elif how == "garbage":
-        blob = b"not a code object at all"
-    elif how == "empty":
-        blob = b""
-    open(path, "wb").write(blob)
-
-
-@pytest.mark.parametrize("how", ["truncate", "flip", "garbage", "empty"])
-def test_corrupt_entry_is_a_miss_and_removed(tmp_path, how):
-    c = kcache.CodeObjectCache(str(tmp_path))
-    key = kcache.cache_key(**BASE)
-    path = c.store(key, "attn", b"payload" * 100)
-    _corrupt(path, how)
-    payload, hit = kcache.CodeObjectCache(str(tmp_path)).load(key, "attn")
-    assert payload is None and hit is None
-    assert not os.path.exists(path)
-
-
-def test_entry_of_another_key_is_stale(tmp_path):
-    c = kcache.CodeObjectCache(str(tmp_path))
-    key, other = kcache.cache_key(**BASE), kcache.cache_key(**{**BASE, "runtime": "hip-1"})
-    path = c.store(other, "attn", b"old build")
-    os.replace(path, c.path(key, "attn"))  # an entry under the right name whose contents are for another key
-    assert kcache.CodeObjectCache(str(tmp_path)).load(key, "attn") == (None, None)
-
-
-def test_unwritable_cache_keeps_memory_copy(tmp_path, monkeypatch):
-    blocker = tmp_path / "a_file"
-    blocker.write_text("x")
-    monkeypatch.setattr(kcache.tempfile, "gettempdir", lambda: str(blocker))
-    c = kcache.CodeObjectCache(str(blocker / "sub"))  # cannot create a folder under a file
-    assert c.root is None
-    assert c.store("k" * 64, "attn", b"abc") is None
-    assert c.load("k" * 64, "attn") == (b"abc", None)
+    open(path, "wb").write(blob[:-1] + bytes([blob[-1] ^ 0xFF]))
 
 
 class FakeCompiler(compiler.RtcCompiler):
@@ -142,25 +76,25 @@ SRC = compiler.SourceBundle("k.hip", 'extern "C" __global__ void k() {}', (("p.h
 
 
 def test_build_cached_compiles_once_then_hits(tmp_path):
-    c, comp = kcache.CodeObjectCache(str(tmp_path)), FakeCompiler()
+    c, comp = code_objects(tmp_path), FakeCompiler()
     first = comp.build_cached(c, SRC, "gfx1201", [], "hip-1")
-    second = comp.build_cached(kcache.CodeObjectCache(str(tmp_path)), SRC, "gfx1201", [], "hip-1")
+    second = comp.build_cached(code_objects(tmp_path), SRC, "gfx1201", [], "hip-1")
     assert comp.compiles == 1 and not first.from_cache and second.from_cache
     assert first.image == second.image
 
 
 def test_build_cached_rebuilds_corrupt_entry(tmp_path):
     comp = FakeCompiler()
-    built = comp.build_cached(kcache.CodeObjectCache(str(tmp_path)), SRC, "gfx1201", [], "hip-1")
-    _corrupt(built.path, "flip")
-    again = comp.build_cached(kcache.CodeObjectCache(str(tmp_path)), SRC, "gfx1201", [], "hip-1")
+    built = comp.build_cached(code_objects(tmp_path), SRC, "gfx1201", [], "hip-1")
+    _corrupt(built.path)
+    again = comp.build_cached(code_objects(tmp_path), SRC, "gfx1201", [], "hip-1")
     assert comp.compiles == 2 and not again.from_cache and again.image == built.image
-    assert kcache.CodeObjectCache(str(tmp_path)).load(again.key, "k-gfx1201")[0] == built.image
+    assert code_objects(tmp_path).load(again.key, "k-gfx1201")[0] == built.image
 
 
 @pytest.mark.parametrize("change", ["runtime", "compiler", "source", "flags"])
 def test_build_cached_misses_after_version_or_source_change(tmp_path, change):
-    c, comp = kcache.CodeObjectCache(str(tmp_path)), FakeCompiler()
+    c, comp = code_objects(tmp_path), FakeCompiler()
     comp.build_cached(c, SRC, "gfx1201", [], "hip-1")
     src, runtime_v, flags = SRC, "hip-1", []
     if change == "runtime":
@@ -207,16 +141,16 @@ class FakeRuntime(runtime.GpuRuntime):
 
 
 def test_loader_rebuilds_entry_the_driver_rejects(tmp_path):
-    cache_, comp, rt = kcache.CodeObjectCache(str(tmp_path)), FakeCompiler(), FakeRuntime()
+    cache_, comp, rt = code_objects(tmp_path), FakeCompiler(), FakeRuntime()
     target = comp.target_for_device(0)
-    key = kcache.cache_key(source=SRC.digest, target=target, compiler=comp.version(), runtime=rt.version(),
+    key = disk_cache.cache_key(source=SRC.digest, target=target, compiler=comp.version(), runtime=rt.version(),
                            flags=comp.options(target, []))
     cache_.store(key, "k-gfx1201", b"stale image from an older driver")
-    loader = runtime.KernelLoader(rt, comp, kcache.CodeObjectCache(str(tmp_path)))
+    loader = runtime.KernelLoader(rt, comp, code_objects(tmp_path))
     kern = loader.kernel(0, SRC, "k", ["ptr"])
     assert comp.compiles == 1 and rt.loaded and not rt.loaded[0].startswith(b"stale")
     assert loader.kernel(0, SRC, "k", ["ptr"]) is kern  # loaded once per device
-    assert kcache.CodeObjectCache(str(tmp_path)).load(key, "k-gfx1201")[0] == rt.loaded[0]
+    assert code_objects(tmp_path).load(key, "k-gfx1201")[0] == rt.loaded[0]
 
 
 def test_loader_raises_when_a_fresh_build_is_rejected(tmp_path):
@@ -225,7 +159,7 @@ def test_loader_raises_when_a_fresh_build_is_rejected(tmp_path):
             self.compiles += 1
             return b"stale always"
 
-    loader = runtime.KernelLoader(FakeRuntime(), Stale(), kcache.CodeObjectCache(str(tmp_path)))
+    loader = runtime.KernelLoader(FakeRuntime(), Stale(), code_objects(tmp_path))
     with pytest.raises(runtime.LaunchError):
         loader.kernel(0, SRC, "k", [])
 
@@ -253,14 +187,14 @@ def test_missing_hip_runtime_gives_a_reason(tmp_path):
     with pytest.raises(runtime.RuntimeUnavailable, match="HIP runtime.*not found.*libamdhip64"):
         runtime.HipRuntime([str(tmp_path / "libamdhip64.so.7")])
     with pytest.raises(runtime.RuntimeUnavailable, match="CUDA driver.*not found"):
-        runtime.CudaRuntime([str(tmp_path / "libcuda.so.1")])
+        cuda_twin.CudaRuntime([str(tmp_path / "libcuda.so.1")])
 
 
 def test_missing_compilers_give_a_reason(tmp_path):
     with pytest.raises(compiler.CompilerUnavailable, match="hiprtc.*not found.*libhiprtc"):
         compiler.HiprtcCompiler([str(tmp_path / "libhiprtc.so.7")])
     with pytest.raises(compiler.CompilerUnavailable, match="nvrtc.*not found"):
-        compiler.NvrtcCompiler([str(tmp_path / "libnvrtc.so.13")])
+        cuda_twin.NvrtcCompiler([str(tmp_path / "libnvrtc.so.13")])
 
 
 def test_library_without_entry_point_gives_a_reason():
@@ -287,18 +221,18 @@ def test_nvrtc_candidates_prefer_torch_cuda_major(monkeypatch, tmp_path):
         d = tmp_path / "nvidia" / sub / "lib"
         d.mkdir(parents=True, exist_ok=True)
         (d / name).write_bytes(b"")
-    monkeypatch.setattr(compiler.sys, "path", [str(tmp_path)])
-    monkeypatch.setattr(compiler, "loaded_library_paths", lambda fragment: [])
+    monkeypatch.setattr(cuda_twin.sys, "path", [str(tmp_path)])
+    monkeypatch.setattr(cuda_twin, "loaded_library_paths", lambda fragment: [])
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    found = compiler.nvrtc_candidates()
+    found = cuda_twin.nvrtc_candidates()
     files = [p for p in found if os.path.sep in p]
-    if compiler.sys.platform == "win32":
+    if cuda_twin.sys.platform == "win32":
         pytest.skip("Linux file names")
     assert files[0].endswith("cu13/lib/libnvrtc.so.13")
     assert any(p.endswith("cuda_nvrtc/lib/libnvrtc.so.12") for p in files)
     assert not any("builtins" in p for p in found)
     monkeypatch.setattr(torch.version, "cuda", "12.8")
-    assert [p for p in compiler.nvrtc_candidates() if os.path.sep in p][0].endswith("libnvrtc.so.12")
+    assert [p for p in cuda_twin.nvrtc_candidates() if os.path.sep in p][0].endswith("libnvrtc.so.12")
 
 
 def test_hip_candidates_start_with_the_loaded_library(monkeypatch):
@@ -349,11 +283,79 @@ def test_environment_refuses_cpu_and_other_gpus(monkeypatch):
 def test_environment_on_nvidia_needs_explicit_emulation(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.version, "hip", None, raising=False)
-    monkeypatch.delenv(runtime.EMULATE_ENV, raising=False)
-    assert runtime.EMULATE_ENV in runtime.environment_refusal("cuda", 0)
-    monkeypatch.setenv(runtime.EMULATE_ENV, "1")
+    monkeypatch.delenv(settings.HIP_EMULATE.name, raising=False)
+    assert settings.HIP_EMULATE.name in runtime.environment_refusal("cuda", 0)
+    monkeypatch.setenv(settings.HIP_EMULATE.name, "1")
     monkeypatch.setattr(runtime, "runtime_unavailable_reason", lambda kind: "no libcuda here")
     assert runtime.environment_refusal("cuda", 0) == "no libcuda here"  # past the emulation gate
+
+
+TWIN = "comfyui_sage_rdna4.kernels.verify.cuda_twin"
+
+
+@pytest.fixture
+def without_the_twin(monkeypatch):
+    """This process as a user's run has it: the CUDA twin neither imported nor registered (restored after)."""
+    from comfyui_sage_rdna4.kernels import verify
+    monkeypatch.setattr(runtime, "_PLATFORMS", {"hip": runtime._PLATFORMS["hip"]})
+    monkeypatch.setattr(runtime, "_RUNTIMES", {})
+    monkeypatch.setattr(runtime, "_RUNTIME_ERRORS", {})
+    monkeypatch.setattr(compiler, "_FACTORIES", {"hiprtc": compiler.HiprtcCompiler})
+    monkeypatch.setattr(compiler, "_COMPILERS", {})
+    monkeypatch.setattr(compiler, "_COMPILER_ERRORS", {})
+    monkeypatch.setattr(verify, "cuda_twin", cuda_twin)  # the import below rebinds it: put it back after
+    monkeypatch.delitem(__import__("sys").modules, TWIN)
+
+
+def test_the_emulation_is_imported_only_when_asked_for(without_the_twin, monkeypatch):
+    import sys
+    monkeypatch.delenv(settings.HIP_EMULATE.name, raising=False)
+    with pytest.raises(runtime.RuntimeUnavailable, match=f"verification, when {settings.HIP_EMULATE.name}=1"):
+        runtime.get_platform("cuda")
+    assert runtime.runtime_unavailable_reason("cuda") == runtime.emulation_refusal()
+    with pytest.raises(compiler.CompilerUnavailable, match="no runtime compiler named 'nvrtc'"):
+        compiler.get_compiler("nvrtc")
+    assert TWIN not in sys.modules
+    monkeypatch.setenv(settings.HIP_EMULATE.name, "1")  # not cached: asking again after the switch works
+    platform = runtime.get_platform("cuda")
+    assert TWIN in sys.modules and (platform.kind, platform.compiler_kind, platform.source_target) == \
+        ("cuda", "nvrtc", "cuda")
+    assert platform.make_runtime is sys.modules[TWIN].CudaRuntime and "nvrtc" in compiler._FACTORIES
+    assert runtime.compiler_kind("cuda") == "nvrtc"
+
+
+def test_a_missing_twin_is_a_reason_not_a_crash(without_the_twin, monkeypatch):
+    monkeypatch.setenv(settings.HIP_EMULATE.name, "1")
+    monkeypatch.setitem(__import__("sys").modules, TWIN, None)  # as if kernels/verify/ were not shipped
+    reason = runtime.runtime_unavailable_reason("cuda")
+    assert reason and "cuda_twin.py) cannot be imported" in reason
+
+
+def test_unknown_platforms_are_refused_with_the_known_ones():
+    with pytest.raises(runtime.RuntimeUnavailable, match=r"no GPU runtime is registered for 'xpu' \(known: .*'hip'"):
+        runtime.get_platform("xpu")
+
+
+def test_dynamic_shared_memory_opt_in_only_where_the_runtime_needs_it():
+    calls = []
+
+    class Opt(FakeRuntime):
+        dynamic_shared_limit = 1024
+
+        def set_max_dynamic_shared(self, function, nbytes, device_index):
+            calls.append(nbytes)
+
+        def launch(self, *args):
+            pass
+
+    for rt, want in ((FakeRuntime(), []), (Opt(), [4096])):
+        calls.clear()
+        rt.launch = lambda *args: None
+        kern = runtime.LoadedKernel(rt, None, None, "k", 0, [])
+        kern((1,), (1,), [], shared_bytes=4096, stream=0)
+        kern((1,), (1,), [], shared_bytes=2048, stream=0)  # within what was opted into already
+        assert calls == want
+    assert cuda_twin.CudaRuntime.dynamic_shared_limit == 48 * 1024 and runtime.HipRuntime.dynamic_shared_limit is None
 
 
 def test_auto_never_lists_hip_on_nvidia():
@@ -526,11 +528,11 @@ def test_nvrtc_builds_the_whole_kernel_module_with_the_loader_flags(tmp_path, mo
     monkeypatch.setattr(runtime, "_BUNDLES", {})
     bundle = runtime.kernel_bundle()
     comp = compiler.get_compiler("nvrtc")
-    built = comp.build_cached(kcache.CodeObjectCache(str(tmp_path)), bundle, "sm_90", [], "cuda-driver-test")
+    built = comp.build_cached(code_objects(tmp_path), bundle, "sm_90", [], "cuda-driver-test")
     assert built.image[:4] == b"\x7fELF" and built.path
     missing = [n for n in abi.all_kernel_names() if n.encode() not in built.image]
     assert not missing, missing
-    again = comp.build_cached(kcache.CodeObjectCache(str(tmp_path)), bundle, "sm_90", [], "cuda-driver-test")
+    again = comp.build_cached(code_objects(tmp_path), bundle, "sm_90", [], "cuda-driver-test")
     assert again.from_cache and again.image == built.image
 
 

@@ -9,8 +9,9 @@ import time
 import pytest
 import torch
 
-from comfyui_sage_rdna4.kernels.backends.hip import cache as kcache
+from comfyui_sage_rdna4.kernels import disk_cache, settings
 from comfyui_sage_rdna4.kernels.backends.hip import compiler, runtime
+from comfyui_sage_rdna4.kernels.verify import cuda_twin  # noqa: F401 - registers the loader's CUDA platform
 
 pytestmark = pytest.mark.gpu
 
@@ -54,7 +55,7 @@ def _loader(tmp_path):
     if reason:
         pytest.skip(reason)
     return runtime.KernelLoader(runtime.get_runtime(kind), compiler.get_compiler(runtime.compiler_kind(kind)),
-                                kcache.CodeObjectCache(str(tmp_path)))
+                                disk_cache.EntryStore(disk_cache.HIP_CODE_OBJECTS, str(tmp_path)))
 
 
 def test_compile_load_launch_on_current_stream(tmp_path):
@@ -81,7 +82,7 @@ def test_cache_serves_a_second_loader_without_compiling(tmp_path):
     entries = [p for p in os.listdir(tmp_path) if p.endswith(".bin")]
     assert len(entries) == 1
 
-    second = runtime.KernelLoader(first.runtime, first.compiler, kcache.CodeObjectCache(str(tmp_path)))
+    second = runtime.KernelLoader(first.runtime, first.compiler, disk_cache.EntryStore(disk_cache.HIP_CODE_OBJECTS, str(tmp_path)))
     calls = []
     original = second.compiler.compile
     second.compiler.compile = lambda *a, **k: calls.append(1) or original(*a, **k)
@@ -101,7 +102,7 @@ def test_cache_serves_a_second_loader_without_compiling(tmp_path):
     with open(path, "r+b") as fh:
         fh.seek(-5, os.SEEK_END)
         fh.write(b"XXXXX")
-    third = runtime.KernelLoader(first.runtime, first.compiler, kcache.CodeObjectCache(str(tmp_path)))
+    third = runtime.KernelLoader(first.runtime, first.compiler, disk_cache.EntryStore(disk_cache.HIP_CODE_OBJECTS, str(tmp_path)))
     kern = third.kernel(dev, SOURCE, "axpb", ["ptr", "ptr", "i64", "f32", "i32"])
     kern((1,), (256,), [x, y, 10, 1.0, 1])
     torch.cuda.synchronize()
@@ -157,7 +158,7 @@ def test_launch_error_is_reported(tmp_path):
 # -- the full HIP path through the backend, emulated on NVIDIA --------------------------------------
 
 def _backend_or_skip(pv, monkeypatch):
-    monkeypatch.setenv(runtime.EMULATE_ENV, "1")
+    monkeypatch.setenv(settings.HIP_EMULATE.name, "1")
     from comfyui_sage_rdna4.kernels.backends.hip.backend import make_backend
     backend = make_backend(pv)
     reason = backend.unavailable("cuda", torch.cuda.current_device())
@@ -224,7 +225,7 @@ def test_emulated_backend_is_disabled_by_a_broken_kernel(monkeypatch):
 
 def test_first_use_compile_then_cache_timing(tmp_path, monkeypatch):
     """Cold: the whole kernel module compiled at first use; warm: read from the disk cache. Prints both."""
-    monkeypatch.setenv(runtime.EMULATE_ENV, "1")
+    monkeypatch.setenv(settings.HIP_EMULATE.name, "1")
     from comfyui_sage_rdna4.kernels.backends.hip import kernel_abi
     loader = _loader(tmp_path)
     dev = torch.cuda.current_device()
@@ -232,7 +233,7 @@ def test_first_use_compile_then_cache_timing(tmp_path, monkeypatch):
     t0 = time.perf_counter()
     loader.kernel(dev, runtime.kernel_bundle(), name, [])
     cold = time.perf_counter() - t0
-    warm_loader = runtime.KernelLoader(loader.runtime, loader.compiler, kcache.CodeObjectCache(str(tmp_path)))
+    warm_loader = runtime.KernelLoader(loader.runtime, loader.compiler, disk_cache.EntryStore(disk_cache.HIP_CODE_OBJECTS, str(tmp_path)))
     t0 = time.perf_counter()
     warm_loader.kernel(dev, runtime.kernel_bundle(), name, [])
     warm = time.perf_counter() - t0

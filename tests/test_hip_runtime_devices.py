@@ -20,7 +20,7 @@ import types
 import pytest
 import torch
 
-from comfyui_sage_rdna4.kernels.backends.hip import cache as kcache
+from comfyui_sage_rdna4.kernels import disk_cache
 from comfyui_sage_rdna4.kernels.backends.hip import compiler, platform, runtime
 
 MAGIC = b"FAKECO\0\0"
@@ -182,7 +182,7 @@ def fake(monkeypatch):
 
 @pytest.fixture
 def loader(fake, tmp_path):
-    return runtime.KernelLoader(runtime.HipRuntime(lib=fake), FakeCompiler(), kcache.CodeObjectCache(str(tmp_path)))
+    return runtime.KernelLoader(runtime.HipRuntime(lib=fake), FakeCompiler(), disk_cache.EntryStore(disk_cache.HIP_CODE_OBJECTS, str(tmp_path)))
 
 
 def device_calls(fake):

@@ -7,6 +7,7 @@ X.a when that is one of ours, else to X. Dynamic imports (importlib) are not see
 """
 import ast
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -163,6 +164,29 @@ def test_only_tests_and_the_verification_tooling_import_it(graph):
                        if (dep == VERIFY or dep.startswith(VERIFY + "."))
                        and not any(mod == a or mod.startswith(a + ".") for a in allowed))
     assert offenders == []
+
+
+# The CUDA driver and compiler by name: the CUDA twin (kernels/verify/cuda_twin.py) holds what uses them.
+CUDA_NAMES = re.compile(r"libcuda|nvcuda|nvrtc|cudart|\bcu[A-Z][A-Za-z0-9_]*")
+
+
+def test_the_hip_backend_holds_nothing_cuda_specific():
+    """kernels/backends/hip/ is what an RDNA4 user's run loads: no CUDA driver or compiler in it, by name."""
+    hits = []
+    for path in sorted((ROOT / "kernels" / "backends" / "hip").rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+                found = CUDA_NAMES.findall(line) + re.findall(r"(?i)libcuda|nvrtc", line)
+                if found:
+                    hits.append(f"{path.relative_to(ROOT)}:{n}: {sorted(set(found))}")
+    assert hits == []
+    assert CUDA_NAMES.search("bind(lib, 'cuModuleLoadData')") and CUDA_NAMES.search("libnvrtc.so.13")
+
+
+def test_the_cuda_twin_lives_with_the_verification_tooling(graph):
+    hip = f"{PACK}.kernels.backends.hip"
+    assert f"{hip}.runtime" in graph[f"{VERIFY}.cuda_twin"] and f"{hip}.compiler" in graph[f"{VERIFY}.cuda_twin"]
+    assert not [d for d in graph[f"{hip}.runtime"] if d.startswith(VERIFY)]  # imported dynamically, when asked for
 
 
 USER_RUN = textwrap.dedent('''

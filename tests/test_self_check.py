@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from comfyui_sage_rdna4 import kernels
-from comfyui_sage_rdna4.kernels import quant, registry
+from comfyui_sage_rdna4.kernels import disk_cache, quant, registry, settings
 from comfyui_sage_rdna4.kernels.reference import expand_kv_heads, qk_scores_base2, reference_attention
 
 sc = importlib.import_module("comfyui_sage_rdna4.kernels.self_check")  # kernels.self_check is the function
@@ -289,7 +289,7 @@ def test_selfcheck_guard_once_per_variant_and_threads():
 
 
 def test_selfcheck_can_be_skipped_by_developers_with_a_warning(monkeypatch, caplog):
-    monkeypatch.setenv(sc.SKIP_ENV, "0")
+    monkeypatch.setenv(sc.settings.SELF_CHECK.name, "0")
     backend = FakeBackend(planted(repeated_batch))
     with caplog.at_level("WARNING"):
         assert sc.SelfCheck(SMALL).guard(backend, _call()) is None
@@ -376,6 +376,25 @@ def test_pass_cache_key_follows_the_code_and_pack_version(tmp_path, monkeypatch)
     assert cache.key("x", None, None, identity=IDENTITY) != key
     monkeypatch.setattr(sc, "pack_version", lambda: "9.9.9")
     assert cache.key("x", None, None, identity=IDENTITY) not in (key,)
+
+
+def test_a_pass_is_a_json_entry_in_the_cache_folders_self_check_passes(tmp_path, monkeypatch):
+    monkeypatch.setenv(settings.CACHE.name, str(tmp_path))
+    monkeypatch.delenv(settings.SELF_CHECK_CACHE.name, raising=False)
+    cache = sc.PassCache()
+    assert cache.enabled
+    key = cache.key("hip_int8_fp8", None, None, identity=IDENTITY)
+    result = sc.SelfCheckResult(None, [sc.CaseResult(sc.DEFAULT_CASES[0], None, 0.01, 0.9999)], seconds=1.23456)
+    path = cache.store_pass(key, "hip_int8_fp8", result)
+    assert os.path.dirname(path) == str(tmp_path / disk_cache.SELF_CHECK_PASSES)
+    entry = disk_cache.EntryStore(disk_cache.SELF_CHECK_PASSES).load_json(key, "selfcheck-hip_int8_fp8")
+    assert entry["verdict"] == "pass" and entry["seconds"] == 1.235
+    assert entry["cases"][sc.DEFAULT_CASES[0].name] == {"rel_l1": 0.01, "cosine": 0.9999}
+    # an entry of this key that is no pass (or no JSON object) is not a pass
+    disk_cache.EntryStore(disk_cache.SELF_CHECK_PASSES).store_json(key, "selfcheck-hip_int8_fp8", ["pass"])
+    assert not sc.PassCache().has_pass(key, "hip_int8_fp8")
+    monkeypatch.setenv(settings.SELF_CHECK_CACHE.name, "0")
+    assert not sc.PassCache().enabled
 
 
 def test_cached_pass_skips_the_check_and_a_failure_is_never_cached(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("triton")
 
+from comfyui_sage_rdna4.kernels import settings  # noqa: E402
 from comfyui_sage_rdna4.kernels.verify import triton_aot  # noqa: E402
 from comfyui_sage_rdna4.kernels.backends.triton.configs import (  # noqa: E402
     RDNA4_ARCHS, attention_config, padded_head_dim, shipped_rdna4_configs)
@@ -177,7 +178,7 @@ def test_fp8_conversion_can_be_switched_to_software(monkeypatch):
     """SAGE_RDNA4_TRITON_FP8_CVT=software takes the inline-asm conversion out of the RDNA4 FP8 configs only."""
     from comfyui_sage_rdna4.kernels.backends.triton import configs
     assert attention_config("gfx1201", 128, "fp8").fp8_cvt_asm
-    monkeypatch.setenv(configs.FP8_CVT_ENV, "software")
+    monkeypatch.setenv(settings.TRITON_FP8_CVT.name, "software")
     configs._table_config.cache_clear()
     try:
         soft = attention_config("gfx1201", 128, "fp8")

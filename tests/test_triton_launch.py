@@ -8,6 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from comfyui_sage_rdna4.kernels import settings  # noqa: E402
 from comfyui_sage_rdna4.kernels.backends.triton import launcher, workspace  # noqa: E402
 
 
@@ -44,7 +45,7 @@ class FakeJit:
 
 @pytest.fixture
 def direct(monkeypatch):
-    monkeypatch.delenv(launcher.LAUNCH_ENV, raising=False)
+    monkeypatch.delenv(settings.TRITON_LAUNCH.name, raising=False)
     monkeypatch.setattr(launcher, "_triton_version", lambda: launcher.SUPPORTED_TRITON[0])
     # Triton 3.6 keeps each hook as a chain of calls, empty unless a profiler installs one
     hooks = types.SimpleNamespace(launch_enter_hook=types.SimpleNamespace(calls=[]),
@@ -94,13 +95,13 @@ def test_a_launch_hook_or_the_environment_keeps_tritons_own_path(direct, monkeyp
     direct.hooks.launch_exit_hook = print  # nor a chain: a plain callable is a hook
     runner((1,), ("x", 1), meta, key=None)
     assert len(fn.slow) == 3 and len(fn.runs) == 1
-    monkeypatch.setenv(launcher.LAUNCH_ENV, "triton")
+    monkeypatch.setenv(settings.TRITON_LAUNCH.name, "triton")
     runner = direct(FakeJit())
     assert "triton" in runner.refusal
 
 
 def test_unsupported_triton_or_parameter_order_is_refused(monkeypatch):
-    monkeypatch.delenv(launcher.LAUNCH_ENV, raising=False)
+    monkeypatch.delenv(settings.TRITON_LAUNCH.name, raising=False)
     monkeypatch.setattr(launcher, "_triton_version", lambda: (3, 2))
     assert "3.6" in launcher.DirectLauncher(FakeJit()).refusal
     monkeypatch.setattr(launcher, "_triton_version", lambda: launcher.SUPPORTED_TRITON[0])
@@ -187,9 +188,9 @@ def test_workspace_budget_evicts_least_recently_used(cuda_like):
 
 
 def test_workspace_budget_from_the_environment(monkeypatch):
-    monkeypatch.setenv(workspace.BUDGET_ENV, "0")
+    monkeypatch.setenv(settings.WORKSPACE_MB.name, "0")
     assert workspace.budget_bytes() == 0
-    monkeypatch.setenv(workspace.BUDGET_ENV, "2")
+    monkeypatch.setenv(settings.WORKSPACE_MB.name, "2")
     assert workspace.budget_bytes() == 2 * 2 ** 20
-    monkeypatch.setenv(workspace.BUDGET_ENV, "lots")
-    assert workspace.budget_bytes() == workspace.DEFAULT_BUDGET_MB * 2 ** 20
+    monkeypatch.setenv(settings.WORKSPACE_MB.name, "lots")
+    assert workspace.budget_bytes() == settings.DEFAULT_WORKSPACE_MB * 2 ** 20

@@ -1,6 +1,7 @@
 """Stand-alone GPU harness: compile the kernel sources as CUDA (gfx12 WMMA emulation) with CuPy's
-nvrtc and launch kernel_abi plans on torch CUDA tensors. Verification only; the product path is the
-ctypes loader (kernels/backends/hip/runtime.py, compiler.py)."""
+nvrtc and launch kernel_abi plans on torch CUDA tensors. Verification only, like the loader's own CUDA
+twin (kernels/verify/cuda_twin.py); the product path is the ctypes loader (kernels/backends/hip/runtime.py,
+compiler.py) on ROCm."""
 from __future__ import annotations
 
 import threading

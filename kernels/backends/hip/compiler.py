@@ -1,12 +1,13 @@
-"""Runtime compilation of the kernel sources: hiprtc on ROCm, nvrtc on CUDA (through the gfx12 emulation).
+"""Runtime compilation of the kernel sources with hiprtc, for the device's own target.
 
-Nothing is built at install time. On first use the sources are compiled for the device's own target
-(ROCm: the gcnArchName, e.g. gfx1201; CUDA: sm_XY from the compute capability) and the code object is
-kept in the disk cache (`cache.py`). The sources include only headers of their own; those travel to
-the compiler by name with the program, so no include path or toolchain is needed.
+Nothing is built at install time. On first use the sources are compiled for the device's gcnArchName
+(e.g. gfx1201) and the code object is kept in the disk cache (kernels/disk_cache.py). The sources include
+only headers of their own; those travel to the compiler by name with the program, so no include path or
+toolchain is needed. hiprtc is looked for beside the HIP runtime PyTorch loaded first (ROCm wheels ship it
+next to amdhip64), then in the ROCm install.
 
-Libraries are looked for beside what PyTorch loaded first (ROCm wheels ship hiprtc next to
-amdhip64; CUDA wheels ship nvrtc in the nvidia-cuda-nvrtc package), then in the ROCm/CUDA install.
+Compilers are registered by name (`register_compiler`): 'hiprtc' here; the CUDA twin used to verify the
+kernels on NVIDIA (kernels/verify/cuda_twin.py) registers its own when it is imported.
 """
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .cache import cache_key
+from ...disk_cache import cache_key
 from .platform import (loaded_library_paths, parse_gcn_arch, prefer_torch_libraries, rocm_wheel_dirs, torch_lib_dir,
                        windows_loaded_module)
 
@@ -77,11 +78,8 @@ class BuildResult:
 
 # -- finding the libraries ------------------------------------------------------------------------
 
-def _site_dirs() -> List[str]:
-    return [p for p in dict.fromkeys(sys.path) if p and os.path.isdir(p)]
-
-
-def _not_builtins(paths):
+def without_builtins(paths):
+    """The paths that are not an rtc library's builtins companion (which is loaded beside it, not on its own)."""
     return [p for p in paths if "builtins" not in os.path.basename(p)]
 
 
@@ -94,39 +92,15 @@ def hiprtc_candidates() -> List[str]:
     if sys.platform == "win32":
         folders = hip_dirs + [torch_lib_dir()] + [os.path.join(r, "bin") for r in roots if r]
         found = [p for f in folders for p in sorted(glob.glob(os.path.join(f, "hiprtc*.dll")), reverse=True)]
-        return _not_builtins(found) + ["hiprtc0700.dll", "hiprtc0605.dll", "hiprtc0604.dll", "hiprtc0603.dll"]
-    found = _not_builtins(prefer_torch_libraries(loaded_library_paths("libhiprtc.so")))
+        return without_builtins(found) + ["hiprtc0700.dll", "hiprtc0605.dll", "hiprtc0604.dll", "hiprtc0603.dll"]
+    found = without_builtins(prefer_torch_libraries(loaded_library_paths("libhiprtc.so")))
     folders = hip_dirs + [torch_lib_dir()] + [os.path.join(r, "lib") for r in roots if r]
     found += [p for f in folders for p in sorted(glob.glob(os.path.join(f, "libhiprtc.so*")), reverse=True)]
-    return _not_builtins(found) + ["libhiprtc.so", "libhiprtc.so.7", "libhiprtc.so.6"]
-
-
-def nvrtc_candidates() -> List[str]:
-    """nvrtc paths, those of torch's CUDA major version first."""
-    major = (getattr(torch.version, "cuda", None) or "").split(".")[0]
-    roots = [os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"]
-    if sys.platform == "win32":
-        pattern, folders = "nvrtc64_*.dll", [torch_lib_dir()] + [os.path.join(r, "bin") for r in roots if r]
-        folders += [d for s in _site_dirs() for d in glob.glob(os.path.join(s, "nvidia", "*", "bin"))]
-        folders += [d for s in _site_dirs() for d in glob.glob(os.path.join(s, "nvidia", "*", "bin", "x86_64"))]
-        names = [f"nvrtc64_{major}0_0.dll"] if major else []
-    else:
-        pattern, folders = "libnvrtc.so*", [torch_lib_dir()]
-        folders += [d for s in _site_dirs() for d in glob.glob(os.path.join(s, "nvidia", "*", "lib"))]
-        folders += [os.path.join(r, sub) for r in roots if r for sub in ("lib64", "lib")]
-        names = ([f"libnvrtc.so.{major}"] if major else []) + ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
-    found = _not_builtins(loaded_library_paths("libnvrtc"))
-    found += _not_builtins([p for f in folders for p in sorted(glob.glob(os.path.join(f, pattern)), reverse=True)])
-
-    def torch_major_first(p):
-        base = os.path.basename(p)
-        return 0 if major and (f".so.{major}" in base or f"nvrtc64_{major}" in base) else 1
-
-    return sorted(dict.fromkeys(found), key=torch_major_first) + names
+    return without_builtins(found) + ["libhiprtc.so", "libhiprtc.so.7", "libhiprtc.so.6"]
 
 
 def _preload_builtins(path: str, stem: str) -> None:
-    """nvrtc/hiprtc open their builtins library by name at compile time; load it from the same folder first."""
+    """The rtc libraries open their builtins library by name at compile time; load it from the same folder first."""
     folder = os.path.dirname(path)
     if not folder:
         return
@@ -152,7 +126,8 @@ def _open(candidates: Sequence[str], stem: str, what: str) -> Tuple[ctypes.CDLL,
 # -- the compilers --------------------------------------------------------------------------------
 
 class RtcCompiler:
-    """hiprtc and nvrtc share one C API shape (prefix `hiprtc` / `nvrtc`); subclasses say what differs."""
+    """The runtime compilers share one C API shape, each under its own name prefix (`hiprtc...`); subclasses
+    say what differs."""
 
     kind = ""
     prefix = ""
@@ -275,66 +250,31 @@ class HiprtcCompiler(RtcCompiler):
         return self._read(prog, "GetCodeSize", "GetCode")
 
 
-# The CUDA build exists to verify the gfx12 kernels through the WMMA emulation, not for speed. The fully
-# unrolled emulation makes ptxas -O3 take ~500 s for the whole module (measured on a 2-core CPU) against
-# ~5 s at -O1; ptxas levels do not change float semantics (contraction is fixed in the PTX).
-EMULATION_PTXAS_FLAGS = ("-Xptxas=-O1",)
-
-
-class NvrtcCompiler(RtcCompiler):
-    kind, prefix, stem = "nvrtc", "nvrtc", "libnvrtc" if sys.platform != "win32" else "nvrtc"
-
-    def __init__(self, candidates: Optional[Sequence[str]] = None):
-        super().__init__(candidates or nvrtc_candidates(), "nvrtc (the CUDA runtime compiler)")
-
-    def supported_archs(self) -> List[int]:
-        try:
-            count_fn = self._bind("GetNumSupportedArchs", ctypes.c_int, [ctypes.POINTER(ctypes.c_int)])
-            list_fn = self._bind("GetSupportedArchs", ctypes.c_int, [ctypes.POINTER(ctypes.c_int)])
-        except CompilerUnavailable:
-            return []
-        n = ctypes.c_int(0)
-        if count_fn(ctypes.byref(n)) != 0 or n.value <= 0:
-            return []
-        arr = (ctypes.c_int * n.value)()
-        return list(arr) if list_fn(arr) == 0 else []
-
-    def target_for_device(self, device_index: int) -> str:
-        props = torch.cuda.get_device_properties(device_index)
-        return nvrtc_target(props.major * 10 + props.minor, self.supported_archs())
-
-    def options(self, target, extra_flags):
-        return [f"--gpu-architecture={target}", "-std=c++17", *EMULATION_PTXAS_FLAGS, *extra_flags]
-
-    def _code(self, prog, target):
-        if target.startswith("sm_"):
-            return self._read(prog, "GetCUBINSize", "GetCUBIN")
-        return self._read(prog, "GetPTXSize", "GetPTX")
-
-
-def nvrtc_target(capability: int, supported: Sequence[int]) -> str:
-    """A cubin for the device when nvrtc knows its arch; else PTX for the newest arch it knows below it
-    (the driver JIT-compiles PTX forward)."""
-    if not supported or capability in supported:
-        return f"sm_{capability}"
-    older = [a for a in supported if a <= capability]
-    return f"compute_{max(older)}" if older else f"sm_{capability}"
-
-
 _COMPILERS: Dict[str, RtcCompiler] = {}
 _COMPILER_ERRORS: Dict[str, str] = {}
 _LOCK = threading.Lock()
+_FACTORIES: Dict[str, Callable[[], RtcCompiler]] = {"hiprtc": HiprtcCompiler}
+
+
+def register_compiler(kind: str, factory: Callable[[], RtcCompiler]) -> None:
+    """Make `get_compiler(kind)` build its compiler with `factory` (the CUDA twin registers itself)."""
+    with _LOCK:
+        _FACTORIES[kind] = factory
 
 
 def get_compiler(kind: str) -> RtcCompiler:
-    """'hiprtc' or 'nvrtc', process-wide; raises CompilerUnavailable with the same reason every time."""
+    """The registered compiler `kind` ('hiprtc'), process-wide; raises CompilerUnavailable with the same reason
+    every time."""
     with _LOCK:
         if kind in _COMPILERS:
             return _COMPILERS[kind]
         if kind in _COMPILER_ERRORS:
             raise CompilerUnavailable(_COMPILER_ERRORS[kind])
+        factory = _FACTORIES.get(kind)
+        if factory is None:  # not cached: registering it later makes it available
+            raise CompilerUnavailable(f"no runtime compiler named {kind!r} is registered (known: {sorted(_FACTORIES)})")
         try:
-            comp = HiprtcCompiler() if kind == "hiprtc" else NvrtcCompiler()
+            comp = factory()
         except (CompilerUnavailable, CompileError) as exc:
             _COMPILER_ERRORS[kind] = str(exc)
             raise CompilerUnavailable(str(exc)) from None

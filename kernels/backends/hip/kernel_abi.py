@@ -69,7 +69,7 @@ def option_defines(**options) -> str:
 
 
 def module_source(target: str = "hip", **options) -> str:
-    """The translation unit for 'hip' (hiprtc/clang AMDGPU) or 'cuda' (nvrtc/nvcc): the same text, the prelude
+    """The translation unit for 'hip' (hiprtc/clang AMDGPU) or 'cuda' (a CUDA compiler): the same text, the prelude
     picks its branch from the compiler's macros. The CPU simulator (kernels/verify/host_sim.py) puts its own
     runtime header in front of this text. `options` (VERIFY_OPTIONS; verification only) prepend #defines."""
     if target not in ("hip", "cuda"):

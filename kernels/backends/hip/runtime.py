@@ -1,10 +1,14 @@
-"""ctypes over the GPU runtime PyTorch already loaded: load a code object, find a kernel, launch it.
+"""ctypes over the HIP runtime PyTorch already loaded: load a code object, find a kernel, launch it.
 
-Two drivers share one small interface so the same kernels run on ROCm (the HIP module API in
-libamdhip64 / amdhip64_N.dll) and, for verification, on NVIDIA (the CUDA driver API in libcuda /
-nvcuda.dll). Nothing here compiles; `compiler.py` turns sources into code objects and `cache.py`
-keeps them on disk. `KernelLoader` joins the three: (device, kernel) -> a launchable function.
-Where the libraries are and what the GPU is called come from `platform.py`, shared with the compiler.
+The module API is one small interface (`GpuRuntime`); `HipRuntime` implements it on the HIP module API in
+libamdhip64 / amdhip64_N.dll. Nothing here compiles; `compiler.py` turns sources into code objects and
+kernels/disk_cache.py keeps them on disk. `KernelLoader` joins the three: (device, kernel) -> a launchable
+function. Where the libraries are and what the GPU is called come from `platform.py`, shared with the compiler.
+
+Which runtime and compiler serve a PyTorch build is a registered `Platform`: 'hip' here. On NVIDIA the kernels
+run only as the gfx12 emulation, whose CUDA runtime and compiler live with the verification tooling
+(kernels/verify/cuda_twin.py, which registers the 'cuda' platform when imported): `get_platform` imports it
+only when SAGE_RDNA4_HIP_EMULATE=1, so a user's run never loads it.
 
 Launches go on `torch.cuda.current_stream(device).cuda_stream`, so they order with PyTorch's work.
 
@@ -21,14 +25,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import glob
+import importlib
 import os
 import sys
 import threading
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .cache import CodeObjectCache
+from ... import settings
+from ...disk_cache import HIP_CODE_OBJECTS, EntryStore
 from .compiler import SourceBundle, compiler_unavailable_reason, get_compiler
 from .platform import (loaded_library_paths, parse_gcn_arch, prefer_torch_libraries, rocm_wheel_dirs, torch_lib_dir,
                        windows_loaded_module)
@@ -42,11 +49,6 @@ ARG_CTYPES = {
     "u64": ctypes.c_uint64,
     "f32": ctypes.c_float,
 }
-
-# CUDA refuses more than 48 KiB of dynamic shared memory unless the function opts in.
-CUDA_DEFAULT_SMEM = 48 * 1024
-CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-
 
 class RuntimeUnavailable(RuntimeError):
     """The GPU runtime library cannot be found or lacks an entry point; the message says which."""
@@ -106,12 +108,6 @@ def hip_library_candidates() -> List[str]:
     return names + ["libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6"]
 
 
-def cuda_driver_candidates() -> List[str]:
-    if sys.platform == "win32":
-        return ["nvcuda.dll"]
-    return loaded_library_paths("libcuda.so") + ["libcuda.so.1", "libcuda.so"]
-
-
 def open_first(candidates: Sequence[str], what: str) -> Tuple[ctypes.CDLL, str]:
     tried = []
     for name in dict.fromkeys(candidates):  # keeps order, drops repeats
@@ -131,7 +127,7 @@ def bind(lib: ctypes.CDLL, name: str, restype, argtypes, what: str):
     return fn
 
 
-# -- the two drivers ------------------------------------------------------------------------------
+# -- the runtime ----------------------------------------------------------------------------------
 
 class Module:
     """A code object loaded on one device: the runtime's handle, the device, and the buffer it came from.
@@ -149,13 +145,16 @@ class Module:
 
 
 class GpuRuntime:
-    """The module API of one GPU runtime. Subclasses set `kind` ('hip' or 'cuda') and the entry points.
+    """The module API of one GPU runtime. Subclasses set `kind` (a Platform's kind) and the entry points.
 
     `load_module` returns a `Module` (or anything a subclass's `get_function` understands); every
     device-sensitive call runs inside `device_scope(device_index)`."""
 
     kind = ""
     library = ""
+    # Bytes of dynamic shared memory a launch may use before `set_max_dynamic_shared` must raise the
+    # function's limit; None where the runtime has no such opt-in (HIP).
+    dynamic_shared_limit: Optional[int] = None
 
     def version(self) -> str:
         raise NotImplementedError
@@ -172,13 +171,14 @@ class GpuRuntime:
         raise NotImplementedError
 
     def set_max_dynamic_shared(self, function, nbytes: int, device_index: int) -> None:
-        """Let `function` use `nbytes` of dynamic shared memory (needed above 48 KiB on CUDA)."""
+        """Let `function` use `nbytes` of dynamic shared memory (above `dynamic_shared_limit`)."""
 
     def launch(self, function, grid, block, shared_bytes: int, stream: int, arg_array, device_index: int) -> None:
         raise NotImplementedError
 
 
-def _grid3(dims) -> Tuple[int, int, int]:
+def launch_dims(dims) -> Tuple[int, int, int]:
+    """A grid or block as three positive ints (missing trailing ones are 1)."""
     dims = tuple(int(d) for d in dims) + (1, 1, 1)
     if any(d <= 0 for d in dims[:3]):
         raise ValueError(f"grid/block dimensions must be positive, got {dims[:3]}")
@@ -257,104 +257,41 @@ class HipRuntime(GpuRuntime):
         return fn
 
     def launch(self, function, grid, block, shared_bytes, stream, arg_array, device_index):
-        g, b = _grid3(grid), _grid3(block)
+        g, b = launch_dims(grid), launch_dims(block)
         with self.device_scope(device_index):  # the NULL stream is the current device's
             self.check(self._launch(function, *g, *b, int(shared_bytes), ctypes.c_void_p(stream or None),
                                     ctypes.cast(arg_array, ctypes.POINTER(ctypes.c_void_p)), None),
                        "hipModuleLaunchKernel")
 
 
-class CudaRuntime(GpuRuntime):
-    """CUDA driver API. Modules live in the device's primary context, the one PyTorch's runtime uses."""
+# -- which runtime and compiler serve this PyTorch ---------------------------------------------------
 
-    kind = "cuda"
-
-    def __init__(self, candidates: Optional[Sequence[str]] = None):
-        lib, self.library = open_first(candidates or cuda_driver_candidates(), "the CUDA driver (libcuda / nvcuda.dll)")
-        what = self.library
-        vp, u32, i32 = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
-        self._error_string = bind(lib, "cuGetErrorString", i32, [i32, ctypes.POINTER(ctypes.c_char_p)], what)
-        self._driver_version = bind(lib, "cuDriverGetVersion", i32, [ctypes.POINTER(i32)], what)
-        self._init = bind(lib, "cuInit", i32, [u32], what)
-        self._device_get = bind(lib, "cuDeviceGet", i32, [ctypes.POINTER(i32), i32], what)
-        self._retain = bind(lib, "cuDevicePrimaryCtxRetain", i32, [ctypes.POINTER(vp), i32], what)
-        self._ctx_get = bind(lib, "cuCtxGetCurrent", i32, [ctypes.POINTER(vp)], what)
-        self._ctx_push = bind(lib, "cuCtxPushCurrent_v2", i32, [vp], what)
-        self._ctx_pop = bind(lib, "cuCtxPopCurrent_v2", i32, [ctypes.POINTER(vp)], what)
-        self._load = bind(lib, "cuModuleLoadData", i32, [ctypes.POINTER(vp), vp], what)
-        self._get_function = bind(lib, "cuModuleGetFunction", i32, [ctypes.POINTER(vp), vp, ctypes.c_char_p], what)
-        self._set_attribute = bind(lib, "cuFuncSetAttribute", i32, [vp, i32, i32], what)
-        self._launch = bind(lib, "cuLaunchKernel", i32,
-                            [vp, u32, u32, u32, u32, u32, u32, u32, vp, ctypes.POINTER(vp), ctypes.POINTER(vp)], what)
-        self._contexts: Dict[int, ctypes.c_void_p] = {}
-        self._lock = threading.Lock()
-        self.check(self._init(0), "cuInit")
-
-    def check(self, status: int, call: str) -> None:
-        if status != 0:
-            text = ctypes.c_char_p()
-            self._error_string(status, ctypes.byref(text))
-            raise LaunchError(f"{call} failed: {text.value.decode(errors='replace') if text.value else 'error'} ({status})")
-
-    def version(self) -> str:
-        v = ctypes.c_int(0)
-        self.check(self._driver_version(ctypes.byref(v)), "cuDriverGetVersion")
-        return f"cuda-driver-{v.value}"
-
-    def primary_context(self, device_index: int) -> ctypes.c_void_p:
-        with self._lock:
-            if device_index not in self._contexts:
-                dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-                self.check(self._device_get(ctypes.byref(dev), device_index), "cuDeviceGet")
-                self.check(self._retain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-                self._contexts[device_index] = ctx
-            return self._contexts[device_index]
-
-    @contextlib.contextmanager
-    def device_scope(self, device_index: int) -> Iterator[None]:
-        """The device's primary context current for the body; the caller's context again after."""
-        ctx = self.primary_context(int(device_index))
-        current = ctypes.c_void_p()
-        self.check(self._ctx_get(ctypes.byref(current)), "cuCtxGetCurrent")
-        if current.value == ctx.value:
-            yield
-            return
-        self.check(self._ctx_push(ctx), "cuCtxPushCurrent")
-        try:
-            yield
-        finally:
-            self._ctx_pop(ctypes.byref(ctypes.c_void_p()))
-
-    def load_module(self, image: bytes, device_index: int) -> Module:
-        handle = ctypes.c_void_p()
-        buf = ctypes.create_string_buffer(bytes(image), len(image))  # PTX must end in NUL; the buffer adds one
-        with self.device_scope(device_index):
-            self.check(self._load(ctypes.byref(handle), ctypes.cast(buf, ctypes.c_void_p)), "cuModuleLoadData")
-        return Module(handle, device_index, buf)
-
-    def get_function(self, module: Module, name: str):
-        fn = ctypes.c_void_p()
-        with self.device_scope(module.device_index):
-            self.check(self._get_function(ctypes.byref(fn), module.handle, name.encode()),
-                       f"cuModuleGetFunction({name})")
-        return fn
-
-    def set_max_dynamic_shared(self, function, nbytes, device_index):
-        if nbytes > CUDA_DEFAULT_SMEM:
-            with self.device_scope(device_index):
-                self.check(self._set_attribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes)),
-                           "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
-
-    def launch(self, function, grid, block, shared_bytes, stream, arg_array, device_index):
-        g, b = _grid3(grid), _grid3(block)
-        with self.device_scope(device_index):
-            self.check(self._launch(function, *g, *b, int(shared_bytes), ctypes.c_void_p(stream or None),
-                                    ctypes.cast(arg_array, ctypes.POINTER(ctypes.c_void_p)), None), "cuLaunchKernel")
+@dataclass(frozen=True)
+class Platform:
+    """The machinery the kernels run on under one kind of PyTorch build."""
+    kind: str                                # runtime_kind() of that build
+    compiler_kind: str                       # compiler.get_compiler's name for its compiler
+    make_runtime: Callable[[], GpuRuntime]
+    source_target: str                       # kernel_abi.module_source's target for its compiler
 
 
-_RUNTIMES: Dict[str, GpuRuntime] = {}
-_RUNTIME_ERRORS: Dict[str, str] = {}
-_RUNTIME_LOCK = threading.Lock()
+_PLATFORMS: Dict[str, Platform] = {}
+
+
+def register_platform(platform: Platform) -> None:
+    _PLATFORMS[platform.kind] = platform
+
+
+register_platform(Platform("hip", "hiprtc", HipRuntime, "hip"))
+
+EMULATION_KIND = "cuda"
+# The CUDA twin, relative to this package: verification code, imported only when the emulation is asked for.
+EMULATION_MODULE = "...verify.cuda_twin"
+
+
+def emulation_refusal() -> str:
+    return (f"HIP kernels target AMD RDNA4; on NVIDIA they run only as a gfx12 emulation for verification, "
+            f"when {settings.HIP_EMULATE.name}=1")
 
 
 def runtime_kind() -> str:
@@ -362,16 +299,41 @@ def runtime_kind() -> str:
     return "hip" if getattr(torch.version, "hip", None) else "cuda"
 
 
+def get_platform(kind: str) -> Platform:
+    """The registered platform `kind`; the emulation's is imported on demand when it is asked for.
+
+    Raises RuntimeUnavailable with the reason when there is none (not cached: the switch may change)."""
+    found = _PLATFORMS.get(kind)
+    if found is None and kind == EMULATION_KIND:
+        if not settings.hip_emulation_requested():
+            raise RuntimeUnavailable(emulation_refusal())
+        try:
+            importlib.import_module(EMULATION_MODULE, __package__)  # registers the 'cuda' platform
+        except ImportError as exc:
+            raise RuntimeUnavailable(f"the gfx12 emulation (kernels/verify/cuda_twin.py) cannot be imported: "
+                                     f"{type(exc).__name__}: {exc}") from None
+        found = _PLATFORMS.get(kind)
+    if found is None:
+        raise RuntimeUnavailable(f"no GPU runtime is registered for {kind!r} (known: {sorted(_PLATFORMS)})")
+    return found
+
+
+_RUNTIMES: Dict[str, GpuRuntime] = {}
+_RUNTIME_ERRORS: Dict[str, str] = {}
+_RUNTIME_LOCK = threading.Lock()
+
+
 def get_runtime(kind: Optional[str] = None) -> GpuRuntime:
     """The process-wide runtime of that kind; raises RuntimeUnavailable (same reason every time) when absent."""
     kind = kind or runtime_kind()
+    platform = get_platform(kind)
     with _RUNTIME_LOCK:
         if kind in _RUNTIMES:
             return _RUNTIMES[kind]
         if kind in _RUNTIME_ERRORS:
             raise RuntimeUnavailable(_RUNTIME_ERRORS[kind])
         try:
-            rt = HipRuntime() if kind == "hip" else CudaRuntime()
+            rt = platform.make_runtime()
         except (RuntimeUnavailable, LaunchError) as exc:
             _RUNTIME_ERRORS[kind] = str(exc)
             raise RuntimeUnavailable(str(exc)) from None
@@ -408,7 +370,7 @@ class LoadedKernel:
     def __init__(self, runtime: GpuRuntime, module, function, name: str, device_index: int, signature: Sequence[str]):
         self.runtime, self.module, self.function = runtime, module, function
         self.name, self.device_index, self.signature = name, device_index, tuple(signature)
-        self._smem_allowed = CUDA_DEFAULT_SMEM
+        self._smem_allowed = runtime.dynamic_shared_limit  # None: no opt-in to make
         self._lock = threading.Lock()
 
     def __call__(self, grid, block, args: Sequence, shared_bytes: int = 0, stream: Optional[int] = None,
@@ -416,7 +378,7 @@ class LoadedKernel:
         """Launch on `stream` (default: PyTorch's current stream on this device).
 
         `signature` overrides the argument kinds given at load time (plans carry their own)."""
-        if shared_bytes > self._smem_allowed:
+        if self._smem_allowed is not None and shared_bytes > self._smem_allowed:
             with self._lock:
                 self.runtime.set_max_dynamic_shared(self.function, shared_bytes, self.device_index)
                 self._smem_allowed = max(self._smem_allowed, shared_bytes)
@@ -476,19 +438,14 @@ class KernelLoader:
         return module
 
 
-# -- which machinery serves a device ----------------------------------------------------------------
+# -- whether the kernels can run on a device ---------------------------------------------------------
 
-EMULATE_ENV = "SAGE_RDNA4_HIP_EMULATE"
 GFX12_ARCHS = ("gfx1200", "gfx1201")
 _LOADERS: Dict[str, KernelLoader] = {}
 
 
-def emulation_requested() -> bool:
-    return os.environ.get(EMULATE_ENV, "") == "1"
-
-
 def compiler_kind(rt_kind: str) -> str:
-    return "hiprtc" if rt_kind == "hip" else "nvrtc"
+    return get_platform(rt_kind).compiler_kind
 
 
 def environment_refusal(device_type: str, index: Optional[int]) -> Optional[str]:
@@ -497,7 +454,7 @@ def environment_refusal(device_type: str, index: Optional[int]) -> Optional[str]
     ROCm: gfx1200/gfx1201 only. NVIDIA: only as the gfx12 emulation, and only when asked for with
     SAGE_RDNA4_HIP_EMULATE=1 (it exists to verify the kernels, it is never a speed path).
     Answers are kept per device (and emulation setting): the prologue asks on every call."""
-    key = (device_type, index, emulation_requested(), runtime_kind())
+    key = (device_type, index, settings.hip_emulation_requested(), runtime_kind())
     if key not in _ENV_VERDICTS:
         _ENV_VERDICTS[key] = _environment_refusal(device_type, index)
     return _ENV_VERDICTS[key]
@@ -518,9 +475,8 @@ def _environment_refusal(device_type: str, index: Optional[int]) -> Optional[str
         arch = parse_gcn_arch(name)
         if arch not in GFX12_ARCHS:
             return f"HIP kernels are written for RDNA4 (gfx1200/gfx1201); this GPU is {arch}"
-    elif not emulation_requested():
-        return (f"HIP kernels target AMD RDNA4; on NVIDIA they run only as a gfx12 emulation for "
-                f"verification, when {EMULATE_ENV}=1")
+    elif not settings.hip_emulation_requested():
+        return emulation_refusal()
     reason = runtime_unavailable_reason(kind)
     if reason:
         return reason
@@ -533,7 +489,7 @@ def get_loader() -> KernelLoader:
     with _RUNTIME_LOCK:
         loader = _LOADERS.get(kind)
     if loader is None:
-        loader = KernelLoader(get_runtime(kind), get_compiler(compiler_kind(kind)), CodeObjectCache())
+        loader = KernelLoader(get_runtime(kind), get_compiler(compiler_kind(kind)), EntryStore(HIP_CODE_OBJECTS))
         with _RUNTIME_LOCK:
             loader = _LOADERS.setdefault(kind, loader)
     return loader
@@ -563,6 +519,6 @@ def kernel_bundle():
     bundle = _BUNDLES.get(kind)
     if bundle is None:
         from . import kernel_abi
-        text = kernel_abi.module_source("hip" if kind == "hip" else "cuda")
+        text = kernel_abi.module_source(get_platform(kind).source_target)
         bundle = _BUNDLES.setdefault(kind, SourceBundle("sage_kernels.hip", text))
     return bundle

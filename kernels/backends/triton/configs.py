@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 from typing import Dict, Tuple
+
+from ... import settings
 
 RDNA4_ARCHS = ("gfx1200", "gfx1201")
 MAX_HEAD_DIM = 256
@@ -70,9 +71,9 @@ _RDNA4_GEOMETRY = {32: (128, 32, 8), 64: (128, 32, 8), 128: (128, 32, 8), 256: (
 # (D64 also serves SD1.5's D40), and does not fold q's scale (it made D128 worse).
 # Figures: docs/MEASUREMENTS.md#triton-key-loop-on-gfx12
 _RDNA4_FP16_V_T = (32, 128)
-# "software": convert P to FP8 with Triton's own code instead of v_cvt_pk_fp8_f32 (a way out should the inline
-# asm misbehave on some ROCm stack: the self-check would then have disabled triton_int8_fp8 with its reason).
-FP8_CVT_ENV = "SAGE_RDNA4_TRITON_FP8_CVT"
+# SAGE_RDNA4_TRITON_FP8_CVT=software (kernels/settings.py): convert P to FP8 with Triton's own code instead of
+# v_cvt_pk_fp8_f32 (a way out should the inline asm misbehave on some ROCm stack: the self-check would then have
+# disabled triton_int8_fp8 with its reason).
 _RDNA4: Dict[Tuple[int, str], AttentionConfig] = {}
 for _d, (_bm, _bn, _w) in _RDNA4_GEOMETRY.items():
     _RDNA4[(_d, "fp8")] = AttentionConfig(_bm, _bn, _w, 1, True, "split", fold_q_scale=True, fp8_cvt_asm=True)
@@ -125,7 +126,7 @@ def _table_config(arch: str, d: int, pv: str) -> AttentionConfig:
     if arch == "cpu":
         return _INTERPRETER[pv]
     if arch in RDNA4_ARCHS or arch.startswith("gfx12"):  # unknown future gfx12: same pipeliner hazard
-        if os.environ.get(FP8_CVT_ENV) == "software":  # read once per process (this table is cached)
+        if settings.triton_fp8_cvt_software():  # read once per process (this table is cached)
             return dataclasses.replace(_RDNA4[(d, pv)], fp8_cvt_asm=False)
         return _RDNA4[(d, pv)]
     if arch == "sm_90":

@@ -18,14 +18,14 @@ and not with SAGE_RDNA4_TRITON_LAUNCH=triton.
 """
 from __future__ import annotations
 
-import os
 from typing import Dict, Hashable, Sequence, Tuple
 
 import torch
 import triton
 from triton.runtime.jit import JITFunction
 
-LAUNCH_ENV = "SAGE_RDNA4_TRITON_LAUNCH"
+from ... import settings
+
 SUPPORTED_TRITON = ((3, 6),)
 MAX_ENTRIES = 512
 
@@ -40,8 +40,8 @@ def _triton_version() -> Tuple[int, int]:
 
 def fast_launch_refusal() -> str:
     """Why launches go through Triton's own path in this process ('' when the direct path is used)."""
-    if os.environ.get(LAUNCH_ENV) == "triton":
-        return f"{LAUNCH_ENV}=triton"
+    if settings.triton_launch_through_triton():
+        return f"{settings.TRITON_LAUNCH.name}=triton"
     if _triton_version() not in SUPPORTED_TRITON:
         return f"Triton {triton.__version__}: the direct launch is written for Triton 3.6"
     return ""

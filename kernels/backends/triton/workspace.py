@@ -14,12 +14,14 @@ allocate per call as before. Nothing is kept while a CUDA graph is being capture
 """
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from typing import Callable, Hashable, Optional, Tuple
 
 import torch
+
+from ... import settings
+
 
 def current_stream(index: Optional[int]) -> int:
     """The raw handle of the current stream of a CUDA/HIP device (what Triton launches on)."""
@@ -27,17 +29,9 @@ def current_stream(index: Optional[int]) -> int:
     return driver.active.get_current_stream(torch.cuda.current_device() if index is None else index)
 
 
-BUDGET_ENV = "SAGE_RDNA4_WORKSPACE_MB"
-DEFAULT_BUDGET_MB = 128
-
-
 def budget_bytes() -> int:
-    text = os.environ.get(BUDGET_ENV, "")
-    try:
-        mb = float(text) if text else DEFAULT_BUDGET_MB
-    except ValueError:
-        mb = DEFAULT_BUDGET_MB
-    return max(0, int(mb * 2 ** 20))
+    """SAGE_RDNA4_WORKSPACE_MB in bytes (kernels/settings.py), read when a cache is made."""
+    return settings.workspace_budget_bytes()
 
 
 def nbytes(buffers) -> int:

@@ -1,12 +1,12 @@
 // gfx12_prelude.h: the only "runtime header" of the kernels. No HIP/CUDA/std headers are included,
-// so the same text compiles with clang/hiprtc for gfx1200/gfx1201, with nvrtc/nvcc as CUDA, and
+// so the same text compiles with clang/hiprtc for gfx1200/gfx1201, with a CUDA compiler, and
 // (SAGE_HOST_SIM) as plain C++ on the CPU with one OS thread per GPU thread.
 //
 // Three targets:
 //   SG_AMD   clang AMDGPU device compile (__AMDGCN__): real gfx12 builtins (v_wmma_*, v_permlanex16,
 //            ds_swizzle, v_perm_b32, v_cvt_pk_fp8_f32, v_exp_f32, v_dot2_f32_f16) and a few instructions
 //            as inline asm (v_fma_mixlo/mixhi_f16, v_fma_f32, v_cvt_pk_fp8_f32, v_permlanex16).
-//   SG_CUDA  nvrtc / nvcc: a wave32 is one CUDA warp; every gfx12 WMMA builtin is EMULATED lane by
+//   SG_CUDA  a CUDA compiler: a wave32 is one CUDA warp; every gfx12 WMMA builtin is EMULATED lane by
 //            lane: each lane stores the fragment it holds in the gfx12 layout to shared memory, the
 //            warp syncs, and each lane computes exactly the 8 accumulator elements gfx12 gives it.
 //   SG_SIM   host C++ for CPU tests: same emulation, barriers from the simulator (kernels/verify/sim_runtime.h).
@@ -32,7 +32,7 @@
 #elif defined(SAGE_HOST_SIM)
 #define SG_SIM 1
 #else
-#error "gfx12_prelude.h: compile for AMDGPU (clang/hiprtc), CUDA (nvrtc/nvcc) or with SAGE_HOST_SIM"
+#error "gfx12_prelude.h: compile for AMDGPU (clang/hiprtc), as CUDA or with SAGE_HOST_SIM"
 #endif
 
 #if defined(SG_AMD)
@@ -54,7 +54,7 @@
 #define SG_SHARED __shared__
 #elif defined(SG_CUDA)
 #define SG_INLINE __device__ __forceinline__
-#define SG_EMU_FN __device__ __noinline__  // one emulated WMMA body, called (keeps nvrtc fast)
+#define SG_EMU_FN __device__ __noinline__  // one emulated WMMA body, called (keeps the CUDA compile fast)
 #define SG_LAUNCH_BOUNDS(n) __launch_bounds__(n)
 #define SG_MIN_WAVES(n)
 #define SG_SHARED __shared__

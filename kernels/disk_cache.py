@@ -1,0 +1,243 @@
+"""The pack's files on the user's disk, for every kind of entry: where they live, how they are keyed, and how
+one is written and read back. Kinds: HIP code objects (kernels/backends/hip), self-check passes
+(self_check.PassCache) and auto's measured choices (autotune.DecisionStore), each in its own subfolder.
+
+Folder: $SAGE_RDNA4_CACHE if set; else %LOCALAPPDATA%\\comfyui_sage_rdna4 on Windows, $XDG_CACHE_HOME (or
+~/.cache)/comfyui_sage_rdna4 elsewhere; then one subfolder per kind (`KINDS`). A kind whose folder cannot
+be created or written goes to <temp>/comfyui_sage_rdna4/<kind>; if that fails too, to memory only.
+
+Keys hash everything that shapes an entry (`cache_key`, with this module's ENTRY_FORMAT): a changed input is
+a different key, so a stale entry is never read; it is simply left behind.
+
+One entry format for all kinds: one file per key, holding a binary header (magic, SHA-256 of the payload,
+payload and metadata lengths), JSON metadata carrying the key, then the payload: a code object's own bytes,
+or JSON for passes and decisions. Why this one: code objects stay bytes with no re-encoding, and one file
+per key means no writer ever reads, merges and rewrites entries another process wrote, so none is lost;
+the checksum catches a truncated or edited file the same way for every kind.
+
+Writes go to a temporary file in the same folder and are renamed into place (atomic on POSIX and Windows),
+so a crash or a concurrent process never leaves a half-written entry under the real name. A truncated,
+corrupt or mismatched entry is a miss and is removed. Any filesystem failure degrades to the memory copy;
+nothing here raises to its callers.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import struct
+import sys
+import tempfile
+from typing import Any, Dict, Optional, Tuple
+
+from . import settings
+
+log = logging.getLogger(__name__)
+
+FOLDER_NAME = "comfyui_sage_rdna4"
+HIP_CODE_OBJECTS = "hip_code_objects"
+SELF_CHECK_PASSES = "self_check_passes"
+AUTO_DECISIONS = "auto_decisions"
+KINDS = (HIP_CODE_OBJECTS, SELF_CHECK_PASSES, AUTO_DECISIONS)
+
+ENTRY_FORMAT = 2  # part of every key: a new format never reads an old one's entries
+MAGIC = b"SAGEENT2"
+# magic, payload sha256, payload length, metadata length
+HEADER = struct.Struct("<8s32sQI")
+
+
+# -- where ------------------------------------------------------------------------------------------
+
+def cache_root() -> str:
+    """The folder every kind's subfolder goes in ($SAGE_RDNA4_CACHE, else the user cache folder)."""
+    chosen = settings.cache_dir()
+    if chosen:
+        return chosen
+    if sys.platform == "win32":
+        base = os.environ.get("LOCALAPPDATA") or os.path.expanduser(os.path.join("~", "AppData", "Local"))
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser(os.path.join("~", ".cache"))
+    return os.path.join(base, FOLDER_NAME)
+
+
+def default_folder(kind: str) -> str:
+    return os.path.join(cache_root(), kind)
+
+
+def fallback_folder(kind: str) -> str:
+    return os.path.join(tempfile.gettempdir(), FOLDER_NAME, kind)
+
+
+def usable_folder(kind: str, preferred: Optional[str] = None) -> Optional[str]:
+    """`preferred` (default: the kind's folder under cache_root) if it can be created and written, else the
+    temp folder's; None when neither can."""
+    for folder in (preferred if preferred is not None else default_folder(kind), fallback_folder(kind)):
+        try:
+            os.makedirs(folder, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                return folder
+        except OSError:
+            pass
+        log.warning("cache folder %s is not writable", folder)
+    return None
+
+
+# -- keys and entries -------------------------------------------------------------------------------
+
+def cache_key(**parts) -> str:
+    """SHA-256 over the canonical JSON of everything that shapes the entry (and of ENTRY_FORMAT)."""
+    blob = json.dumps({**parts, "entry_format": ENTRY_FORMAT}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def safe_label(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", label)[:80] or "entry"
+
+
+def encode_entry(key: str, payload: bytes, meta: Optional[dict] = None) -> bytes:
+    meta_blob = json.dumps({**(meta or {}), "key": key}, sort_keys=True, default=str).encode()
+    return HEADER.pack(MAGIC, hashlib.sha256(payload).digest(), len(payload), len(meta_blob)) + meta_blob + payload
+
+
+def _split(blob: bytes) -> Tuple[Optional[dict], Optional[bytes], bytes, str]:
+    """(metadata, payload, recorded digest, '') of an entry's bytes, or (None, None, b'', what is wrong)."""
+    if len(blob) < HEADER.size:
+        return None, None, b"", "shorter than its header"
+    magic, digest, size, meta_size = HEADER.unpack_from(blob)
+    if magic != MAGIC:
+        return None, None, b"", "not a cache entry of this format"
+    if len(blob) != HEADER.size + meta_size + size:
+        return None, None, b"", f"size {len(blob)} does not match its header"
+    try:
+        meta = json.loads(blob[HEADER.size:HEADER.size + meta_size].decode())
+    except (UnicodeDecodeError, ValueError):
+        return None, None, b"", "unreadable metadata"
+    if not isinstance(meta, dict):  # valid JSON, but [], 1, "x" or null: not ours
+        return None, None, b"", "metadata that is not a JSON object"
+    return meta, blob[HEADER.size + meta_size:], digest, ""
+
+
+def decode_entry(blob: bytes, key: str) -> Tuple[Optional[bytes], str]:
+    """(payload, '') for a sound entry of `key`, else (None, what is wrong with it)."""
+    meta, payload, digest, problem = _split(blob)
+    if problem:
+        return None, problem
+    if meta.get("key") != key:
+        return None, "written for another key (stale)"
+    if hashlib.sha256(payload).digest() != digest:
+        return None, "payload checksum mismatch"
+    return payload, ""
+
+
+def read_meta(path: str) -> Optional[dict]:
+    """The metadata of the entry at `path` (for reports and tests), or None when it is not a readable entry."""
+    try:
+        with open(path, "rb") as fh:
+            meta, _, _, problem = _split(fh.read())
+    except OSError:
+        return None
+    return None if problem else meta
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    """Put `data` at `path` through a temporary file in the same folder and os.replace. The temporary file
+    is removed when anything fails, and the error is raised to the caller."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".part", dir=os.path.dirname(path) or ".")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+# -- one kind's entries -----------------------------------------------------------------------------
+
+class EntryStore:
+    """One kind's entries: in memory for this process, and on disk in `folder` (default: the kind's folder
+    under cache_root, read when the store is made). `folder` is None when nothing on disk is usable."""
+
+    def __init__(self, kind: str, folder: Optional[str] = None):
+        self.kind = kind
+        self.folder = usable_folder(kind, folder)
+        self.memory: Dict[str, bytes] = {}
+
+    def path(self, key: str, label: str) -> Optional[str]:
+        return None if self.folder is None else os.path.join(self.folder, f"{safe_label(label)}-{key[:40]}.bin")
+
+    def load(self, key: str, label: str) -> Tuple[Optional[bytes], Optional[str]]:
+        """(payload, path) on a hit from disk, (payload, None) from memory; (None, None) on a miss. A bad file
+        is removed and counts as a miss."""
+        if key in self.memory:
+            return self.memory[key], None
+        path = self.path(key, label)
+        if path is None or not os.path.isfile(path):
+            return None, None
+        try:
+            with open(path, "rb") as fh:
+                blob = fh.read()
+        except OSError as exc:
+            log.warning("cache entry %s unreadable (%s); treated as missing", path, exc)
+            return None, None
+        payload, problem = decode_entry(blob, key)
+        if payload is None:
+            log.warning("cache entry %s is %s; removed", path, problem)
+            self.discard(path)
+            return None, None
+        self.memory[key] = payload
+        return payload, path
+
+    def store(self, key: str, label: str, payload: bytes, meta: Optional[dict] = None) -> Optional[str]:
+        """Write atomically; returns the path, or None when only the memory copy could be kept."""
+        self.memory[key] = payload
+        path = self.path(key, label)
+        if path is None:
+            return None
+        try:
+            write_atomically(path, encode_entry(key, payload, {"kind": self.kind, **(meta or {})}))
+            return path
+        except OSError as exc:  # full disk, read-only folder, a Windows reader holding the file, ...
+            log.warning("could not write cache entry %s: %s", path, exc)
+            return None
+
+    def load_json(self, key: str, label: str) -> Any:
+        """The JSON payload of `key`, or None on a miss; a payload that is not JSON is removed like a corrupt file."""
+        payload, path = self.load(key, label)
+        if payload is None:
+            return None
+        try:
+            return json.loads(payload.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            log.warning("cache entry %s holds no JSON; removed", path or key)
+            self.discard(path, key)
+            return None
+
+    def store_json(self, key: str, label: str, value: Any, meta: Optional[dict] = None) -> Optional[str]:
+        try:
+            payload = json.dumps(value, sort_keys=True, default=str).encode("utf-8")
+        except (TypeError, ValueError) as exc:  # a value JSON cannot hold is not worth a failed call
+            log.warning("cache entry %s not written: %s", label, exc)
+            return None
+        return self.store(key, label, payload, meta)
+
+    def discard(self, path: Optional[str], key: Optional[str] = None) -> None:
+        """Forget `key` and remove the file at `path` (and the memory copy of whatever key that file held)."""
+        if key is not None:
+            self.memory.pop(key, None)
+        if path is None:
+            return
+        meta = read_meta(path)
+        if meta is not None and isinstance(meta.get("key"), str):
+            self.memory.pop(meta["key"], None)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

@@ -1,0 +1,174 @@
+"""kernels/disk_cache.py: the cache folder, keys, atomic writes and the one entry format every kind uses
+(HIP code objects, self-check passes, auto's decisions): round trips, corrupt and stale entries as misses
+that are removed, and an unwritable disk degrading to memory."""
+import json
+import os
+
+import pytest
+
+from comfyui_sage_rdna4.kernels import disk_cache
+from comfyui_sage_rdna4.kernels.settings import CACHE
+
+BASE = dict(source="s" * 64, target="gfx1201", compiler="hiprtc-7.0", runtime="hip-70000", flags=["-O3"])
+KIND = disk_cache.HIP_CODE_OBJECTS
+
+
+def store(folder):
+    return disk_cache.EntryStore(KIND, str(folder))
+
+
+@pytest.mark.parametrize("part, other", [
+    ("source", "t" * 64), ("target", "gfx1200"), ("compiler", "hiprtc-6.4"), ("runtime", "hip-60400"),
+    ("flags", ["-O2"]),
+])
+def test_cache_key_changes_with_every_part(part, other):
+    assert disk_cache.cache_key(**BASE) == disk_cache.cache_key(**dict(BASE))
+    assert disk_cache.cache_key(**{**BASE, part: other}) != disk_cache.cache_key(**BASE)
+
+
+def test_cache_key_follows_the_entry_format(monkeypatch):
+    key = disk_cache.cache_key(**BASE)
+    monkeypatch.setattr(disk_cache, "ENTRY_FORMAT", disk_cache.ENTRY_FORMAT + 1)
+    assert disk_cache.cache_key(**BASE) != key
+    assert disk_cache.cache_key(**BASE, format=1) != disk_cache.cache_key(**BASE)  # a part named format is a part
+
+
+def test_folders_per_kind_under_the_env_override_or_the_user_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv(CACHE.name, str(tmp_path / "here"))
+    assert disk_cache.cache_root() == str(tmp_path / "here")
+    for kind in disk_cache.KINDS:
+        assert disk_cache.EntryStore(kind).folder == str(tmp_path / "here" / kind)
+    assert len(set(disk_cache.KINDS)) == 3
+    monkeypatch.delenv(CACHE.name)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    if os.name != "nt":
+        assert disk_cache.cache_root() == str(tmp_path / "xdg" / disk_cache.FOLDER_NAME)
+        assert disk_cache.default_folder(KIND) == str(tmp_path / "xdg" / disk_cache.FOLDER_NAME / KIND)
+
+
+def test_roundtrip_is_atomic(tmp_path):
+    c = store(tmp_path)
+    key = disk_cache.cache_key(**BASE)
+    path = c.store(key, "attn-gfx1201", b"\x7fELF" + bytes(range(256)), {"target": "gfx1201"})
+    assert path and os.path.isfile(path)
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".part")]  # no temp file left
+    payload, hit = store(tmp_path).load(key, "attn-gfx1201")  # a new process: nothing in memory
+    assert payload == b"\x7fELF" + bytes(range(256)) and hit == path
+    assert disk_cache.read_meta(path) == {"key": key, "kind": KIND, "target": "gfx1201"}
+
+
+def test_json_entries_roundtrip(tmp_path):
+    c = disk_cache.EntryStore(disk_cache.AUTO_DECISIONS, str(tmp_path))
+    key = disk_cache.cache_key(what="a decision")
+    assert c.store_json(key, "autotune", {"timings": {"sdpa": 1.5}})
+    assert disk_cache.EntryStore(disk_cache.AUTO_DECISIONS, str(tmp_path)).load_json(key, "autotune") == \
+        {"timings": {"sdpa": 1.5}}
+    circular = {}
+    circular["self"] = circular
+    assert c.store_json(key, "autotune", circular) is None  # JSON cannot hold it: not written, no exception
+
+
+def test_a_payload_that_is_no_json_is_a_miss_and_removed(tmp_path):
+    c = store(tmp_path)
+    key = disk_cache.cache_key(what="x")
+    path = c.store(key, "pass", b"\xff\xfe not json")
+    assert store(tmp_path).load_json(key, "pass") is None
+    assert not os.path.exists(path)
+
+
+def _corrupt(path, how):
+    blob = open(path, "rb").read()
+    if how == "truncate":
+        blob = blob[: len(blob) - 7]
+    elif how == "flip":
+        blob = blob[:-1] + bytes([blob[-1] ^ 0xFF])
+    elif how == "garbage":
+        blob = b"not a code object at all"
+    elif how == "empty":
+        blob = b""
+    open(path, "wb").write(blob)
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip", "garbage", "empty"])
+def test_corrupt_entry_is_a_miss_and_removed(tmp_path, how):
+    key = disk_cache.cache_key(**BASE)
+    path = store(tmp_path).store(key, "attn", b"payload" * 100)
+    _corrupt(path, how)
+    payload, hit = store(tmp_path).load(key, "attn")
+    assert payload is None and hit is None
+    assert not os.path.exists(path)
+
+
+@pytest.mark.parametrize("meta", [b"[]", b"1", b'"x"', b"null", b"{not json", b"\xff"])
+def test_metadata_that_is_no_json_object_is_a_miss_and_removed(tmp_path, meta):
+    """Valid JSON that is not an object (or no JSON at all) in the metadata: a miss, never an AttributeError."""
+    key = disk_cache.cache_key(**BASE)
+    c = store(tmp_path)
+    path = c.path(key, "attn")
+    payload = b"payload"
+    header = disk_cache.HEADER.pack(disk_cache.MAGIC, __import__("hashlib").sha256(payload).digest(),
+                                    len(payload), len(meta))
+    with open(path, "wb") as fh:
+        fh.write(header + meta + payload)
+    assert disk_cache.decode_entry(open(path, "rb").read(), key)[0] is None
+    assert disk_cache.read_meta(path) is None
+    assert c.load(key, "attn") == (None, None)
+    assert not os.path.exists(path)
+
+
+def test_entry_of_another_key_is_stale(tmp_path):
+    c = store(tmp_path)
+    key, other = disk_cache.cache_key(**BASE), disk_cache.cache_key(**{**BASE, "runtime": "hip-1"})
+    path = c.store(other, "attn", b"old build")
+    os.replace(path, c.path(key, "attn"))  # an entry under the right name whose contents are for another key
+    assert store(tmp_path).load(key, "attn") == (None, None)
+    assert not os.path.exists(c.path(key, "attn"))
+
+
+def test_discard_forgets_the_memory_copy_of_the_key_the_file_held(tmp_path):
+    c = store(tmp_path)
+    key = disk_cache.cache_key(**BASE)
+    path = c.store(key, "attn", b"image")
+    c.discard(path)
+    assert key not in c.memory and not os.path.exists(path)
+    c.discard(str(tmp_path / "never-there.bin"), "k")  # nothing to remove: no exception
+
+
+def test_unwritable_cache_keeps_memory_copy(tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    monkeypatch.setattr(disk_cache.tempfile, "gettempdir", lambda: str(blocker))
+    c = store(blocker / "sub")  # cannot create a folder under a file, nor the temp fallback
+    assert c.folder is None
+    assert c.store("k" * 64, "attn", b"abc") is None
+    assert c.load("k" * 64, "attn") == (b"abc", None)
+    assert c.store_json("j" * 64, "pass", {"verdict": "pass"}) is None
+    assert c.load_json("j" * 64, "pass") == {"verdict": "pass"}
+
+
+def test_a_folder_it_cannot_create_falls_back_to_the_temp_folder(tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    monkeypatch.setattr(disk_cache.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    c = disk_cache.EntryStore(disk_cache.SELF_CHECK_PASSES, str(blocker / "sub"))
+    assert c.folder == str(tmp_path / "tmp" / disk_cache.FOLDER_NAME / disk_cache.SELF_CHECK_PASSES)
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path):
+    target = tmp_path / "dir_in_the_way"
+    target.mkdir()
+    (target / "child").write_text("x")  # os.replace onto a non-empty folder fails
+    with pytest.raises(OSError):
+        disk_cache.write_atomically(str(target), b"data")
+    assert sorted(os.listdir(tmp_path)) == ["dir_in_the_way"]
+
+
+def test_every_kind_writes_the_same_entry_format(tmp_path):
+    """Passes and decisions are JSON payloads in the checksummed entry, as code objects are bytes in it."""
+    for kind in disk_cache.KINDS:
+        c = disk_cache.EntryStore(kind, str(tmp_path / kind))
+        path = c.store_json(disk_cache.cache_key(kind=kind), kind, {"kind": kind})
+        blob = open(path, "rb").read()
+        assert blob.startswith(disk_cache.MAGIC)
+        payload, problem = disk_cache.decode_entry(blob, disk_cache.cache_key(kind=kind))
+        assert problem == "" and json.loads(payload) == {"kind": kind}
