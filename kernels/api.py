@@ -28,8 +28,8 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_lay
     accepts the call (on a GPU: the fastest measured at first use, kernels/autotune.py); an explicit
     name runs exactly that backend or raises KernelRefused with the reason. `smooth_v` takes V's
     per-channel mean out before quantizing and adds it back to the output (exact; docs/MEASUREMENTS.md,
-    "Why smooth_v is off", says when it helps). Returns the output in q's layout and dtype, and with `return_lse` also the
-    natural-log LSE (B, Hq, Nq) in FP32.
+    "Why smooth_v is off", says when it helps). Returns the output in q's layout and dtype, and with
+    `return_lse` also the natural-log LSE (B, Hq, Nq) in FP32.
     """
     if tensor_layout not in LAYOUTS:
         raise ValueError(f"tensor_layout must be 'HND' or 'NHD', got {tensor_layout!r}")

@@ -73,7 +73,8 @@ INPUT_KINDS = ("standard", "diffuse", "diffuse_voffset", "regional_voffset")
 # Kinds whose output is mostly a V offset: cosine cannot see a loss of scale there, so only rel L1 judges them.
 OFFSET_KINDS = ("diffuse_voffset", "regional_voffset")
 # rel L1 bound of a quantized backend per input kind (the cosine floor holds for every kind but OFFSET_KINDS).
-# diffuse_voffset: the project's accuracy target for long diffuse rows (peers 0.0015-0.01, our fixed kernels ~0.002), regional_voffset the same;
+# diffuse_voffset: the project's accuracy target for long diffuse rows (peers 0.0015-0.01, our fixed kernels
+# ~0.002), regional_voffset the same;
 # diffuse: the self-check's bound (FP8 P.V, the spec itself included, reaches ~0.04 on zero-mean diffuse
 # outputs by the rounding of P and V alone).
 REL_L1_BOUND = {"standard": None, "diffuse": 0.08, "diffuse_voffset": 0.02, "regional_voffset": 0.02}
@@ -281,8 +282,8 @@ columns: ms = median time per call over the timed repeats, and [fastest-slowest]
           note gives auto's own first-use measurement (each backend's time / SDPA's)."""
 
 CPU_NOTE = ("CPU figures are not speed claims: on the CPU the quantized path is the torch reference of the "
-            "algorithm (or the Triton interpreter), a correctness check and no fast path, and timings on a shared CPU vary several-fold between "
-            "runs; see the [fastest-slowest] range. Speed is measured on the GPU.")
+            "algorithm (or the Triton interpreter), a correctness check and no fast path, and timings on a shared CPU "
+            "vary several-fold between runs; see the [fastest-slowest] range. Speed is measured on the GPU.")
 
 
 def _fmt(x: Optional[float], width: int, spec: str) -> str:
@@ -488,7 +489,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         requested = [b for b in args.backends.split(",") if b]
         bad = [b for b in requested if b not in BACKEND_NAMES]
         if bad or not requested:
-            parser.error(f"argument --backends: unknown {bad or args.backends!r}; choose from {', '.join(BACKEND_NAMES)}")
+            parser.error(f"argument --backends: unknown {bad or args.backends!r}; "
+                         f"choose from {', '.join(BACKEND_NAMES)}")
     kinds = [k for k in args.inputs.split(",") if k]
     if not kinds or any(k not in INPUT_KINDS for k in kinds):
         parser.error(f"argument --inputs: unknown {args.inputs!r}; choose from {', '.join(INPUT_KINDS)}")

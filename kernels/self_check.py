@@ -275,7 +275,8 @@ def check_case(attention: Callable, case: Case, device) -> CaseResult:
     finite = torch.isfinite(out)
     if not bool(finite.all()):
         bad = torch.nonzero(~finite)[0].tolist()
-        return done(f"{label}: output has NaN/Inf ({_where(case, bad[0], bad[1], bad[2] // QUERY_BLOCK)}, row {bad[2]})")
+        where = _where(case, bad[0], bad[1], bad[2] // QUERY_BLOCK)
+        return done(f"{label}: output has NaN/Inf ({where}, row {bad[2]})")
     if not isinstance(again, torch.Tensor) or again.shape != out.shape or not torch.equal(again, out):
         return done(f"{label}: the same call a second time gave a different output")
     exact, exact_lse = exact_attention(q, k, v, is_causal=case.is_causal, return_lse=case.return_lse)
@@ -460,7 +461,8 @@ class SelfCheck:
             options = variant.describe() if variant else "default options"
             cache_key = self.cache.key(backend.name, variant, device, self.cases) if device.type == "cuda" else None
             if cache_key and self.cache.has_pass(cache_key, backend.name):
-                log.info("%s (%s): self-check passed earlier on this GPU, driver and code (cached)", backend.name, options)
+                log.info("%s (%s): self-check passed earlier on this GPU, driver and code (cached)", backend.name,
+                         options)
                 self._verdicts[key] = None
                 return None
             try:

@@ -84,7 +84,8 @@ class CallPolicies:
         self._last_step = (sigmas, schedule, frac)
         return frac
 
-    def route_exact(self, transformer_options: Optional[dict], q_len: int, kv_len: int) -> Tuple[Optional[str], Optional[str]]:
+    def route_exact(self, transformer_options: Optional[dict], q_len: int,
+                    kv_len: int) -> Tuple[Optional[str], Optional[str]]:
         """(policy that makes this call exact or None, reason a configured policy could not apply or None)."""
         cfg = self.config
         if cfg.min_seq_len and q_len < cfg.min_seq_len:

@@ -101,8 +101,9 @@ def format_report_text(report: dict) -> str:
              f"{'step':>4} {'SDPA ms':>9} {'patched ms':>10} {'ratio':>6} {'attn SDPA':>9} {'attn patched':>12}"]
     for s in report.get("per_step", []):
         mark = "  (warm-up, excluded)" if s["warmup"] else ""
-        lines.append(f"{s['index']:>4} {_fmt(s['sdpa_ms']):>9} {_fmt(s['patched_ms']):>10} {_fmt(s['ratio'], '.3f'):>6} "
-                     f"{_pct(s['sdpa_attention_share']):>9} {_pct(s['patched_attention_share']):>12}{mark}")
+        lines.append(f"{s['index']:>4} {_fmt(s['sdpa_ms']):>9} {_fmt(s['patched_ms']):>10} "
+                     f"{_fmt(s['ratio'], '.3f'):>6} {_pct(s['sdpa_attention_share']):>9} "
+                     f"{_pct(s['patched_attention_share']):>12}{mark}")
     lines.append("")
     if t.get("measured_steps"):
         lines.append(f"total over {t['measured_steps']} steps ({t['warmup_steps_excluded']} warm-up excluded): "
@@ -133,8 +134,9 @@ def format_report_text(report: dict) -> str:
     calls = report.get("calls", {})
     for run in ("patched", "sdpa"):
         if run in calls:
-            lines.append(f"{run} run, calls served by a kernel of this pack: " + (", ".join(f"{k} {v}" for k, v in sorted(calls[run].items()))
-                                                           or "none ran a kernel of this pack (see fallbacks)"))
+            served = ", ".join(f"{k} {v}" for k, v in sorted(calls[run].items()))
+            lines.append(f"{run} run, calls served by a kernel of this pack: "
+                         + (served or "none ran a kernel of this pack (see fallbacks)"))
     fallbacks = report.get("fallbacks", {})
     if fallbacks:
         lines.append("fallbacks (patched run) to the call site's own attention (their time is not in 'attn'):")

@@ -81,7 +81,8 @@ def main(argv=None):
     ap.add_argument("--kernel", default="triton_int8_fp8")
     ap.add_argument("--gemms", default="0,1,3", help="GEMMs issued before each timed call, per pattern")
     ap.add_argument("--rounds", type=int, default=6, help="timed calls per backend and pattern")
-    ap.add_argument("--hidden", type=int, default=5120, help="model width: the GEMM is (B*N, hidden) x (hidden, 3*hidden)")
+    ap.add_argument("--hidden", type=int, default=5120,
+                    help="model width: the GEMM is (B*N, hidden) x (hidden, 3*hidden)")
     args = ap.parse_args(argv)
     load_pack()
     import torch

@@ -14,7 +14,6 @@ import statistics
 
 from pack_loader import load_pack
 
-
 CANDIDATES = [(64, 256, 4), (32, 256, 4), (128, 256, 4), (128, 256, 8), (64, 128, 4), (64, 512, 4), (64, 256, 8),
               (128, 128, 8), (32, 128, 4)]
 

@@ -20,21 +20,22 @@ import time
 
 from pack_loader import load_pack
 
-
 load_pack()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-
-from comfyui_sage_rdna4.kernels import backends  # noqa: E402,F401
-from comfyui_sage_rdna4.kernels import metrics, reference  # noqa: E402
-from comfyui_sage_rdna4.kernels.benchmark import median_time_ms  # noqa: E402
-from comfyui_sage_rdna4.kernels.call_spec import describe_call  # noqa: E402
-from comfyui_sage_rdna4.kernels.registry import get_backend  # noqa: E402
+from comfyui_sage_rdna4.kernels import (  # noqa: E402
+    backends,  # noqa: E402,F401
+    metrics,
+    reference,
+)
 from comfyui_sage_rdna4.kernels.backends.triton import configs  # noqa: E402
 from comfyui_sage_rdna4.kernels.backends.triton.attention import attention_from_quantized_triton  # noqa: E402
 from comfyui_sage_rdna4.kernels.backends.triton.prologue import triton_quantize_qkv  # noqa: E402
+from comfyui_sage_rdna4.kernels.benchmark import median_time_ms  # noqa: E402
+from comfyui_sage_rdna4.kernels.call_spec import describe_call  # noqa: E402
+from comfyui_sage_rdna4.kernels.registry import get_backend  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 SHAPES = {"flux_1mp": (1, 24, 4608, 128), "wan_480p": (1, 40, 32760, 128), "wan_720p": (1, 40, 75600, 128)}
 REPS = {"flux_1mp": 40, "wan_480p": 6, "wan_720p": 3}

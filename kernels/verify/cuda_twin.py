@@ -21,8 +21,16 @@ import torch
 
 from ..backends.hip.compiler import CompilerUnavailable, RtcCompiler, register_compiler, without_builtins
 from ..backends.hip.platform import loaded_library_paths, torch_lib_dir
-from ..backends.hip.runtime import (GpuRuntime, LaunchError, Module, Platform, bind, launch_dims, open_first,
-                                    register_platform)
+from ..backends.hip.runtime import (
+    GpuRuntime,
+    LaunchError,
+    Module,
+    Platform,
+    bind,
+    launch_dims,
+    open_first,
+    register_platform,
+)
 
 # CUDA refuses more than 48 KiB of dynamic shared memory unless the function opts in.
 CUDA_DEFAULT_SMEM = 48 * 1024
@@ -72,7 +80,8 @@ class CudaRuntime(GpuRuntime):
         if status != 0:
             text = ctypes.c_char_p()
             self._error_string(status, ctypes.byref(text))
-            raise LaunchError(f"{call} failed: {text.value.decode(errors='replace') if text.value else 'error'} ({status})")
+            message = text.value.decode(errors="replace") if text.value else "error"
+            raise LaunchError(f"{call} failed: {message} ({status})")
 
     def version(self) -> str:
         v = ctypes.c_int(0)

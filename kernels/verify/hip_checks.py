@@ -8,8 +8,7 @@ last bit of a scale; the CPU result is the spec.
 """
 from __future__ import annotations
 
-import math
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict
 
 import torch
 

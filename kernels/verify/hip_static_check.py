@@ -54,7 +54,8 @@ class LoopStats:
     end: int
     wmma: int
     other: int                      # every non-WMMA instruction in the loop body
-    by_kind: Dict[str, int] = field(default_factory=dict)  # valu / salu / lds / vmem / wait (s_waitcnt*, s_nop, s_delay_alu)
+    # valu / salu / lds / vmem / wait (s_waitcnt*, s_nop, s_delay_alu)
+    by_kind: Dict[str, int] = field(default_factory=dict)
 
     @property
     def other_per_wmma(self) -> float:
@@ -176,7 +177,7 @@ def parse_disassembly(text: str) -> Dict[str, List[tuple]]:
         m = _INSN.match(line)
         if not m:
             continue
-        mn, rest, addr = m.group(1), m.group(2), int(m.group(3), 16)
+        mn, addr = m.group(1), int(m.group(3), 16)
         target = None
         if mn.startswith(("s_cbranch", "s_branch")):
             t = _TARGET.search(line)
@@ -188,7 +189,7 @@ def parse_disassembly(text: str) -> Dict[str, List[tuple]]:
 
 def loop_stats(insns: List[tuple]) -> List[LoopStats]:
     loops = []
-    for addr, mn, target in insns:
+    for addr, _, target in insns:
         if target is None or target > addr:
             continue
         body = [i for i in insns if target <= i[0] <= addr]

@@ -93,7 +93,7 @@ def run(launches: Iterable[kernel_abi.Launch], **options) -> None:
         args = [_CTYPES[t](v) for t, v in ln.args]
         threads = ln.block[0] * ln.block[1] * ln.block[2]
 
-        def body(tid):
+        def body(tid, fn=fn, args=args):
             lib.sim_set_thread(tid)
             fn(*args)
 

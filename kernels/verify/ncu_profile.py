@@ -8,7 +8,8 @@ heads than the shape's keep the 38 replays short; per-CTA behaviour does not dep
 profiles the kernel's launch in the third (the first two compile, self-check and warm up outside the profiled
 range). From the report it prints the scheduler figures (issue slots busy, eligible warps per scheduler,
 occupancy, registers, local-memory spill requests), the warp-stall samples by reason, and the most-sampled SASS
-instructions with their main reason; it keeps the report (`profile.ncu-rep`, its details page as `details.txt`) and writes `summary.json`.
+instructions with their main reason; it keeps the report (`profile.ncu-rep`, its details page as `details.txt`)
+and writes `summary.json`.
 
 2026-12-01, H200, shipped D128 FP8 kernel at Wan 480p (8 heads): issue slots 49 % busy, 0.71 eligible warps
 per scheduler, stalls: selected 26 %, barrier 24 % (nearly all at `WARPGROUP.DEPBAR` after each Q.K and P.V
@@ -174,8 +175,9 @@ def profile(args) -> int:
     if run.returncode != 0 or not os.path.exists(report + ".ncu-rep"):
         print(run.stdout[-3000:] + run.stderr[-3000:])
         return run.returncode or 1
-    read = lambda *page: subprocess.run([ncu, "--import", report + ".ncu-rep", *page], capture_output=True,
-                                        text=True, check=True).stdout
+    def read(*page):
+        return subprocess.run([ncu, "--import", report + ".ncu-rep", *page], capture_output=True, text=True,
+                              check=True).stdout
     details_text = read("--page", "details")
     with open(os.path.join(out_dir, "details.txt"), "w") as f:
         f.write(details_text)

@@ -24,8 +24,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ...disk_cache import cache_key
-from .platform import (loaded_library_paths, parse_gcn_arch, prefer_torch_libraries, rocm_wheel_dirs, torch_lib_dir,
-                       windows_loaded_module)
+from .platform import (
+    loaded_library_paths,
+    parse_gcn_arch,
+    prefer_torch_libraries,
+    rocm_wheel_dirs,
+    torch_lib_dir,
+    windows_loaded_module,
+)
 
 SOURCE_SUFFIXES = (".hip", ".h", ".hpp", ".cuh", ".inc")
 LOG_LIMIT = 6000  # characters of compiler log kept in an error

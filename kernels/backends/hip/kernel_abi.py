@@ -17,11 +17,10 @@ Raw inputs q, k, v are fp16/bf16 HND views with any element strides (the last on
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 

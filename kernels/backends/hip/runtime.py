@@ -37,8 +37,14 @@ import torch
 from ... import settings
 from ...disk_cache import HIP_CODE_OBJECTS, EntryStore
 from .compiler import SourceBundle, compiler_unavailable_reason, get_compiler
-from .platform import (loaded_library_paths, parse_gcn_arch, prefer_torch_libraries, rocm_wheel_dirs, torch_lib_dir,
-                       windows_loaded_module)
+from .platform import (
+    loaded_library_paths,
+    parse_gcn_arch,
+    prefer_torch_libraries,
+    rocm_wheel_dirs,
+    torch_lib_dir,
+    windows_loaded_module,
+)
 
 # Argument kinds a kernel signature may use, and their C types. 'ptr' takes a tensor, an int or None.
 ARG_CTYPES = {
