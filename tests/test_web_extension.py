@@ -20,7 +20,6 @@ second part, `comfyui` (skipped without COMFYUI_PATH).
 import asyncio
 import html
 import http.server
-import importlib.util
 import json
 import re
 import shutil
@@ -32,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from comfyui_sage_rdna4.sage_patch.report import report_json, summarize_steps
+import comfy_browser as cb
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome", "chrome")) if p),
@@ -183,14 +183,6 @@ def test_web_folder_is_registered_one_way():
 
 
 # -- in the real ComfyUI frontend --------------------------------------------------------------------------
-def _helper():
-    spec = importlib.util.spec_from_file_location("comfy_browser", Path(__file__).with_name("comfy_browser.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-cb = _helper()
 WORKFLOWS = cb.workflows()
 CRAMPED_BELOW = 13  # the ab workflow's "A/B report" node, moved right under the benchmark node
 
