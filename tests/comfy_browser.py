@@ -1,9 +1,8 @@
 """A real ComfyUI server with this pack, and headless Chromium driven through the DevTools protocol.
 
-Used by tests/test_frontend_browser.py (the pack's frontend in the real ComfyUI frontend) and, run as a
-script, to redraw the template thumbnails (example_workflows/<name>.jpg) from the real frontend:
-
-    COMFYUI_PATH=/path/to/ComfyUI python tests/comfy_browser.py --thumbnails
+Used by tests/test_web_extension.py (the pack's frontend in the real ComfyUI frontend), tests/test_workflows.py
+(node boxes and overlaps) and tools/template_thumbnails.py (redraws example_workflows/<name>.jpg). Not a test
+module (no test_ prefix).
 
 The server runs from COMFYUI_PATH with its own temporary base directory (--base-directory): custom_nodes/
 there holds only a link to this checkout, and nothing is written into the ComfyUI checkout. Chromium runs
@@ -20,7 +19,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -376,80 +374,3 @@ def messages_about_us(messages: list) -> list:
     keys = ("sage_rdna4", PACK_FOLDER.lower(), "sageattention", "already registered")
     return [m for m in messages if m["level"] in ("error", "exception", "warning", "assert")
             and any(k in m["text"].lower() for k in keys)]
-
-
-# -- Thumbnails --------------------------------------------------------------------------------------------
-JS_HIDE_CHROME = """(() => {
-  const style = document.createElement("style");
-  style.textContent = `body * { visibility: hidden !important; }
-    canvas#graph-canvas, .dom-widget, .dom-widget * { visibility: visible !important; }`;
-  document.head.appendChild(style);
-  return true;
-})()"""
-
-
-async def thumbnail(page: Page, workflow: dict, name: str, scale: float, quality: int) -> bytes:
-    """A picture of the workflow's graph as the frontend draws it: fitted into the canvas, shrunk by `scale`."""
-    await load_and_snapshot(page, workflow, name)
-    await page.evaluate(JS_HIDE_CHROME)
-    rect = await page.evaluate(_js("""
-      const canvas = app.canvas;
-      canvas.show_info = false;  // no frame statistics in the corner
-      if ("min_font_size_for_lod" in canvas) canvas.min_font_size_for_lod = 0;  // full drawing when zoomed out
-      canvas.deselectAll?.();
-      const r = canvas.canvas.getBoundingClientRect();
-      const nodes = graphNodes();
-      const pad = 40;
-      const x0 = Math.min(...nodes.map((n) => n.pos[0])) - pad;
-      const y0 = Math.min(...nodes.map((n) => n.pos[1] - LiteGraph.NODE_TITLE_HEIGHT)) - pad;
-      const x1 = Math.max(...nodes.map((n) => n.pos[0] + n.size[0])) + pad;
-      const y1 = Math.max(...nodes.map((n) => n.pos[1] + n.size[1])) + pad;
-      const s = Math.min(r.width / (x1 - x0), r.height / (y1 - y0));
-      const w = (x1 - x0) * s, h = (y1 - y0) * s;
-      canvas.ds.scale = s;
-      canvas.ds.offset[0] = -x0;
-      canvas.ds.offset[1] = -y0;
-      await settle();
-      return { x: r.left, y: r.top, width: w, height: h };"""))
-    clip = {k: round(v) for k, v in rect.items()}
-    return await page.screenshot_jpeg({**clip, "scale": scale}, quality=quality)
-
-
-async def write_thumbnails(chromium: str, server: ComfyServer, tmp: Path, width=2000, height=1300, scale=0.4,
-                           quality=80):
-    page = await Page.open(chromium, tmp / "profile", width, height)
-    try:
-        await open_comfy(page, server)
-        for path in workflows():
-            wf = json.loads(path.read_text(encoding="utf-8"))
-            data = await thumbnail(page, wf, path.name, scale, quality)
-            out = path.with_suffix(".jpg")
-            out.write_bytes(data)
-            print(f"{out.relative_to(ROOT)}: {len(data) // 1024} KB")
-            await open_comfy(page, server)  # a fresh page: the hiding style is gone
-    finally:
-        await page.close()
-
-
-def main(argv=None):
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--thumbnails", action="store_true",
-                        help="write example_workflows/<name>.jpg from the real frontend")
-    args = parser.parse_args(argv)
-    if not args.thumbnails:
-        parser.print_help()
-        return 0
-    chromium, comfy = find_chromium(), comfy_checkout()
-    if chromium is None or comfy is None:
-        print("needs Chromium on PATH and COMFYUI_PATH set to a ComfyUI checkout", file=sys.stderr)
-        return 2
-    with tempfile.TemporaryDirectory(prefix="sage-rdna4-thumbs-") as tmp:
-        with ComfyServer(comfy, Path(tmp) / "base") as server:
-            asyncio.run(write_thumbnails(chromium, server, Path(tmp)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

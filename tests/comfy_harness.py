@@ -3,7 +3,7 @@
 Everything goes through ComfyUI's own classes (supported_models config -> model_base -> ModelPatcher), so
 the attention calls are exactly the ones a real Flux / Wan / SD model makes, only smaller.
 `comfy_import()` must run first: it puts COMFYUI_PATH on sys.path and forces the CPU unless asked not to.
-The same builders take real sizes (see FLUX_1MP) for the H200 measurement script.
+The same builders take real sizes (see FLUX_1MP) for the H200 measurement script, tools/ab_real_size.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """Load the repository as a package the way ComfyUI does (by folder path, under its own name).
 
-The repo root is never put on sys.path: `kernels` is also a PyPI package name.
+The repo root is never put on sys.path: `kernels` is also a PyPI package name. tests/ is (pyproject.toml's
+pythonpath): the stand-ins the tests share live in tests/fakes.py, the ComfyUI helpers in tests/comfy_harness.py
+and tests/comfy_browser.py.
 """
 import importlib.util
 import os
@@ -47,7 +49,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "browser: needs Chromium (chromium, chromium-browser or google-chrome on PATH); "
                                        "skipped without it")
     config.addinivalue_line("markers", "hipcc: needs clang-19 with the AMDGPU target; skipped without it")
-    config.addinivalue_line("markers", "slow: long-running")
+    config.addinivalue_line("markers", "slow: long-running; left out of the default run (pyproject.toml's addopts: "
+                                       "-m \"not slow\"), run by .ci/run (-m \"\") and by -m slow")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,6 +7,7 @@ from comfyui_sage_rdna4.kernels import registry
 from comfyui_sage_rdna4.kernels.call_spec import describe_call
 from comfyui_sage_rdna4.kernels.metrics import cosine
 from comfyui_sage_rdna4.kernels.reference import exact_attention
+from fakes import FakeBackend
 
 
 def qkv(b=1, h=2, n=64, d=64, dtype=torch.float16, hkv=None):
@@ -130,24 +131,10 @@ def test_unsupported_dtype_refused_by_reference():
         sage_attention(q, k, v, kernel="reference")
 
 
-class _PickyBackend(registry.Backend):
-    """Accepts only head_dim 64: checks that dispatcher and wrapper apply the same rule."""
-    name = "sdpa"
-    launched = 0
-
-    def _unavailable(self, device_type, index):
-        return None
-
-    def refuse(self, call):
-        return None if call.head_dim == 64 else f"head_dim {call.head_dim} is not 64"
-
-    def launch(self, q, k, v, call, sm_scale, attn_mask):
-        type(self).launched += 1
-        return q.clone(), None
-
-
 def test_one_rule_used_by_dispatcher_and_wrapper(monkeypatch):
-    picky = _PickyBackend()
+    # Accepts only head_dim 64: checks that dispatcher and wrapper apply the same rule.
+    picky = FakeBackend("sdpa", refuse=lambda call: None if call.head_dim == 64 else
+                        f"head_dim {call.head_dim} is not 64")
     monkeypatch.setitem(registry._REGISTRY, "sdpa", picky)
     q, k, v = qkv(d=32)
     call = describe_call(q, k, v)
@@ -156,7 +143,7 @@ def test_one_rule_used_by_dispatcher_and_wrapper(monkeypatch):
     assert selection.passed_over["sdpa"] == "head_dim 32 is not 64"
     with pytest.raises(KernelRefused, match="head_dim 32 is not 64"):
         picky(q, k, v, call, 1.0)
-    assert _PickyBackend.launched == 0
+    assert picky.runs == 0
     q, k, v = qkv(d=64)
     assert registry.choose_backend(describe_call(q, k, v), "auto").backend is picky
 

@@ -13,31 +13,12 @@ import torch
 
 from comfyui_sage_rdna4.kernels import autotune, disk_cache, registry, settings
 from comfyui_sage_rdna4.kernels.call_spec import describe_call
-from comfyui_sage_rdna4.kernels.registry import Backend
 from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride
 from comfyui_sage_rdna4.sage_patch.report import format_report_text
+from fakes import FakeBackend, marker_attention
 
 IDENTITY = {"gpu": "AMD Radeon RX 9070 XT", "arch": "gfx1201", "driver": 60342134, "torch": "2.9", "hip": "6.4",
             "cuda": None, "triton": "3.6"}
-
-
-class FakeBackend(Backend):
-    def __init__(self, name, ms, ran, quantized=True, refuse=None, raises=None):
-        super().__init__()
-        self.name, self.ms, self.ran, self.quantized = name, ms, ran, quantized
-        self._refuse, self._raises = refuse, raises
-
-    def _unavailable(self, device_type, index):
-        return None
-
-    def refuse(self, call):
-        return self._refuse
-
-    def launch(self, q, k, v, call, sm_scale, attn_mask):
-        self.ran.append(self.name)
-        if self._raises is not None:
-            raise self._raises
-        return q.clone(), None
 
 
 class Clock:
@@ -67,8 +48,8 @@ def gpu_call(qkv, **kw):
 def setup(times, refuse=None, raises=None):
     """Fakes named like real quantized backends (SDPA first in `times`), a clock, and a memory-only tuner."""
     ran = []
-    backends = {name: FakeBackend(name, ms, ran, quantized=name != "sdpa", refuse=(refuse or {}).get(name),
-                                  raises=(raises or {}).get(name)) for name, ms in times.items()}
+    backends = {name: FakeBackend(name, ran=ran, quantized=name != "sdpa", refuse=(refuse or {}).get(name),
+                                  raises=(raises or {}).get(name)) for name in times}
     clock = Clock(ran, times)
     tuner = autotune.Autotuner(timer=clock, store=autotune.DecisionStore(enabled=False), enabled=True)
     return backends, clock, tuner
@@ -499,15 +480,6 @@ def test_the_cache_env_switch_keeps_decisions_in_memory(tmp_path, monkeypatch):
 
 # -- the ComfyUI override, its stats and the A/B report ------------------------------------------------------
 
-def comfy_attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,
-                    **kwargs):
-    comfy_attention.calls += 1
-    return "call site"
-
-
-comfy_attention.calls = 0
-
-
 def patched(registered, monkeypatch, times):
     backends, _, tuner = registered(times)
     tuner.require_cuda = False  # the override's own tensors are on the CPU here; the decision logic is the same
@@ -518,12 +490,12 @@ def patched(registered, monkeypatch, times):
 def test_override_passes_the_call_on_when_sdpa_measured_faster(registered, monkeypatch):
     ov, _ = patched(registered, monkeypatch, {"sdpa": 5.0, "triton_int8_fp8": 6.0})
     q, k, v = (t.transpose(1, 2).reshape(1, 4000, 128) for t in tensors())
-    comfy_attention.calls = 0
-    assert ov(comfy_attention, q, k, v, 2) == "call site"
-    assert ov(comfy_attention, q, k, v, 2) == "call site"
+    marker_attention.calls = 0
+    assert ov(marker_attention, q, k, v, 2) == "call site"
+    assert ov(marker_attention, q, k, v, 2) == "call site"
     snap = ov.stats.snapshot()
     reason = "auto: SDPA measured faster on this shape (best quantized: triton_int8_fp8 1.20x SDPA)"
-    assert comfy_attention.calls == 2 and snap["routed"] == {reason: 2}
+    assert marker_attention.calls == 2 and snap["routed"] == {reason: 2}
     assert snap["fallbacks"] == {} and snap["skipped"] == {} and snap["calls"] == {}
     assert snap["auto_choices"] == ["auto chose sdpa: SDPA measured faster on this shape (best quantized: "
                                     "triton_int8_fp8 1.20x SDPA) at (float16, D64, Nq<=4096, Nk<=4096) "
@@ -534,7 +506,7 @@ def test_override_runs_the_measured_choice_and_the_report_shows_it(registered, m
     ov, backends = patched(registered, monkeypatch, {"sdpa": 5.0, "triton_int8_fp8": 6.0, "triton_int8_fp16": 4.0})
     qkv = tensors()
     q, k, v = (t.transpose(1, 2).reshape(1, 4000, 128) for t in qkv)
-    out = ov(comfy_attention, q, k, v, 2)
+    out = ov(marker_attention, q, k, v, 2)
     assert torch.equal(out, q)  # the fake returns q: the chosen backend's output, untouched by measuring
     snap = ov.stats.snapshot()
     assert snap["calls"] == {"triton_int8_fp16": 1}

@@ -12,6 +12,7 @@ from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride
 from comfyui_sage_rdna4.sage_patch import call_plans
 from comfyui_sage_rdna4.sage_patch import override as override_mod
 from comfyui_sage_rdna4.sage_patch.call_plans import PlanCache
+from fakes import FakeBackend
 
 
 def site(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kwargs):
@@ -203,19 +204,10 @@ def test_a_failed_self_check_verdict_invalidates_plans():
     """A verdict that refuses only some options (no disable) changes decisions too."""
     sc = importlib.import_module("comfyui_sage_rdna4.kernels.self_check")  # `kernels.self_check` is a function
 
-    class Fake(registry.Backend):
-        name = "fake_int8"
-
-        def _unavailable(self, device_type, index):
-            return None
-
-        def refuse(self, call):
-            return None
-
     def broken(q, k, v, is_causal=False, return_lse=False):
         raise RuntimeError("planted")
 
-    backend = Fake()
+    backend = FakeBackend("fake_int8")
     check = sc.SelfCheck(cases=(sc.Case("tiny", "peaked", torch.float16, 64, 1, 1, 1, 16, 16),))
     before = registry.decision_generation()
     reason = check.ensure(backend, "cpu", None, broken, variant=sc.Variant("triton", "block64", True, False))

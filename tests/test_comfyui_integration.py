@@ -7,7 +7,6 @@ outside the pack: the exact attention ComfyUI runs on the CPU (sub-quadratic att
 """
 import asyncio
 import importlib
-import importlib.util
 import json
 import logging
 import os
@@ -21,19 +20,13 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
 
 
-def _harness():
-    spec = importlib.util.spec_from_file_location("comfy_harness", Path(__file__).with_name("comfy_harness.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """ComfyUI imported on the CPU, with the pack loaded from custom_nodes-like folder."""
     if not os.environ.get("COMFYUI_PATH"):
         pytest.skip("COMFYUI_PATH is not set")
-    harness = _harness()
+    import comfy_harness as harness
+
     harness.comfy_import(cpu=True)
     import folder_paths
     import nodes

@@ -27,7 +27,8 @@ reference and the kernel see the same numbers and only the kernel's own arithmet
     finite either. NaN in must never come out as a finite, plausible-looking (e.g. black) image.
   * a fallback in ComfyUI returns exactly what ComfyUI's own attention returns for the same call.
 Calls and counts are printed (pytest -s shows them, and the "sage_rdna4 counts" summary lists them with the
-total number of CPU calls); the tests assert zero violations.
+total number of CPU calls); the tests assert zero violations. The default run makes the CPU fuzz at its quick
+scale (about 800 calls); `-m slow` (CI) at its full scale, over 10,000 calls (Scale, QUICK and FULL below).
 """
 from __future__ import annotations
 
@@ -40,17 +41,13 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import List, Optional
 
 import pytest
 import torch
 
-if __name__ == "__main__":  # the Triton-interpreter subprocess: load the pack the way conftest does
-    import importlib.util as _ilu
-
-    _spec = _ilu.spec_from_file_location("sage_conftest", Path(__file__).with_name("conftest.py"))
-    _spec.loader.exec_module(_ilu.module_from_spec(_spec))
+if __name__ == "__main__":  # the Triton-interpreter subprocess, tests/ first on sys.path: conftest loads the pack
+    import conftest  # noqa: F401
 
 from comfyui_sage_rdna4.kernels import KernelRefused, sage_attention
 from comfyui_sage_rdna4.kernels.metrics import cosine
@@ -58,6 +55,7 @@ from comfyui_sage_rdna4.kernels.reference import exact_attention
 from comfyui_sage_rdna4.kernels.call_spec import describe_call
 from comfyui_sage_rdna4.kernels.registry import choose_backend, get_backend
 from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride
+from fakes import comfy_attention, wrap_attn
 
 SEED = 20261130
 CALL_TIMEOUT_S = 180          # the watchdog: a call that takes longer kills the run with a traceback
@@ -478,46 +476,8 @@ def api_call(tally: Tally, case: Case, kernel: str, device):
 # Driving calls: the ComfyUI override, called exactly as wrap_attn calls it
 # ---------------------------------------------------------------------------------------------------------
 
-def comfy_attention_pytorch(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
-                            skip_output_reshape=False, **kwargs):
-    """ComfyUI's attention_pytorch contract (comfy/ldm/modules/attention.py), the usual resolved `func`."""
-    if skip_reshape:
-        b, _, _, dim_head = q.shape
-    else:
-        b, _, dim_head = q.shape
-        dim_head //= heads
-        q, k, v = (t.view(b, -1, heads, dim_head).transpose(1, 2) for t in (q, k, v))
-    if mask is not None:
-        if mask.ndim == 2:
-            mask = mask.unsqueeze(0)
-        if mask.ndim == 3:
-            mask = mask.unsqueeze(1)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
-    if not skip_output_reshape:
-        out = out.transpose(1, 2).reshape(b, -1, heads * dim_head)
-    return out
-
-
-def wrap_attn(func):
-    """What ComfyUI's wrap_attn does: hand the call to transformer_options' override, marking it as inside."""
-    def wrapper(*args, **kwargs):
-        remove = False
-        try:
-            if "_inside_attn_wrapper" not in kwargs:
-                to = kwargs.get("transformer_options", None)
-                remove = True
-                kwargs["_inside_attn_wrapper"] = True
-                if to is not None and "optimized_attention_override" in to:
-                    return to["optimized_attention_override"](func, *args, **kwargs)
-            return func(*args, **kwargs)
-        finally:
-            if remove:
-                del kwargs["_inside_attn_wrapper"]
-    return wrapper
-
-
 def comfy_func():
-    """ComfyUI's own wrapped attention_pytorch when COMFYUI_PATH is importable, else the same contract here."""
+    """ComfyUI's own wrapped attention_pytorch when COMFYUI_PATH is importable, else fakes.py's twin of it."""
     if os.environ.get("COMFYUI_PATH"):
         try:
             sys.path.insert(0, os.environ["COMFYUI_PATH"]) if os.environ["COMFYUI_PATH"] not in sys.path else None
@@ -527,7 +487,7 @@ def comfy_func():
             return attention.attention_pytorch, "ComfyUI's attention_pytorch"
         except Exception:  # noqa: BLE001  (ComfyUI's deps missing: use the local twin)
             pass
-    return wrap_attn(comfy_attention_pytorch), "local twin of attention_pytorch"
+    return wrap_attn(comfy_attention), "local twin of attention_pytorch"
 
 
 def to_hnd_out(out, case, skip_output_reshape):
@@ -607,10 +567,11 @@ class Watchdog:
 CPU_CALLS = collections.Counter()
 
 
-def run_api_fuzz(kernels, n_random: int, device="cpu", seed=SEED, long=True, square=4096,
+def run_api_fuzz(kernels, n_random: int, device="cpu", seed=SEED, long_calls=4, square=4096,
                  budget: Optional[int] = None) -> List[Tally]:
+    """`long_calls` of long_cases() first (0 to 4), then `n_random` random calls, through each kernel."""
     rng = random.Random(seed)
-    cases = (long_cases(False, square) if long else []) + [random_case(rng, False, budget) for _ in range(n_random)]
+    cases = long_cases(False, square)[:long_calls] + [random_case(rng, False, budget) for _ in range(n_random)]
     tallies = []
     for kernel in kernels:
         tally = Tally(f"api kernel={kernel} on {device}")
@@ -623,10 +584,11 @@ def run_api_fuzz(kernels, n_random: int, device="cpu", seed=SEED, long=True, squ
     return tallies
 
 
-def run_override_fuzz(kernels, n_random: int, device="cpu", seed=SEED + 1, long=True, square=4096,
+def run_override_fuzz(kernels, n_random: int, device="cpu", seed=SEED + 1, long_calls=4, square=4096,
                       budget: Optional[int] = None) -> List[Tally]:
+    """As run_api_fuzz, through the ComfyUI override."""
     rng = random.Random(seed)
-    cases = (long_cases(True, square) if long else []) + [random_case(rng, True, budget) for _ in range(n_random)]
+    cases = long_cases(True, square)[:long_calls] + [random_case(rng, True, budget) for _ in range(n_random)]
     func, func_name = comfy_func()
     tallies = []
     for kernel in kernels:
@@ -643,6 +605,35 @@ def run_override_fuzz(kernels, n_random: int, device="cpu", seed=SEED + 1, long=
         if str(device) == "cpu":
             CPU_CALLS["override"] += tally.calls
     return tallies
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_intra_op_thread():
+    """The whole fuzz runs with one intra-op thread. Its calls are small, and a second thread only adds
+    synchronisation: 100 random API calls took 1.05 / 0.40 / 0.41 s of CPU (reference / sdpa / auto) with one
+    thread and 2.47 / 2.09 / 2.07 s with two on a quiet 2-core machine, 0.29 against 5.82 s (reference) with the
+    other core busy; the long calls (4096 x 4096, 70k x 64) took no longer with one thread (1.96 s against 2.34 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How many calls a CPU fuzz test makes: the same tests and rules at every scale."""
+    api: int                    # random API calls per kernel (test_fuzz_public_api_cpu)
+    override: int               # random override calls per kernel (test_fuzz_comfyui_override_cpu)
+    small: int                  # tiny calls per kernel, API and override each (test_fuzz_many_small_calls_cpu)
+    long_calls: int             # how many of long_cases() go before the random calls (0 to 4)
+    seed: int                   # added to every seed: the two scales make different calls
+
+
+# The default run makes the "quick" scale, about 800 calls in all (the two cheap long calls of 70k tokens, not the
+# 4096 x 4096 and 70k x 64 ones); the slow run (`-m slow`; CI runs both) the "full" one, over 10,000 calls.
+QUICK = Scale(api=50, override=60, small=100, long_calls=2, seed=1000)
+FULL = Scale(api=600, override=800, small=1700, long_calls=4, seed=0)
+SCALES = [pytest.param(QUICK, id="quick"), pytest.param(FULL, id="full", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -665,21 +656,27 @@ def report_and_assert(tallies: List[Tally], min_results: int, summary: Optional[
         assert sum(t.results.values()) >= min_results, f"{t.name}: too few results to mean anything"
 
 
-def test_fuzz_public_api_cpu(summary_lines):
-    """reference (quantized spec), sdpa (exact) and auto: 600 random calls each plus the long ones."""
-    tallies = run_api_fuzz(["reference", "sdpa", "auto"], n_random=600)
-    report_and_assert(tallies, min_results=300, summary=summary_lines)
+@pytest.mark.parametrize("scale", SCALES)
+def test_fuzz_public_api_cpu(summary_lines, scale):
+    """reference (quantized spec), sdpa (exact) and auto: scale.api random calls each (600 in the slow run) after
+    the long ones."""
+    tallies = run_api_fuzz(["reference", "sdpa", "auto"], n_random=scale.api, seed=SEED + scale.seed,
+                           long_calls=scale.long_calls)
+    report_and_assert(tallies, min_results=scale.api // 2, summary=summary_lines)
     # Refusals must carry a reason naming the dtype or the shape problem; and some calls must be refused.
     assert sum(sum(t.refusals.values()) for t in tallies) > 0
 
 
-def test_fuzz_comfyui_override_cpu(summary_lines):
-    """The override with kernel=reference (runs) and kernel=auto (no quantized kernel on CPU: all fall back)."""
-    tallies = run_override_fuzz(["reference", "auto"], n_random=800)
+@pytest.mark.parametrize("scale", SCALES)
+def test_fuzz_comfyui_override_cpu(summary_lines, scale):
+    """The override with kernel=reference (runs) and kernel=auto (no quantized kernel on CPU: all fall back);
+    scale.override random calls each (800 in the slow run) after the long ones."""
+    tallies = run_override_fuzz(["reference", "auto"], n_random=scale.override, seed=SEED + 1 + scale.seed,
+                                long_calls=scale.long_calls)
     report_and_assert(tallies, min_results=0, summary=summary_lines)
     ref, auto = tallies
-    assert sum(ref.results.values()) >= 500
-    assert sum(auto.results.values()) == 0 and sum(auto.refusals.values()) >= 700
+    assert sum(ref.results.values()) >= scale.override * 5 // 8  # 500 of 800
+    assert sum(auto.results.values()) == 0 and sum(auto.refusals.values()) >= scale.override * 7 // 8
 
 
 def _reported_bf16_case() -> Case:
@@ -731,32 +728,31 @@ def test_a_wrong_exact_result_on_well_resolved_scores_is_still_a_violation():
 
 
 SMALL_BUDGET = 2048          # elements per q or k tensor: calls of well under a millisecond
-SMALL_API_CASES, SMALL_OVERRIDE_CASES = 1700, 1700
 
 
-def test_fuzz_many_small_calls_cpu(summary_lines):
-    """Volume: thousands more random calls, all tiny (every dtype, layout, mask and value kind, sizes up to
-    SMALL_BUDGET elements), through the API (reference, sdpa, auto) and the override (reference, auto). With the
-    two tests above the CPU fuzz makes over 10,000 calls; this one alone makes over 8,000. One intra-op thread:
-    on calls this small a second thread only adds synchronisation (3x the CPU time on a busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        tallies = run_api_fuzz(["reference", "sdpa", "auto"], n_random=SMALL_API_CASES, seed=SEED + 10, long=False,
-                               budget=SMALL_BUDGET)
-        tallies += run_override_fuzz(["reference", "auto"], n_random=SMALL_OVERRIDE_CASES, seed=SEED + 11,
-                                     long=False, budget=SMALL_BUDGET)
-    finally:
-        torch.set_num_threads(threads)
+@pytest.mark.parametrize("scale", SCALES)
+def test_fuzz_many_small_calls_cpu(summary_lines, scale):
+    """Volume: many more random calls, all tiny (every dtype, layout, mask and value kind, sizes up to
+    SMALL_BUDGET elements), through the API (reference, sdpa, auto) and the override (reference, auto),
+    scale.small each. In the slow run (1,700 each) this one alone makes over 8,000 calls, and with the two tests
+    above the CPU fuzz makes over 10,000."""
+    tallies = run_api_fuzz(["reference", "sdpa", "auto"], n_random=scale.small, seed=SEED + 10 + scale.seed,
+                           long_calls=0, budget=SMALL_BUDGET)
+    tallies += run_override_fuzz(["reference", "auto"], n_random=scale.small, seed=SEED + 11 + scale.seed,
+                                 long_calls=0, budget=SMALL_BUDGET)
     report_and_assert(tallies, min_results=0, summary=summary_lines)
     calls = sum(t.calls for t in tallies)
-    assert calls >= 8000, calls
-    assert all(sum(t.results.values()) >= 1000 for t in tallies if "kernel=auto" not in t.name or "api" in t.name)
+    assert calls >= 5 * scale.small * 16 // 17, calls  # 8,000 of 8,500 (an override call a layout cannot take
+    # is not made)
+    assert all(sum(t.results.values()) >= scale.small * 10 // 17  # 1,000 of 1,700
+               for t in tallies if "kernel=auto" not in t.name or "api" in t.name)
 
 
+@pytest.mark.slow
 def test_fuzz_triton_interpreter_cpu(summary_lines):
     """The Triton backends under TRITON_INTERPRET=1, in a fresh process (the interpreter is chosen when the
-    kernels are first defined): a few dozen small calls, since the interpreter is slow."""
+    kernels are first defined): a few dozen small calls, since the interpreter is slow (about 15 s for 32 calls;
+    slow run only: the default run checks the Triton kernels under the interpreter in test_triton_interpret.py)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, __file__, "--triton-interpreter"], env=env, capture_output=True,

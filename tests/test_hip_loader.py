@@ -15,6 +15,7 @@ from comfyui_sage_rdna4.kernels.backends.hip import prologue as hip_prologue
 from comfyui_sage_rdna4.kernels.reference import attention_from_quantized
 from comfyui_sage_rdna4.kernels.self_check import CALLS_PER_CASE, DEFAULT_CASES, Case, SelfCheck, call_variant
 from comfyui_sage_rdna4.kernels.verify import cuda_twin  # the loader on NVIDIA, for the tests that use it
+from fakes import FakeCompiler, FakeRuntime
 
 
 @pytest.fixture(autouse=True)
@@ -51,25 +52,6 @@ def code_objects(folder):
 def _corrupt(path):
     blob = open(path, "rb").read()
     open(path, "wb").write(blob[:-1] + bytes([blob[-1] ^ 0xFF]))
-
-
-class FakeCompiler(compiler.RtcCompiler):
-    """The cache path of RtcCompiler without a real compiler library."""
-
-    kind = "fake"
-
-    def __init__(self, version="fake-1.0"):
-        self._version, self.compiles = version, 0
-
-    def options(self, target, extra_flags):
-        return [f"--arch={target}", *extra_flags]
-
-    def target_for_device(self, device_index):
-        return "gfx1201"
-
-    def compile(self, source, target, extra_flags=()):
-        self.compiles += 1
-        return f"{source.digest}:{target}:{self._version}".encode()
 
 
 SRC = compiler.SourceBundle("k.hip", 'extern "C" __global__ void k() {}', (("p.h", "// prelude"),))
@@ -119,25 +101,6 @@ def test_source_bundle_from_dir_hashes_headers(tmp_path):
     assert compiler.SourceBundle.from_dir(str(tmp_path), "main.hip").digest != a.digest
     with pytest.raises(FileNotFoundError):
         compiler.SourceBundle.from_dir(str(tmp_path), "missing.hip")
-
-
-class FakeRuntime(runtime.GpuRuntime):
-    kind = "fake"
-
-    def __init__(self):
-        self.loaded = []
-
-    def version(self):
-        return "fake-rt-1"
-
-    def load_module(self, image, device_index):
-        if image.startswith(b"stale"):
-            raise runtime.LaunchError("hipModuleLoadData failed: invalid image")
-        self.loaded.append(image)
-        return ("module", image)
-
-    def get_function(self, module, name):
-        return (module, name)
 
 
 def test_loader_rebuilds_entry_the_driver_rejects(tmp_path):

@@ -1,19 +1,13 @@
-"""The real `HipRuntime` against a fake two-device libamdhip64 (issue 12, section 5).
-
-The fake is made of ctypes callbacks, so HipRuntime binds it and calls it through ctypes exactly as it
-calls the real library (argument conversion, byref out-parameters, the image pointer). It checks what
-clr checks or does, and records every breach instead of aborting the process as clr would:
-  * the current device is per thread, 0 until set;
-  * a module belongs to the device current at hipModuleLoadData; hipModuleGetFunction and launches
-    with another device current hit clr's `guarantee(... "Device mismatch from where this module is
-    loaded")`;
-  * a launch on the NULL stream runs on the current device; a stream handle belongs to its device;
-  * the loaded image is read again at launch (clr registers the pointer without copying the bytes).
+"""The real `HipRuntime` against a fake two-device libamdhip64 (issue 12, section 5): fakes.FakeHip, made of
+ctypes callbacks, so HipRuntime binds it and calls it through ctypes exactly as it calls the real library. It
+checks what clr checks or does (the current device per thread; a module belongs to the device current when it
+was loaded, and clr aborts on a function lookup or launch with another device current; a launch on the NULL
+stream runs on the current device; the image is read again at launch), and records every breach instead of
+aborting the process as clr would.
 """
 import ctypes
 import gc
 import os
-import struct
 import threading
 import types
 
@@ -22,151 +16,7 @@ import torch
 
 from comfyui_sage_rdna4.kernels import disk_cache
 from comfyui_sage_rdna4.kernels.backends.hip import compiler, platform, runtime
-
-MAGIC = b"FAKECO\0\0"
-NOT_FOUND, INVALID_DEVICE, INVALID_HANDLE, CALLBACK_RAISED = 500, 101, 400, 999
-# torch's current stream per device: device 0 on its default stream (handle 0 = the NULL stream),
-# device 1 on a side stream, as after `with torch.cuda.stream(s)` on that device.
-SIDE_STREAM_1 = 0xD1
-STREAMS = {0: 0, 1: SIDE_STREAM_1}
-
-
-def fake_image(entries, pad=4096):
-    """A 'code object': magic, length, the entry names; padded so it lives in malloc'd (reusable) memory."""
-    body = b"\0".join(e.encode() for e in entries) + b"\0" * pad
-    return MAGIC + struct.pack("<Q", len(body)) + body
-
-
-class FakeHip:
-    """libamdhip64 with `devices` GPUs, as ctypes function pointers."""
-
-    _name = "fake libamdhip64 (2 devices)"
-
-    def __init__(self, devices=2, streams=None):
-        self.devices = devices
-        self.streams = {h: d for d, h in (streams or STREAMS).items() if h}  # handle -> device
-        self._tls = threading.local()
-        self._next_handle = 0x1000
-        self.modules = {}      # handle -> {"device", "ptr", "size", "bytes"}
-        self.functions = {}    # handle -> (module handle, name)
-        self.calls = []        # (api, current device, thread name)
-        self.launches = []
-        self.violations = []   # what would have aborted the process or gone to the wrong device
-        self._error_text = ctypes.create_string_buffer(b"fake hip error")
-        vp, i32, u32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint
-        pvp, pi32 = ctypes.POINTER(vp), ctypes.POINTER(i32)
-        table = {
-            "hipGetErrorString": (vp, [i32], lambda status: ctypes.addressof(self._error_text)),
-            "hipRuntimeGetVersion": (i32, [pi32], self._runtime_version),
-            "hipGetDevice": (i32, [pi32], self._get_device),
-            "hipSetDevice": (i32, [i32], self._set_device),
-            "hipModuleLoadData": (i32, [pvp, vp], self._load),
-            "hipModuleGetFunction": (i32, [pvp, vp, ctypes.c_char_p], self._get_function),
-            "hipModuleLaunchKernel": (i32, [vp] + [u32] * 7 + [vp, pvp, pvp], self._launch),
-            "hipGetLastError": (i32, [], lambda: 0),
-        }
-        for name, (restype, argtypes, fn) in table.items():
-            setattr(self, name, ctypes.CFUNCTYPE(restype, *argtypes)(self._guarded(name, fn)))
-
-    def _guarded(self, name, fn):
-        def call(*args):
-            try:
-                return fn(*args)
-            except Exception as exc:  # an exception cannot cross a ctypes callback: record it
-                self.violations.append(f"{name} raised {exc!r}")
-                return CALLBACK_RAISED
-        return call
-
-    # -- state ----------------------------------------------------------------------------------
-    @property
-    def current(self):
-        return getattr(self._tls, "device", 0)
-
-    def _log(self, api):
-        self.calls.append((api, self.current, threading.current_thread().name))
-
-    def _handle(self):
-        self._next_handle += 0x10
-        return self._next_handle
-
-    # -- the API --------------------------------------------------------------------------------
-    def _runtime_version(self, out):
-        out[0] = 70051
-        return 0
-
-    def _get_device(self, out):
-        out[0] = self.current
-        return 0
-
-    def _set_device(self, device):
-        if not 0 <= device < self.devices:
-            return INVALID_DEVICE
-        self._tls.device = device
-        return 0
-
-    def _load(self, out, image):
-        self._log("hipModuleLoadData")
-        head = ctypes.string_at(image, len(MAGIC) + 8)
-        if head[:len(MAGIC)] != MAGIC:
-            return INVALID_HANDLE
-        size = len(MAGIC) + 8 + struct.unpack("<Q", head[len(MAGIC):])[0]
-        handle = self._handle()
-        self.modules[handle] = {"device": self.current, "ptr": image, "size": size,
-                                "bytes": ctypes.string_at(image, size)}
-        out[0] = handle
-        return 0
-
-    def _get_function(self, out, module, name):
-        self._log("hipModuleGetFunction")
-        mod = self.modules.get(module)
-        if mod is None:
-            return INVALID_HANDLE
-        if mod["device"] != self.current:
-            self.violations.append(f"hipModuleGetFunction({name.decode()}): module of device {mod['device']}, "
-                                   f"device {self.current} current: clr aborts")
-        if b"\0" + name + b"\0" not in mod["bytes"]:
-            return NOT_FOUND
-        handle = self._handle()
-        self.functions[handle] = (module, name.decode())
-        out[0] = handle
-        return 0
-
-    def _launch(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-        self._log("hipModuleLaunchKernel")
-        module, name = self.functions[function]
-        mod = self.modules[module]
-        ran_on = self.current if not stream else self.streams[stream]
-        if mod["device"] != self.current:
-            self.violations.append(f"launch of {name}: module of device {mod['device']}, "
-                                   f"device {self.current} current: clr aborts")
-        if ran_on != mod["device"]:
-            self.violations.append(f"launch of {name} went to device {ran_on}, its module is on {mod['device']}")
-        if ctypes.string_at(mod["ptr"], mod["size"]) != mod["bytes"]:
-            self.violations.append(f"launch of {name}: the code object buffer was freed or overwritten")
-        self.launches.append({"name": name, "device": ran_on, "stream": stream or 0, "grid": (gx, gy, gz),
-                              "first_arg": ctypes.cast(params[0], ctypes.POINTER(ctypes.c_int32))[0]})
-        return 0
-
-
-class FakeCompiler(compiler.RtcCompiler):
-    kind = "fake"
-
-    def __init__(self):
-        self.compiles = 0
-
-    def version(self):
-        return "fake-cc-1"
-
-    def options(self, target, extra_flags):
-        return [f"--arch={target}", *extra_flags]
-
-    def target_for_device(self, device_index):
-        return "gfx1201"
-
-    def compile(self, source, target, extra_flags=()):
-        self.compiles += 1
-        return fake_image(["k_add", "k_scale"])
-
+from fakes import SIDE_STREAM_1, STREAMS, FakeCompiler, FakeHip, fake_image
 
 SRC = compiler.SourceBundle("k.hip", 'extern "C" __global__ void k_add() {}')
 
@@ -182,7 +32,8 @@ def fake(monkeypatch):
 
 @pytest.fixture
 def loader(fake, tmp_path):
-    return runtime.KernelLoader(runtime.HipRuntime(lib=fake), FakeCompiler(), disk_cache.EntryStore(disk_cache.HIP_CODE_OBJECTS, str(tmp_path)))
+    return runtime.KernelLoader(runtime.HipRuntime(lib=fake), FakeCompiler(entries=("k_add", "k_scale")),
+                                disk_cache.EntryStore(disk_cache.HIP_CODE_OBJECTS, str(tmp_path)))
 
 
 def device_calls(fake):

@@ -16,6 +16,9 @@ from comfyui_sage_rdna4.kernels.verify import hip_checks, host_sim
 pytestmark = pytest.mark.skipif(host_sim.host_compiler() is None, reason="no host C++ compiler for the simulator")
 CPU = torch.device("cpu")
 run = host_sim.run
+# The simulator starts 256 OS threads per block: a case takes 1-5 s of CPU. The default run keeps at least one case
+# of every test (each check, each path), the rest of each matrix is marked slow (CI runs them).
+SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize("kind", ["iu8", "fp8", "f16"])
@@ -26,10 +29,10 @@ def test_emulated_wmma_matches_matrix_product(kind):
 
 
 @pytest.mark.parametrize("dtype,d,pv,group,layout", [
-    (torch.float16, 128, "fp8", "token", "hnd"),
+    pytest.param(torch.float16, 128, "fp8", "token", "hnd", marks=SLOW),
     (torch.bfloat16, 64, "fp16", "block32", "nhd"),
-    (torch.bfloat16, 128, "fp8", "block64", "fused"),
-    (torch.float16, 64, "fp8", "block128", "fused"),
+    pytest.param(torch.bfloat16, 128, "fp8", "block64", "fused", marks=SLOW),
+    pytest.param(torch.float16, 64, "fp8", "block128", "fused", marks=SLOW),
 ])
 def test_prologue_bit_exact(dtype, d, pv, group, layout):
     q, k, v = hip_checks.make_qkv(1, 2, 2 if layout == "fused" else 1, 150, 150 if layout == "fused" else 97, d,
@@ -60,14 +63,14 @@ def test_qk_scores_bit_exact(d, nq, nk, hq, hkv):
 
 
 @pytest.mark.parametrize("pv,d,dtype,causal,nq,nk,hq,hkv,layout", [
-    ("fp8", 128, torch.float16, False, 70, 100, 2, 1, "hnd"),
+    pytest.param("fp8", 128, torch.float16, False, 70, 100, 2, 1, "hnd", marks=SLOW),
     ("fp8", 128, torch.bfloat16, True, 150, 150, 1, 1, "fused"),
-    ("fp16", 64, torch.bfloat16, True, 130, 70, 2, 1, "hnd"),
+    pytest.param("fp16", 64, torch.bfloat16, True, 130, 70, 2, 1, "hnd", marks=SLOW),
     ("fp16", 128, torch.float16, False, 40, 130, 1, 1, "nhd"),
-    ("fp8", 64, torch.float16, True, 20, 200, 1, 1, "hnd"),
+    pytest.param("fp8", 64, torch.float16, True, 20, 200, 1, 1, "hnd", marks=SLOW),
     # Several whole key tiles: the unmasked key loop with its unclamped prefetch, then the masked tail/diagonal.
     ("fp8", 128, torch.bfloat16, False, 40, 300, 1, 1, "hnd"),
-    ("fp16", 64, torch.float16, True, 300, 300, 1, 1, "hnd"),
+    pytest.param("fp16", 64, torch.float16, True, 300, 300, 1, 1, "hnd", marks=SLOW),
 ])
 def test_attention_matches_reference(pv, d, dtype, causal, nq, nk, hq, hkv, layout):
     q, k, v = hip_checks.make_qkv(1, hq, hkv, nq, nk, d, dtype, CPU, layout=layout)
@@ -137,10 +140,10 @@ T, C = hip_checks.POISON_TOKEN, hip_checks.POISON_CHANNEL
 
 
 @pytest.mark.parametrize("where,value,pv,group,smooth", [
-    ("q", NAN, "fp8", "token", True),
+    pytest.param("q", NAN, "fp8", "token", True, marks=SLOW),
     ("q", INF, "fp16", "block32", True),
     ("k", -INF, "fp16", "block64", False),
-    ("k", INF, "fp8", "token", True),
+    pytest.param("k", INF, "fp8", "token", True, marks=SLOW),
     ("v", NAN, "fp16", "token", True),
 ])
 def test_prologue_keeps_nan_and_inf_where_the_spec_does(where, value, pv, group, smooth):
@@ -166,13 +169,13 @@ def test_prologue_keeps_nan_and_inf_where_the_spec_does(where, value, pv, group,
 
 @pytest.mark.parametrize("where,value,pv,causal,smooth", [
     ("q", NAN, "fp8", False, True),
-    ("q", INF, "fp16", True, True),
-    ("q", -INF, "fp8", True, False),
+    pytest.param("q", INF, "fp16", True, True, marks=SLOW),
+    pytest.param("q", -INF, "fp8", True, False, marks=SLOW),
     ("k", NAN, "fp8", True, False),
-    ("k", INF, "fp16", True, False),
-    ("k", NAN, "fp16", False, True),
-    ("v", NAN, "fp8", True, True),
-    ("v", INF, "fp8", False, True),
+    pytest.param("k", INF, "fp16", True, False, marks=SLOW),
+    pytest.param("k", NAN, "fp16", False, True, marks=SLOW),
+    pytest.param("v", NAN, "fp8", True, True, marks=SLOW),
+    pytest.param("v", INF, "fp8", False, True, marks=SLOW),
     ("v", -INF, "fp16", True, True),
 ])
 def test_attention_propagates_nan_and_inf(where, value, pv, causal, smooth):
@@ -191,8 +194,8 @@ def test_attention_propagates_nan_and_inf(where, value, pv, causal, smooth):
 
 @pytest.mark.parametrize("dtype,v_max,pv", [
     (torch.float16, 65504.0, "fp8"),
-    (torch.float16, 65504.0, "fp16"),
-    (torch.bfloat16, 3e38, "fp8"),
+    pytest.param(torch.float16, 65504.0, "fp16", marks=SLOW),
+    pytest.param(torch.bfloat16, 3e38, "fp8", marks=SLOW),
     (torch.bfloat16, 3e38, "fp16"),
 ])
 def test_attention_output_is_overflow_safe(dtype, v_max, pv):
@@ -216,10 +219,10 @@ def _v_offset(v, seed=7, scale=3.0):
 
 
 @pytest.mark.parametrize("dtype,d,pv,group,layout,nk,smooth_k", [
-    (torch.float16, 128, "fp8", "token", "hnd", 600, True),      # Nk > STAT_CHUNK: the mean over two chunks
+    pytest.param(torch.float16, 128, "fp8", "token", "hnd", 600, True, marks=SLOW),  # Nk > STAT_CHUNK: 2 chunks
     (torch.bfloat16, 64, "fp16", "block32", "nhd", 97, False),
-    (torch.bfloat16, 128, "fp8", "block64", "fused", 150, True),
-    (torch.float16, 64, "fp16", "token", "fused", 150, False),
+    pytest.param(torch.bfloat16, 128, "fp8", "block64", "fused", 150, True, marks=SLOW),
+    pytest.param(torch.float16, 64, "fp16", "token", "fused", 150, False, marks=SLOW),
 ])
 def test_prologue_smooth_v_bit_exact(dtype, d, pv, group, layout, nk, smooth_k):
     """v_mean (FP64-summed channel mean), V's scale from max|V - mean| and V - mean quantized: bit-exact with
@@ -234,7 +237,7 @@ def test_prologue_smooth_v_bit_exact(dtype, d, pv, group, layout, nk, smooth_k):
                                           smooth_v=True) == {}
 
 
-@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+@pytest.mark.parametrize("pv", ["fp8", pytest.param("fp16", marks=SLOW)])
 def test_prologue_smooth_v_keeps_nan_in_its_channel(pv):
     """A NaN in V makes its channel's mean, scale and every quantized value NaN (as the spec), nothing else."""
     q, k, v = hip_checks.poisoned_qkv("v", NAN, torch.float16, CPU)
@@ -246,9 +249,9 @@ def test_prologue_smooth_v_keeps_nan_in_its_channel(pv):
 
 @pytest.mark.parametrize("pv,d,dtype,causal,nq,nk,hq,hkv,layout", [
     ("fp8", 128, torch.bfloat16, False, 70, 100, 4, 2, "hnd"),
-    ("fp8", 64, torch.float16, True, 150, 150, 2, 2, "fused"),
-    ("fp16", 64, torch.bfloat16, True, 130, 70, 2, 1, "nhd"),
-    ("fp16", 128, torch.float16, False, 40, 130, 2, 1, "hnd"),
+    pytest.param("fp8", 64, torch.float16, True, 150, 150, 2, 2, "fused", marks=SLOW),
+    pytest.param("fp16", 64, torch.bfloat16, True, 130, 70, 2, 1, "nhd", marks=SLOW),
+    pytest.param("fp16", 128, torch.float16, False, 40, 130, 2, 1, "hnd", marks=SLOW),
 ])
 def test_attention_smooth_v_matches_reference(pv, d, dtype, causal, nq, nk, hq, hkv, layout):
     """HIP prologue + attention with smooth_v against the spec (same QuantizedQKV: the mean added after
@@ -362,6 +365,7 @@ def test_two_level_accumulation_survives_a_truncating_accumulator():
     assert err_one > 0.015, f"the truncation model does not bite the single chain ({err_one})"
 
 
+@pytest.mark.slow
 def test_pv_single_chain_build_matches_reference_when_exact():
     """The verification-only single-chain build is the former kernel: with an exact accumulator it matches the spec
     as the two-level kernel does (so the truncation test above compares like with like)."""

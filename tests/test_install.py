@@ -1,30 +1,11 @@
-"""patch_model's clone semantics with a stand-in for ComfyUI's ModelPatcher (real one: test_comfyui_*)."""
+"""patch_model's clone semantics with a stand-in for ComfyUI's ModelPatcher (fakes.FakePatcher; the real one:
+test_comfyui_*)."""
 import copy
 
 import pytest
 
 from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride, install
-
-
-class FakePatcher:
-    """ModelPatcher.clone() deep-copies model_options; that is the behaviour that matters here."""
-
-    def __init__(self, model_options=None):
-        self.model_options = model_options or {"transformer_options": {}}
-        self.wrappers = {}
-        self.callbacks = {}
-
-    def clone(self):
-        n = FakePatcher(copy.deepcopy(self.model_options))
-        n.wrappers = copy.copy(self.wrappers)
-        n.callbacks = copy.copy(self.callbacks)
-        return n
-
-    def add_wrapper_with_key(self, kind, key, fn):
-        self.wrappers.setdefault(kind, {}).setdefault(key, []).append(fn)
-
-    def add_callback_with_key(self, kind, key, fn):
-        self.callbacks.setdefault(kind, {}).setdefault(key, []).append(fn)
+from fakes import FakePatcher
 
 
 @pytest.fixture

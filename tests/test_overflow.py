@@ -13,16 +13,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-if __name__ == "__main__":  # the Triton-interpreter subprocess: load the pack the way conftest does
-    import importlib.util as _ilu
-
-    _spec = _ilu.spec_from_file_location("sage_conftest", Path(__file__).with_name("conftest.py"))
-    _spec.loader.exec_module(_ilu.module_from_spec(_spec))
+if __name__ == "__main__":  # the Triton-interpreter subprocess, tests/ first on sys.path: conftest loads the pack
+    import conftest  # noqa: F401
 
 from comfyui_sage_rdna4.kernels import BACKEND_NAMES, KernelRefused, sage_attention
 from comfyui_sage_rdna4.kernels.metrics import cosine

@@ -1,4 +1,5 @@
-"""The override called the way ComfyUI's wrap_attn calls it (comfy/ldm/modules/attention.py)."""
+"""The override called the way ComfyUI's wrap_attn calls it (comfy/ldm/modules/attention.py), with fakes.py's
+stand-ins for wrap_attn and attention_pytorch."""
 import copy
 
 import pytest
@@ -7,36 +8,13 @@ import torch
 from comfyui_sage_rdna4.kernels import KernelRefused
 from comfyui_sage_rdna4.kernels.metrics import cosine
 from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride, bind_attention_args
-
-
-def comfy_sdpa(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,
-               **kwargs):
-    """Same contract as ComfyUI's attention_pytorch; counts its calls."""
-    comfy_sdpa.calls += 1
-    assert kwargs.get("_inside_attn_wrapper") is True  # wrap_attn's marker must reach the fallback untouched
-    if not skip_reshape:
-        b, _, dh = q.shape
-        dh //= heads
-        q, k, v = (t.view(b, -1, heads, dh).transpose(1, 2) for t in (q, k, v))
-    if mask is not None:
-        mask = mask.unsqueeze(0) if mask.ndim == 2 else mask
-        mask = mask.unsqueeze(1) if mask.ndim == 3 else mask
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    if not skip_output_reshape:
-        b, h, n, d = out.shape
-        out = out.transpose(1, 2).reshape(b, n, h * d)
-    return out
-
-
-comfy_sdpa.calls = 0
+from fakes import comfy_attention, wrap_attn
 
 
 def wrap_attn_call(override, func, *args, **kwargs):
     """What wrap_attn does when transformer_options holds an override."""
-    kwargs["_inside_attn_wrapper"] = True
-    transformer_options = kwargs.get("transformer_options")
-    assert transformer_options["optimized_attention_override"] is override
-    return override(func, *args, **kwargs)
+    assert kwargs.get("transformer_options")["optimized_attention_override"] is override
+    return wrap_attn(func)(*args, **kwargs)
 
 
 def make(kernel="reference", **cfg):
@@ -54,9 +32,9 @@ def bnhd(b=2, n=96, heads=4, d=64, nk=None, dtype=torch.float32, seed=0):
 def test_runs_the_kernel_in_comfy_layout():
     ov, to = make()
     q, k, v = bnhd()
-    out = wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to)
+    out = wrap_attn_call(ov, comfy_attention, q, k, v, 4, transformer_options=to)
     assert out.shape == q.shape
-    assert cosine(out, comfy_sdpa(q, k, v, 4, _inside_attn_wrapper=True)) > 0.998
+    assert cosine(out, comfy_attention(q, k, v, 4, _inside_attn_wrapper=True)) > 0.998
     assert ov.stats.snapshot()["calls"] == {"reference": 1}
 
 
@@ -65,9 +43,9 @@ def test_all_layout_combinations(skip_reshape, skip_output_reshape):
     ov, to = make()
     q, k, v = bnhd()
     args = (q, k, v) if not skip_reshape else tuple(t.view(2, -1, 4, 64).transpose(1, 2) for t in (q, k, v))
-    out = wrap_attn_call(ov, comfy_sdpa, *args, heads=4, skip_reshape=skip_reshape,
+    out = wrap_attn_call(ov, comfy_attention, *args, heads=4, skip_reshape=skip_reshape,
                          skip_output_reshape=skip_output_reshape, transformer_options=to)
-    expected = comfy_sdpa(*args, 4, skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape,
+    expected = comfy_attention(*args, 4, skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape,
                           _inside_attn_wrapper=True)
     assert out.shape == expected.shape
     assert cosine(out, expected) > 0.998
@@ -79,20 +57,20 @@ def test_heads_and_mask_by_position_or_keyword():
     for args, kwargs in [((q, k, v, 4, mask), {}), ((q, k, v), {"heads": 4, "mask": mask}),
                          ((q, k, v, 4), {"mask": mask.unsqueeze(0).expand(2, 96, 80)})]:
         ov, to = make()
-        out = wrap_attn_call(ov, comfy_sdpa, *args, transformer_options=to, **kwargs)
-        assert cosine(out, comfy_sdpa(q, k, v, 4, mask=mask, _inside_attn_wrapper=True)) > 0.998
+        out = wrap_attn_call(ov, comfy_attention, *args, transformer_options=to, **kwargs)
+        assert cosine(out, comfy_attention(q, k, v, 4, mask=mask, _inside_attn_wrapper=True)) > 0.998
         assert ov.stats.snapshot()["calls"] == {"reference": 1}
 
 
 def test_unavailable_kernel_falls_back_with_reason_counted_once_logged(caplog):
     ov, to = make(kernel="hip_int8_fp8")
     q, k, v = bnhd()
-    before = comfy_sdpa.calls
+    before = comfy_attention.calls
     with caplog.at_level("WARNING", logger="sage_rdna4"):
         for _ in range(3):
-            out = wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to)
-    assert comfy_sdpa.calls == before + 3
-    torch.testing.assert_close(out, comfy_sdpa(q, k, v, 4, _inside_attn_wrapper=True))
+            out = wrap_attn_call(ov, comfy_attention, q, k, v, 4, transformer_options=to)
+    assert comfy_attention.calls == before + 3
+    torch.testing.assert_close(out, comfy_attention(q, k, v, 4, _inside_attn_wrapper=True))
     fallbacks = ov.stats.snapshot()["fallbacks"]
     assert sum(fallbacks.values()) == 3 and len(fallbacks) == 1
     assert next(iter(fallbacks)).startswith("hip_int8_fp8: ")
@@ -103,13 +81,13 @@ def test_raise_mode_stops_with_the_reason():
     ov, to = make(kernel="hip_int8_fp8", on_unsupported="raise")
     q, k, v = bnhd()
     with pytest.raises(KernelRefused):
-        wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to)
+        wrap_attn_call(ov, comfy_attention, q, k, v, 4, transformer_options=to)
 
 
 def test_auto_on_cpu_falls_back_and_says_why():
     ov, to = make(kernel="auto")
     q, k, v = bnhd()
-    wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to)
+    wrap_attn_call(ov, comfy_attention, q, k, v, 4, transformer_options=to)
     (reason,) = ov.stats.snapshot()["fallbacks"]
     assert reason.startswith("auto: no quantized kernel takes this call")
 
@@ -117,16 +95,16 @@ def test_auto_on_cpu_falls_back_and_says_why():
 def test_low_precision_attention_false_is_honoured():
     ov, to = make()
     q, k, v = bnhd()
-    before = comfy_sdpa.calls
-    wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to, low_precision_attention=False)
-    assert comfy_sdpa.calls == before + 1
+    before = comfy_attention.calls
+    wrap_attn_call(ov, comfy_attention, q, k, v, 4, transformer_options=to, low_precision_attention=False)
+    assert comfy_attention.calls == before + 1
     assert ov.stats.snapshot()["routed"] == {"low_precision_attention=False": 1}
 
 
 def test_extra_kwargs_from_newer_comfyui_are_accepted():
     ov, to = make()
     q, k, v = bnhd()
-    out = wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to, enable_gqa=False,
+    out = wrap_attn_call(ov, comfy_attention, q, k, v, 4, transformer_options=to, enable_gqa=False,
                          low_precision_attention=True, some_future_flag=1)
     assert out.shape == q.shape and ov.stats.snapshot()["calls"] == {"reference": 1}
 
@@ -134,8 +112,8 @@ def test_extra_kwargs_from_newer_comfyui_are_accepted():
 def test_explicit_scale_kwarg_is_used():
     ov, to = make()
     q, k, v = bnhd(n=32)
-    out = wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to, scale=0.01)
-    flat = comfy_sdpa(q, k, v, 4, _inside_attn_wrapper=True)
+    out = wrap_attn_call(ov, comfy_attention, q, k, v, 4, transformer_options=to, scale=0.01)
+    flat = comfy_attention(q, k, v, 4, _inside_attn_wrapper=True)
     hnd = [t.view(2, -1, 4, 64).transpose(1, 2) for t in (q, k, v)]
     scaled = torch.nn.functional.scaled_dot_product_attention(*hnd, scale=0.01).transpose(1, 2).reshape(2, 32, 256)
     assert cosine(out, scaled) > cosine(out, flat)
@@ -150,7 +128,7 @@ def test_kernel_exception_falls_back_instead_of_crashing(monkeypatch):
     monkeypatch.setattr(backend, "launch", boom)
     ov, to = make()
     q, k, v = bnhd()
-    out = wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to)
+    out = wrap_attn_call(ov, comfy_attention, q, k, v, 4, transformer_options=to)
     assert out.shape == q.shape
     assert list(ov.stats.snapshot()["fallbacks"]) == ["reference failed: RuntimeError: device lost"]
 
@@ -199,7 +177,7 @@ def test_auto_records_why_a_preferred_backend_did_not_run(monkeypatch, caplog):
     q, k, v = bnhd(n=32)
     with caplog.at_level("INFO", logger="sage_rdna4"):
         for _ in range(3):
-            wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to)
+            wrap_attn_call(ov, comfy_attention, q, k, v, 4, transformer_options=to)
     snap = ov.stats.snapshot()
     reason = get_backend("hip_int8_fp8").unavailable("cpu", None)
     assert reason
@@ -221,8 +199,8 @@ def test_a_failed_self_check_is_recorded_as_the_reason(monkeypatch, caplog):
     ov, to = make("auto")
     q, k, v = bnhd(n=32)
     with caplog.at_level("INFO", logger="sage_rdna4"):
-        wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to)
-        wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to)
+        wrap_attn_call(ov, comfy_attention, q, k, v, 4, transformer_options=to)
+        wrap_attn_call(ov, comfy_attention, q, k, v, 4, transformer_options=to)
     snap = ov.stats.snapshot()
     assert snap["skipped"] == {"hip_int8_fp8": {"hip_int8_fp8 disabled on cpu: self-check failed: NaN in case "
                                                 "D128 fp16": 2}}
@@ -235,10 +213,10 @@ def test_each_backend_and_reason_is_kept_apart_and_a_fallback_keeps_them_too(mon
     _prefer(monkeypatch, "hip_int8_fp8", "hip_int8_fp16", "sdpa")
     ov, to = make("auto")
     q, k, v = bnhd(n=32)
-    comfy_sdpa.calls = 0
-    wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to)
+    comfy_attention.calls = 0
+    wrap_attn_call(ov, comfy_attention, q, k, v, 4, transformer_options=to)
     snap = ov.stats.snapshot()
-    assert comfy_sdpa.calls == 1 and sum(snap["fallbacks"].values()) == 1 and snap["calls"] == {}
+    assert comfy_attention.calls == 1 and sum(snap["fallbacks"].values()) == 1 and snap["calls"] == {}
     assert set(snap["skipped"]) == {"hip_int8_fp8", "hip_int8_fp16"}
     assert all(list(r.values()) == [1] for r in snap["skipped"].values())
 
@@ -246,5 +224,5 @@ def test_each_backend_and_reason_is_kept_apart_and_a_fallback_keeps_them_too(mon
 def test_an_explicit_kernel_records_no_skips():
     ov, to = make("reference")
     q, k, v = bnhd(n=32)
-    wrap_attn_call(ov, comfy_sdpa, q, k, v, 4, transformer_options=to)
+    wrap_attn_call(ov, comfy_attention, q, k, v, 4, transformer_options=to)
     assert ov.stats.snapshot()["skipped"] == {}

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from comfyui_sage_rdna4.kernels.metrics import cosine
 from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride, install
+from fakes import FakePatcher
 
 
 class Container:
@@ -113,21 +114,6 @@ def set_model_optimized_attention(model_options, attention):
     if getattr(attention, "container_function", None) is not None:
         chosen_override.container_function = attention.container_function
     model_options.setdefault("transformer_options", {})["optimized_attention_override"] = chosen_override
-
-
-class FakePatcher:
-    """ModelPatcher's clone (deep-copied model_options) and wrapper registry, nothing else."""
-
-    def __init__(self, model_options=None):
-        self.model_options = model_options or {"transformer_options": {}}
-        self.wrappers = {}
-
-    def clone(self):
-        import copy
-        return FakePatcher(copy.deepcopy(self.model_options))
-
-    def add_wrapper_with_key(self, kind, key, fn):
-        self.wrappers.setdefault(kind, {}).setdefault(key, []).append(fn)
 
 
 @pytest.fixture(autouse=True)

@@ -238,8 +238,8 @@ USER_RUN = textwrap.dedent('''
     assert cosine(out, torch.nn.functional.scaled_dot_product_attention(q, k, v)) > 0.99
 
     sys.path.insert(0, TESTS)  # the stand-ins the other tests use (never the repository root)
-    from test_install import FakePatcher  # ComfyUI's ModelPatcher, as much as patch_model uses
-    from test_override import comfy_sdpa  # ComfyUI's attention function, as wrap_attn hands it over
+    from fakes import FakePatcher  # ComfyUI's ModelPatcher, as much as patch_model uses
+    from fakes import comfy_attention  # ComfyUI's attention function, as wrap_attn hands it over
 
     class TinyModel(torch.nn.Module):  # one self-attention block that calls attention as ComfyUI's wrap_attn does
         def __init__(self):
@@ -249,8 +249,8 @@ USER_RUN = textwrap.dedent('''
             q, k, v = self.qkv(x).chunk(3, dim=-1)
             override = transformer_options.get("optimized_attention_override")
             if override is None:
-                return comfy_sdpa(q, k, v, 2, _inside_attn_wrapper=True)
-            return override(comfy_sdpa, q, k, v, 2, transformer_options=transformer_options,
+                return comfy_attention(q, k, v, 2, _inside_attn_wrapper=True)
+            return override(comfy_attention, q, k, v, 2, transformer_options=transformer_options,
                             _inside_attn_wrapper=True)
 
     install.override_hook_missing = lambda: None  # no ComfyUI here

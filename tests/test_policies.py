@@ -9,6 +9,7 @@ import torch
 
 from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride
 from comfyui_sage_rdna4.sage_patch.policies import CallPolicies, parse_blocks, step_fraction
+from fakes import comfy_attention
 
 
 # -- parse_blocks ------------------------------------------------------------------------------
@@ -207,20 +208,6 @@ def test_config_takes_every_kernel_and_prologue_the_node_offers():
 
 # -- through the override: stats show how many calls each policy routed -----------------------------
 
-def comfy_attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,
-                    **kwargs):
-    """ComfyUI's attention_pytorch contract (b, n, h*d) in and out; counts its calls."""
-    comfy_attention.calls += 1
-    b, _, width = q.shape
-    d = width // heads
-    q, k, v = (t.view(b, -1, heads, d).transpose(1, 2) for t in (q, k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    return out.transpose(1, 2).reshape(b, -1, heads * d)
-
-
-comfy_attention.calls = 0
-
-
 def wrapped_call(override, q, k, v, heads, transformer_options):
     """How wrap_attn hands a call to the override."""
     to = dict(transformer_options, optimized_attention_override=override)
@@ -266,18 +253,6 @@ def test_override_notes_a_policy_that_cannot_apply_once():
 
 # -- a real ComfyUI run ----------------------------------------------------------------------------
 
-def load_harness():
-    """tests/comfy_harness.py, loaded by path (tests are not a package on sys.path)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).with_name("comfy_harness.py")
-    spec = importlib.util.spec_from_file_location("sage_rdna4_comfy_harness", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.comfyui
 @pytest.mark.slow
 def test_policies_in_a_real_comfyui_run():
@@ -287,7 +262,8 @@ def test_policies_in_a_real_comfyui_run():
     SpatialTransformer (which sets block_index), so 'exact_blocks 0' routes them all.
     Flux: the step range routes half; the other half runs the quantized kernel; this ComfyUI's Flux passes no
     block_index, so 'last 1' must say it cannot apply (a newer one that does keeps the last block exact)."""
-    harness = load_harness()
+    import comfy_harness as harness
+
     harness.comfy_import(cpu=True)
     import comfy.sample
     from comfyui_sage_rdna4.sage_patch.install import patch_model

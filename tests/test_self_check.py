@@ -12,6 +12,7 @@ import torch
 from comfyui_sage_rdna4 import kernels
 from comfyui_sage_rdna4.kernels import disk_cache, quant, registry, settings
 from comfyui_sage_rdna4.kernels.reference import expand_kv_heads, qk_scores_base2, reference_attention
+from fakes import FakeBackend
 
 sc = importlib.import_module("comfyui_sage_rdna4.kernels.self_check")  # kernels.self_check is the function
 
@@ -240,24 +241,10 @@ def test_lse_case_checks_the_lse():
 
 # -- the first-use machinery --------------------------------------------------------------------------
 
-class FakeBackend(registry.Backend):
-    name = "fake_int8"
-
-    def __init__(self, attention):
-        super().__init__()
-        self.attention = attention
-        self.runs = 0
-
-    def _unavailable(self, device_type, index):
-        return None
-
-    def refuse(self, call):
-        return "no LSE here" if call.return_lse else None
-
-    def launch(self, q, k, v, call, sm_scale, attn_mask):
-        self.runs += 1
-        assert sm_scale == pytest.approx(1 / math.sqrt(q.shape[-1]))
-        return self.attention(q, k, v, is_causal=call.is_causal), None
+def fake_backend(attention):
+    """fakes.FakeBackend running `attention`; declines LSE calls, and launches only at the default scale."""
+    return FakeBackend("fake_int8", attention, refuse=lambda call: "no LSE here" if call.return_lse else None,
+                       default_scale_only=True)
 
 
 def _call(prologue="auto", qk_group="token"):
@@ -271,7 +258,7 @@ SMALL = (sc.Case("small", "peaked", torch.float16, 64, 2, 2, 2, 140, 70),
 
 
 def test_selfcheck_guard_once_per_variant_and_threads():
-    backend = FakeBackend(reference)
+    backend = fake_backend(reference)
     check = sc.SelfCheck(SMALL)
     results = []
     threads = [threading.Thread(target=lambda: results.append(check.guard(backend, _call()))) for _ in range(3)]
@@ -290,14 +277,14 @@ def test_selfcheck_guard_once_per_variant_and_threads():
 
 def test_selfcheck_can_be_skipped_by_developers_with_a_warning(monkeypatch, caplog):
     monkeypatch.setenv(sc.settings.SELF_CHECK.name, "0")
-    backend = FakeBackend(planted(repeated_batch))
+    backend = fake_backend(planted(repeated_batch))
     with caplog.at_level("WARNING"):
         assert sc.SelfCheck(SMALL).guard(backend, _call()) is None
     assert backend.runs == 0 and "WITHOUT its first-use self-check" in caplog.text
 
 
 def test_selfcheck_failure_disables_the_backend_with_the_reason(monkeypatch):
-    backend = FakeBackend(planted(repeated_batch))
+    backend = fake_backend(planted(repeated_batch))
     check = sc.SelfCheck(SMALL)
     reason = check.guard(backend, _call(prologue="hip"))
     assert reason.startswith("fake_int8 disabled on cpu: self-check failed (hip prologue, qk_group token")
@@ -401,7 +388,7 @@ def test_cached_pass_skips_the_check_and_a_failure_is_never_cached(tmp_path, mon
     monkeypatch.setattr(sc, "gpu_identity", lambda device: dict(IDENTITY))
     cases = SMALL[:1]
     call = _call()
-    good = FakeBackend(reference)
+    good = fake_backend(reference)
     # a "cuda" device is only a key here: the check itself runs on the CPU tensors of this fake
     call_gpu = type(call)(**{**call.__dict__, "device_type": "cuda", "device_index": 0})
     monkeypatch.setattr(sc, "run_self_check", lambda attention, device, cases, accepts: sc.SelfCheckResult(
@@ -417,7 +404,7 @@ def test_cached_pass_skips_the_check_and_a_failure_is_never_cached(tmp_path, mon
     other = tmp_path / "other"
     monkeypatch.setattr(sc, "run_self_check", lambda attention, device, cases, accepts: sc.SelfCheckResult("bad"))
     failing = sc.SelfCheck(cases, cache=sc.PassCache(str(other), enabled=True))
-    assert "self-check failed" in failing.guard(FakeBackend(reference), call_gpu)
+    assert "self-check failed" in failing.guard(fake_backend(reference), call_gpu)
     assert not [n for n in os.listdir(other) if n.startswith("selfcheck-")]
 
 
@@ -436,7 +423,7 @@ def test_flag_levels_follow_the_p_v_precision():
 
 
 def test_a_failure_with_weaker_options_refuses_only_those_options():
-    backend = FakeBackend(planted(repeated_batch))
+    backend = fake_backend(planted(repeated_batch))
     check = sc.SelfCheck(SMALL)
     reason = check.guard(backend, _call(qk_group="block64"))
     assert reason and "self-check failed" in reason

@@ -2,8 +2,8 @@
 keep their own settings and stats; concurrent calls keep the stats consistent; copies of a patched model's
 options share its override.
 
-A stand-in ModelPatcher is used (clone() deep-copies model_options, as ComfyUI's does); with COMFYUI_PATH set,
-the real ModelPatcher too. `install.override_hook_missing` is stubbed where ComfyUI is absent.
+A stand-in ModelPatcher is used (fakes.FakePatcher: clone() deep-copies model_options, as ComfyUI's does); with
+COMFYUI_PATH set, the real ModelPatcher too. `install.override_hook_missing` is stubbed where ComfyUI is absent.
 """
 from __future__ import annotations
 
@@ -18,42 +18,14 @@ import torch
 
 from comfyui_sage_rdna4.kernels.reference import reference_attention
 from comfyui_sage_rdna4.sage_patch import PatchConfig, install
+from fakes import FakePatcher, comfy_attention
 
 HEADS, DIM = 2, 16
-
-
-class FakePatcher:
-    """What patch_model relies on in ComfyUI's ModelPatcher: clone() deep-copies model_options."""
-
-    def __init__(self, model_options=None):
-        self.model_options = model_options if model_options is not None else {"transformer_options": {}}
-        self.wrappers = {}
-
-    def clone(self):
-        n = FakePatcher(copy.deepcopy(self.model_options))
-        n.wrappers = {kind: dict(v) for kind, v in self.wrappers.items()}
-        return n
-
-    def add_wrapper_with_key(self, kind, key, fn):
-        self.wrappers.setdefault(kind, {}).setdefault(key, []).append(fn)
-
-    def remove_wrappers_with_key(self, kind, key):
-        self.wrappers.get(kind, {}).pop(key, None)
 
 
 @pytest.fixture(autouse=True)
 def comfy_hook_present(monkeypatch):
     monkeypatch.setattr(install, "override_hook_missing", lambda: None)
-
-
-def comfy_attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,
-                    **kwargs):
-    """ComfyUI's attention_pytorch contract: (b, n, h*d) in and out."""
-    b, _, width = q.shape
-    d = width // heads
-    q, k, v = (t.view(b, -1, heads, d).transpose(1, 2) for t in (q, k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    return out.transpose(1, 2).reshape(b, -1, heads * d)
 
 
 def call_through(model, q, k=None, v=None, **extra_options):

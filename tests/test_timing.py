@@ -165,12 +165,8 @@ def test_cuda_events_count_gpu_work_not_launches():
 
 @pytest.mark.comfyui
 def test_attach_installs_one_pair_of_wrappers_per_model():
-    import importlib.util
-    from pathlib import Path
+    import comfy_harness as harness
 
-    spec = importlib.util.spec_from_file_location("comfy_harness", Path(__file__).with_name("comfy_harness.py"))
-    harness = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(harness)
     harness.comfy_import()
     from comfy.patcher_extension import WrappersMP
 

@@ -29,6 +29,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarn
 
 CHILD = os.environ.get("TRITON_INTERPRET", "0") == "1"
 ROOT = Path(__file__).resolve().parents[1]
+# The interpreter runs every program instance in Python (a case takes 0.3-3 s): the default run keeps at least one
+# case of every test, the rest of each matrix is marked slow (CI runs them: test_interpreter_suite_in_child_process).
+SLOW = pytest.mark.slow
 
 
 if not CHILD:
@@ -83,10 +86,13 @@ if not CHILD:
         assert _scale_row_stride(torch.empty(3, 2, 10).transpose(0, 1)) is None  # rows not evenly spaced
         assert _scale_row_stride(torch.empty(2, 10, 3).transpose(1, 2)) is None  # scales not unit-stride
 
-    def test_interpreter_suite_in_child_process():
+    @pytest.mark.parametrize("child_marks", [pytest.param("not slow", id="quick"),
+                                             pytest.param("slow", id="full", marks=SLOW)])
+    def test_interpreter_suite_in_child_process(child_marks):
+        """The default run's child runs the interpreter tests not marked slow, the slow run's child the others."""
         env = dict(os.environ, TRITON_INTERPRET="1")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib",
-               str(Path(__file__)), "-x"]
+               str(Path(__file__)), "-x", "-m", child_marks]
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         print(r.stdout[-6000:])
         assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
@@ -125,8 +131,8 @@ else:
             else:
                 torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0)
 
-    @pytest.mark.parametrize("pv", ["fp8", "fp16"])
-    @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+    @pytest.mark.parametrize("pv", ["fp8", pytest.param("fp16", marks=SLOW)])
+    @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.float32, marks=SLOW)])
     @pytest.mark.parametrize("smooth_k,qk_group,d", [(True, "token", 64), (False, "token", 40),
                                                      (True, "block32", 80), (True, "block64", 128)])
     def test_prologue_matches_torch_spec(pv, dtype, smooth_k, qk_group, d):
@@ -136,8 +142,8 @@ else:
         want = quant.quantize_qkv_torch(q, k, v, sm_scale=sm, smooth_k=smooth_k, pv=pv, qk_group=qk_group)
         assert_same_quantization(got, want)
 
-    @pytest.mark.parametrize("pv", ["fp8", "fp16"])
-    @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+    @pytest.mark.parametrize("pv", ["fp8", pytest.param("fp16", marks=SLOW)])
+    @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.float32, marks=SLOW)])
     @pytest.mark.parametrize("smooth_k,qk_group,d,dv", [(True, "token", 64, 64), (False, "block32", 80, 40)])
     def test_prologue_smooth_v_matches_torch_spec(pv, dtype, smooth_k, qk_group, d, dv):
         # V with a per-channel offset (what smooth_v is for), GQA, tails, and V narrower than Q/K.
@@ -168,7 +174,7 @@ else:
             assert torch.isfinite(got.v.float()).all()
             assert float(got.v_mean[0, 0, 1]) == 65504.0 and not got.v.float()[..., :2].any()
 
-    @pytest.mark.parametrize("pv", ["fp8", "fp16"])
+    @pytest.mark.parametrize("pv", ["fp8", pytest.param("fp16", marks=SLOW)])
     def test_prologue_long_sequence_path_with_separate_finalize(pv, monkeypatch):
         # Long sequences reduce the stats partials in their own launch, CH chunks per step; shrink CH
         # so 200 keys (4 chunks on the CPU) take that path and its loop runs twice.
@@ -199,7 +205,7 @@ else:
         assert got.v.stride(-2) == 1
         assert_same_quantization(got, want)
 
-    @pytest.mark.parametrize("pv", ["fp8", "fp16"])
+    @pytest.mark.parametrize("pv", ["fp8", pytest.param("fp16", marks=SLOW)])
     def test_padded_k_scale_rows_change_nothing(pv):
         """The Triton attention's own prologue call pads k_scale rows to 16 entries and stores V^T rows up to Nk
         rounded up to 64: same values (101 keys: neither is a multiple), and the attention gives the same bits
@@ -300,7 +306,7 @@ else:
 
     @pytest.mark.parametrize("mode", PV_ACCUMULATE)
     @pytest.mark.parametrize("pv", ["fp8", "fp16"])
-    @pytest.mark.parametrize("case", MODE_CASES)
+    @pytest.mark.parametrize("case", [pytest.param(MODE_CASES[0], marks=SLOW), MODE_CASES[1]])
     def test_every_accumulation_mode_matches_reference(mode, pv, case):
         b, hq, hkv, nq, nk, d, causal, smooth_v = case
         q, k, v = make_qkv(b, hq, hkv, nq, nk, d, seed=5, v_offset=True)
@@ -309,8 +315,8 @@ else:
         check_against_reference(qq, pv, cfg, causal)
 
     @pytest.mark.parametrize("pv", ["fp8", "fp16"])
-    @pytest.mark.parametrize("case", [(2, 4, 2, 45, 130, 128, False), (1, 2, 1, 100, 100, 64, True),
-                                      (1, 1, 1, 33, 70, 160, True)])
+    @pytest.mark.parametrize("case", [pytest.param((2, 4, 2, 45, 130, 128, False), marks=SLOW),
+                                      (1, 2, 1, 100, 100, 64, True), (1, 1, 1, 33, 70, 160, True)])
     def test_epilogue_adds_v_mean(pv, case):
         """smooth_v's mean comes back per channel of each row's KV head (GQA), causal or not; LSE unchanged."""
         b, hq, hkv, nq, nk, d, causal = case
@@ -349,7 +355,7 @@ else:
             torch.testing.assert_close(lse[lse_live], ref_lse[lse_live], rtol=0, atol=1e-4)
 
     @pytest.mark.parametrize("kernel", ["triton_int8_fp8", "triton_int8_fp16"])
-    @pytest.mark.parametrize("causal", [False, True])
+    @pytest.mark.parametrize("causal", [False, pytest.param(True, marks=SLOW)])
     def test_backend_smooth_v_end_to_end(kernel, causal):
         """sage_attention(..., smooth_v=True) through the Triton prologue and kernel: the spec's result, the
         exact one, and LSE as without smooth_v."""
@@ -369,7 +375,8 @@ else:
         torch.testing.assert_close(lse, plain_lse, rtol=0, atol=1e-5)
 
     @pytest.mark.parametrize("kernel", ["triton_int8_fp8", "triton_int8_fp16"])
-    @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.float32, marks=SLOW),
+                                       pytest.param(torch.bfloat16, marks=SLOW)])
     @pytest.mark.parametrize("causal", [False, True])
     def test_backend_end_to_end_against_exact(kernel, dtype, causal):
         q, k, v = make_qkv(1, 3, 3, 90, 90, 64, seed=7)

@@ -10,37 +10,7 @@ pytest.importorskip("triton")
 
 from comfyui_sage_rdna4.kernels import settings  # noqa: E402
 from comfyui_sage_rdna4.kernels.backends.triton import launcher, workspace  # noqa: E402
-
-
-class FakeKernel:
-    function = "fn-handle"
-    packed_metadata = "packed"
-
-    def __init__(self, runs):
-        self._runs = runs
-
-    @property
-    def run(self):
-        return lambda *a: self._runs.append(a)
-
-
-class FakeJit:
-    """Stands in for a JITFunction: two runtime parameters, then two constexprs."""
-    __name__ = "fake"
-
-    def __init__(self, constexpr_first=False):
-        names = [("X", False), ("n", False), ("A", True), ("B", True)]
-        if constexpr_first:
-            names = [("A", True), ("X", False), ("n", False), ("B", True)]
-        self.params = [types.SimpleNamespace(name=n, is_constexpr=c) for n, c in names]
-        self.slow = []
-        self.runs = []
-
-    def __getitem__(self, grid):
-        def run(*args, **meta):
-            self.slow.append((grid, args, meta))
-            return FakeKernel(self.runs)
-        return run
+from fakes import FakeJit  # noqa: E402
 
 
 @pytest.fixture

@@ -20,7 +20,6 @@ second part, `comfyui` (skipped without COMFYUI_PATH).
 import asyncio
 import html
 import http.server
-import importlib.util
 import json
 import re
 import shutil
@@ -30,6 +29,8 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+
+import comfy_browser as cb
 
 from comfyui_sage_rdna4.sage_patch.report import CPU_CAVEAT, report_json, summarize_steps
 
@@ -278,14 +279,6 @@ def test_web_folder_is_registered_one_way():
 
 
 # -- in the real ComfyUI frontend --------------------------------------------------------------------------
-def _helper():
-    spec = importlib.util.spec_from_file_location("comfy_browser", Path(__file__).with_name("comfy_browser.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-cb = _helper()
 WORKFLOWS = cb.workflows()
 CRAMPED_BELOW = 13  # the ab workflow's "A/B report" node, moved right under the benchmark node
 

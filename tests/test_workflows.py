@@ -6,25 +6,17 @@ pack's node ids, and every node's sockets and widget count are checked against t
 The same layouts in the real frontend (sizes as LiteGraph computes them): tests/test_web_extension.py.
 """
 import asyncio
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
+import comfy_browser as browser  # node boxes and overlaps (its browser parts are not used here)
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = sorted((ROOT / "example_workflows").glob("*.json"))
 
-
-def _helper(name):
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-browser = _helper("comfy_browser")  # node boxes and overlaps (its browser parts are not used here)
 
 # Core ComfyUI node types the workflows may use (verified against ComfyUI itself when COMFYUI_PATH is set).
 CORE_NODE_TYPES = {
@@ -156,7 +148,7 @@ def test_template_thumbnail(path):
     from PIL import Image, ImageStat
 
     jpg = path.with_suffix(".jpg")
-    assert jpg.is_file(), f"no thumbnail {jpg.name} (make it: tests/comfy_browser.py --thumbnails)"
+    assert jpg.is_file(), f"no thumbnail {jpg.name} (make it: tools/template_thumbnails.py)"
     assert jpg.stat().st_size < 150 * 1024
     with Image.open(jpg) as im:
         assert im.format == "JPEG"
@@ -167,9 +159,8 @@ def test_template_thumbnail(path):
 # -- against the real ComfyUI ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def comfy_nodes(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("comfy_harness", Path(__file__).with_name("comfy_harness.py"))
-    harness = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(harness)
+    import comfy_harness as harness
+
     harness.comfy_import(cpu=True)
     import nodes
 

@@ -1,9 +1,11 @@
 """The A/B benchmark's logic on a real-size Flux-shaped (and optionally Wan-shaped) ComfyUI model with random
-weights, driven from a script instead of the node. Not a pytest module (no test_ prefix).
+weights, driven from a script instead of the node.
 
-    COMFYUI_PATH=/path/to/ComfyUI python3 tests/ab_real_size.py --out DIR [--kernels reference,auto] [--steps 6]
+    COMFYUI_PATH=/path/to/ComfyUI python3 tools/ab_real_size.py --out DIR [--kernels reference,auto] [--steps 6]
 
-Needs a GPU. Writes DIR/<model>.json (every kernel's report), DIR/<model>.txt and the first kernel's plot as PNG.
+Needs a GPU (--tiny: a CPU smoke test of this script with the tiny models). Writes DIR/<model>.json (every
+kernel's report), DIR/<model>.txt and the first kernel's plot as PNG. The models come from tests/comfy_harness.py
+(loaded by path: tests/ is not put on sys.path).
 """
 from __future__ import annotations
 
@@ -16,17 +18,18 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # for comfy_harness and conftest's pack loader (tests/ only, not the repo root)
-
-import comfy_harness as harness  # noqa: E402
+from pack_loader import ROOT, load_pack
 
 
-def load_pack():
-    spec = importlib.util.spec_from_file_location("sage_conftest", HERE / "conftest.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.load_pack()
+def _load_harness():
+    path = Path(ROOT) / "tests" / "comfy_harness.py"
+    spec = importlib.util.spec_from_file_location("sage_rdna4_comfy_harness", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+harness = _load_harness()
 
 
 def save_png(image: torch.Tensor, path: Path) -> None:

@@ -1,0 +1,43 @@
+"""The tools that drive ComfyUI from a script find what they share with the tests from tools/: tools/ab_real_size.py
+the models of tests/comfy_harness.py, tools/template_thumbnails.py the browser driver of tests/comfy_browser.py.
+(Running them needs ComfyUI, and a GPU or Chromium.)"""
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import comfy_browser
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = ROOT / "tools"
+
+
+def test_template_thumbnails_without_comfyui_says_what_it_needs():
+    env = {k: v for k, v in os.environ.items() if k != "COMFYUI_PATH"}
+    proc = subprocess.run([sys.executable, str(TOOLS / "template_thumbnails.py")], capture_output=True, text=True,
+                          env=env, cwd=str(ROOT), timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "COMFYUI_PATH" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_template_thumbnails_uses_only_what_comfy_browser_has():
+    """Every `cb.NAME` the tool uses exists in tests/comfy_browser.py (a rename there would break the tool only
+    when it is run against ComfyUI)."""
+    used = set(re.findall(r"\bcb\.(\w+)", (TOOLS / "template_thumbnails.py").read_text()))
+    assert {"Page", "ComfyServer", "open_comfy", "load_and_snapshot", "workflows"} <= used
+    assert not [name for name in used if not hasattr(comfy_browser, name)]
+
+
+def test_ab_real_size_loads_the_harness_and_the_pack_through_pack_loader(monkeypatch):
+    monkeypatch.syspath_prepend(str(TOOLS))  # what `python tools/ab_real_size.py` has first on sys.path
+    spec = importlib.util.spec_from_file_location("sage_rdna4_ab_real_size", TOOLS / "ab_real_size.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert Path(tool.harness.__file__).resolve() == ROOT / "tests" / "comfy_harness.py"
+    for name in ("FLUX_1MP", "WAN_13B", "WAN_14B", "FLUX_TINY", "WAN_TINY", "build_model", "comfy_import"):
+        assert hasattr(tool.harness, name), name
+    import pack_loader
+    assert tool.load_pack is pack_loader.load_pack
+    assert tool.load_pack().__name__ == "comfyui_sage_rdna4"
