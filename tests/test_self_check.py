@@ -296,13 +296,12 @@ def test_selfcheck_failure_disables_the_backend_with_the_reason(monkeypatch):
     assert selection.backend.name == "sdpa" and "self-check failed" in selection.passed_over["hip_int8_fp8"]
 
 
-class VerifiedFake(FakeBackend):
+def VerifiedFake(attention):
     """A backend that proves itself on first use through the Backend base class (as Triton and HIP do)."""
-    own_prologue = "hip"
-
-    def __init__(self, attention):
-        super().__init__(attention)
-        self.selfcheck = sc.SelfCheck(SMALL)
+    backend = fake_backend(attention)
+    backend.own_prologue = "hip"
+    backend.selfcheck = sc.SelfCheck(SMALL)
+    return backend
 
 
 def test_why_not_runs_nothing_and_verify_is_the_one_step_that_checks():
