@@ -27,7 +27,6 @@ import torch
 from comfyui_sage_rdna4.kernels import registry
 from comfyui_sage_rdna4.kernels.backends.hip import compiler, runtime
 
-
 # -- ComfyUI ---------------------------------------------------------------------------------------------------
 
 def _copy_nested(registry_: dict) -> dict:

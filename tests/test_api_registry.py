@@ -2,8 +2,7 @@
 import pytest
 import torch
 
-from comfyui_sage_rdna4.kernels import BACKEND_NAMES, KernelRefused, available_backends, sage_attention
-from comfyui_sage_rdna4.kernels import registry
+from comfyui_sage_rdna4.kernels import BACKEND_NAMES, KernelRefused, available_backends, registry, sage_attention
 from comfyui_sage_rdna4.kernels.call_spec import describe_call
 from comfyui_sage_rdna4.kernels.metrics import cosine
 from comfyui_sage_rdna4.kernels.reference import exact_attention

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from comfyui_sage_rdna4.kernels import registry
-from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride
-from comfyui_sage_rdna4.sage_patch import call_plans
+from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride, call_plans
 from comfyui_sage_rdna4.sage_patch import override as override_mod
 from comfyui_sage_rdna4.sage_patch.call_plans import PlanCache
 from fakes import FakeBackend

@@ -29,6 +29,7 @@ def env(tmp_path_factory):
 
     harness.comfy_import(cpu=True)
     import folder_paths
+
     import nodes
 
     custom = tmp_path_factory.mktemp("custom_nodes")
@@ -175,7 +176,8 @@ def test_benchmark_node_end_to_end(env, caplog, capsys):
     model, pos, neg, latent, cfg = MODELS["flux"](env["harness"])
     patched = patch(env, model, "reference")
     progress = []
-    comfy.utils.set_progress_bar_global_hook(lambda value, total, preview, node_id=None: progress.append((value, total)))
+    comfy.utils.set_progress_bar_global_hook(
+        lambda value, total, preview, node_id=None: progress.append((value, total)))
     capsys.readouterr()
     try:
         with caplog.at_level(logging.INFO, logger="sage_rdna4"):

@@ -50,9 +50,9 @@ if __name__ == "__main__":  # the Triton-interpreter subprocess, tests/ first on
     import conftest  # noqa: F401
 
 from comfyui_sage_rdna4.kernels import KernelRefused, sage_attention
+from comfyui_sage_rdna4.kernels.call_spec import describe_call
 from comfyui_sage_rdna4.kernels.metrics import cosine
 from comfyui_sage_rdna4.kernels.reference import exact_attention
-from comfyui_sage_rdna4.kernels.call_spec import describe_call
 from comfyui_sage_rdna4.kernels.registry import choose_backend, get_backend
 from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride
 from fakes import comfy_attention, wrap_attn
@@ -113,8 +113,9 @@ def random_case(rng: random.Random, for_comfy: bool, budget: Optional[int] = Non
     kv_heads = q_heads if (for_comfy or rng.random() < 0.7) else rng.choice([h for h in range(1, q_heads + 1)
                                                                              if q_heads % h == 0])
     batch = rng.choice([1, 1, 1, 2, 3])
-    length = lambda: rng.choice([1, 2, 3, 5, 8, 16, 17, 31, 32, 33, 64, 65, 77, 96, 127, 128, 129, 200,
-                                 256, 333, 512, 1000])  # noqa: E731
+    def length():
+        return rng.choice([1, 2, 3, 5, 8, 16, 17, 31, 32, 33, 64, 65, 77, 96, 127, 128, 129, 200, 256, 333, 512, 1000])
+
     q_len = length()
     kv_len = q_len if rng.random() < 0.6 else length()
     while batch * q_heads * max(q_len, kv_len) * d > budget and max(q_len, kv_len) > 1:
@@ -183,7 +184,10 @@ def values_for(case: Case, q, k, v, g: torch.Generator):
         q, k = q * s, k * s
     elif case.values == "big_v":
         if v.numel():
-            v = v * min(6e4, top) / 4 if rnd() < 0.6 else v / v.abs().amax().clamp_min(1e-30) * top * (0.5 + 0.5 * rnd())
+            if rnd() < 0.6:
+                v = v * min(6e4, top) / 4
+            else:
+                v = v / v.abs().amax().clamp_min(1e-30) * top * (0.5 + 0.5 * rnd())
     elif case.values == "k_offset":
         off = (torch.rand(k.shape[-1], generator=g) * 2 - 1) * 10 ** (rnd() * 3)  # up to 1e3 per channel
         k = k + off

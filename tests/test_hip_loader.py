@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from comfyui_sage_rdna4.kernels import disk_cache, quant, registry, settings
-from comfyui_sage_rdna4.kernels.call_spec import describe_call
 from comfyui_sage_rdna4.kernels.backends.hip import backend as hip_backend
 from comfyui_sage_rdna4.kernels.backends.hip import compiler, runtime
 from comfyui_sage_rdna4.kernels.backends.hip import prologue as hip_prologue
+from comfyui_sage_rdna4.kernels.call_spec import describe_call
 from comfyui_sage_rdna4.kernels.reference import attention_from_quantized
 from comfyui_sage_rdna4.kernels.self_check import CALLS_PER_CASE, DEFAULT_CASES, Case, SelfCheck, call_variant
 from comfyui_sage_rdna4.kernels.verify import cuda_twin  # the loader on NVIDIA, for the tests that use it

@@ -51,7 +51,8 @@ SOURCE = compiler.SourceBundle("tiny.hip", TINY, (("tiny_helpers.h", HELPERS),))
 
 def _loader(tmp_path):
     kind = runtime.runtime_kind()
-    reason = runtime.runtime_unavailable_reason(kind) or compiler.compiler_unavailable_reason(runtime.compiler_kind(kind))
+    reason = (runtime.runtime_unavailable_reason(kind)
+              or compiler.compiler_unavailable_reason(runtime.compiler_kind(kind)))
     if reason:
         pytest.skip(reason)
     return runtime.KernelLoader(runtime.get_runtime(kind), compiler.get_compiler(runtime.compiler_kind(kind)),
@@ -82,7 +83,8 @@ def test_cache_serves_a_second_loader_without_compiling(tmp_path):
     entries = [p for p in os.listdir(tmp_path) if p.endswith(".bin")]
     assert len(entries) == 1
 
-    second = runtime.KernelLoader(first.runtime, first.compiler, disk_cache.EntryStore(disk_cache.HIP_CODE_OBJECTS, str(tmp_path)))
+    second = runtime.KernelLoader(first.runtime, first.compiler,
+                                  disk_cache.EntryStore(disk_cache.HIP_CODE_OBJECTS, str(tmp_path)))
     calls = []
     original = second.compiler.compile
     second.compiler.compile = lambda *a, **k: calls.append(1) or original(*a, **k)
@@ -102,7 +104,8 @@ def test_cache_serves_a_second_loader_without_compiling(tmp_path):
     with open(path, "r+b") as fh:
         fh.seek(-5, os.SEEK_END)
         fh.write(b"XXXXX")
-    third = runtime.KernelLoader(first.runtime, first.compiler, disk_cache.EntryStore(disk_cache.HIP_CODE_OBJECTS, str(tmp_path)))
+    third = runtime.KernelLoader(first.runtime, first.compiler,
+                                 disk_cache.EntryStore(disk_cache.HIP_CODE_OBJECTS, str(tmp_path)))
     kern = third.kernel(dev, SOURCE, "axpb", ["ptr", "ptr", "i64", "f32", "i32"])
     kern((1,), (256,), [x, y, 10, 1.0, 1])
     torch.cuda.synchronize()
@@ -191,7 +194,8 @@ def test_emulated_backend_matches_reference(pv, monkeypatch):
         (torch.float16, 128, 2, 1, 64, 1000, False, True),
     ]:
         q = torch.randn(2, hq, nq, d, device=dev, dtype=dtype)
-        k = torch.randn(2, hkv, nk, d, device=dev, dtype=dtype) + 2.0 * torch.randn(1, hkv, 1, d, device=dev, dtype=dtype)
+        k = torch.randn(2, hkv, nk, d, device=dev, dtype=dtype)
+        k = k + 2.0 * torch.randn(1, hkv, 1, d, device=dev, dtype=dtype)
         v = torch.randn(2, hkv, nk, d, device=dev, dtype=dtype)
         call = describe_call(q, k, v, is_causal=causal, return_lse=lse, prologue="hip")
         assert backend.ready(call) is None
@@ -233,7 +237,8 @@ def test_first_use_compile_then_cache_timing(tmp_path, monkeypatch):
     t0 = time.perf_counter()
     loader.kernel(dev, runtime.kernel_bundle(), name, [])
     cold = time.perf_counter() - t0
-    warm_loader = runtime.KernelLoader(loader.runtime, loader.compiler, disk_cache.EntryStore(disk_cache.HIP_CODE_OBJECTS, str(tmp_path)))
+    warm_loader = runtime.KernelLoader(loader.runtime, loader.compiler,
+                                       disk_cache.EntryStore(disk_cache.HIP_CODE_OBJECTS, str(tmp_path)))
     t0 = time.perf_counter()
     warm_loader.kernel(dev, runtime.kernel_bundle(), name, [])
     warm = time.perf_counter() - t0

@@ -115,8 +115,10 @@ def test_modules_are_loaded_and_kept_per_device(fake, loader):
 
 
 def test_run_launches_uses_the_tensor_device_and_its_stream(fake, loader):
-    plan = [types.SimpleNamespace(kernel="k_add", grid=(4, 1, 1), block=(64, 1, 1), args=[("i32", 5)], shared_bytes=0),
-            types.SimpleNamespace(kernel="k_scale", grid=(1, 1, 1), block=(64, 1, 1), args=[("i32", 6)], shared_bytes=0)]
+    plan = [types.SimpleNamespace(kernel="k_add", grid=(4, 1, 1), block=(64, 1, 1), args=[("i32", 5)],
+                                  shared_bytes=0),
+            types.SimpleNamespace(kernel="k_scale", grid=(1, 1, 1), block=(64, 1, 1), args=[("i32", 6)],
+                                  shared_bytes=0)]
     in_worker(lambda: runtime.run_launches(1, SRC, plan, loader=loader))
     assert fake.violations == []
     assert [(l["name"], l["device"], l["stream"], l["first_arg"]) for l in fake.launches] == [
@@ -157,7 +159,7 @@ def test_device_is_restored_when_a_call_fails(fake, loader):
     with pytest.raises(ZeroDivisionError):
         with rt.device_scope(1):
             assert fake.current == 1
-            1 / 0
+            raise ZeroDivisionError("raised inside the device scope")
     assert fake.current == 0
 
 

@@ -129,7 +129,8 @@ def test_biased_qk_accumulator_gives_the_exact_score():
         ksx = torch.full_like(ks, special)
         got = unbiased * ksx
         want = dot.float() * ksx
-        assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(got[~torch.isnan(got)], want[~torch.isnan(want)])
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        assert torch.equal(got[~torch.isnan(got)], want[~torch.isnan(want)])
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -1,8 +1,15 @@
 """ComfyUI layout adapters and mask expansion."""
 import torch
 
-from comfyui_sage_rdna4.sage_patch.layouts import (expand_mask, from_hnd, head_split_shapes, hnd_views, strided_hnd,
-                                                   strided_layout, to_hnd)
+from comfyui_sage_rdna4.sage_patch.layouts import (
+    expand_mask,
+    from_hnd,
+    head_split_shapes,
+    hnd_views,
+    strided_hnd,
+    strided_layout,
+    to_hnd,
+)
 
 
 def test_bnhd_roundtrip_is_a_view_and_exact():

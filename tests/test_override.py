@@ -38,7 +38,8 @@ def test_runs_the_kernel_in_comfy_layout():
     assert ov.stats.snapshot()["calls"] == {"reference": 1}
 
 
-@pytest.mark.parametrize("skip_reshape,skip_output_reshape", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("skip_reshape,skip_output_reshape",
+                         [(False, False), (True, False), (False, True), (True, True)])
 def test_all_layout_combinations(skip_reshape, skip_output_reshape):
     ov, to = make()
     q, k, v = bnhd()

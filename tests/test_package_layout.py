@@ -279,7 +279,7 @@ def test_a_users_run_works_without_the_verification_folder(tmp_path):
     script.write_text(USER_RUN)
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("TRITON_INTERPRET", None)
-    res = subprocess.run([sys.executable, str(script), str(ROOT), PACK, str(ROOT / "tests")], capture_output=True, text=True,
-                         cwd=str(tmp_path), env=env, timeout=300)
+    res = subprocess.run([sys.executable, str(script), str(ROOT), PACK, str(ROOT / "tests")], capture_output=True,
+                         text=True, cwd=str(tmp_path), env=env, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     assert "user run without kernels/verify: ok" in res.stdout

@@ -11,7 +11,6 @@ from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride
 from comfyui_sage_rdna4.sage_patch.policies import CallPolicies, parse_blocks, step_fraction
 from fakes import comfy_attention
 
-
 # -- parse_blocks ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("spec,expected", [
@@ -266,6 +265,7 @@ def test_policies_in_a_real_comfyui_run():
 
     harness.comfy_import(cpu=True)
     import comfy.sample
+
     from comfyui_sage_rdna4.sage_patch.install import patch_model
 
     def sample(model, cfg, latent, cond, steps=4):

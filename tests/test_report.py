@@ -8,8 +8,14 @@ import torch
 from comfyui_sage_rdna4.kernels.reference import exact_attention
 from comfyui_sage_rdna4.sage_patch import ab_benchmark
 from comfyui_sage_rdna4.sage_patch import report as report_mod
-from comfyui_sage_rdna4.sage_patch.report import (PATCHED_COLOR, SDPA_COLOR, format_report_text, plot_step_times,
-                                                  report_json, summarize_steps)
+from comfyui_sage_rdna4.sage_patch.report import (
+    PATCHED_COLOR,
+    SDPA_COLOR,
+    format_report_text,
+    plot_step_times,
+    report_json,
+    summarize_steps,
+)
 
 
 def steps(times, attention=None):

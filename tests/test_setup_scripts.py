@@ -89,7 +89,8 @@ def report(version, requires):
 
 
 CPU_REPORT = report("2.13.0+cpu", ["filelock", "sympy>=1.13.3"])
-CUDA_REPORT = report("2.14.1", ['nvidia-cublas==13.1.1.3; python_version >= "3"', 'triton==3.8.0; python_version >= "3"'])
+CUDA_REPORT = report("2.14.1", ['nvidia-cublas==13.1.1.3; python_version >= "3"',
+                               'triton==3.8.0; python_version >= "3"'])
 MAC_REPORT = report("2.14.1", ['nvidia-cublas==13.1.1.3; python_version < "3"'])  # CUDA deps for another platform
 ROCM_REPORT = report("2.9.1+rocm6.4", ["pytorch-triton-rocm==3.5.1"])
 

@@ -8,8 +8,14 @@ import torch
 from comfyui_sage_rdna4.sage_patch.config import PatchConfig
 from comfyui_sage_rdna4.sage_patch.override import SageAttentionOverride
 from comfyui_sage_rdna4.sage_patch.stats import PatchStats
-from comfyui_sage_rdna4.sage_patch.timing import (WRAPPER_KEY, AttentionTimer, RunTiming, StepTimer, StepTiming,
-                                                  step_timer_of)
+from comfyui_sage_rdna4.sage_patch.timing import (
+    WRAPPER_KEY,
+    AttentionTimer,
+    RunTiming,
+    StepTimer,
+    StepTiming,
+    step_timer_of,
+)
 
 
 def make_timer(time_attention, device="cpu"):

@@ -15,9 +15,13 @@ import pytest
 pytest.importorskip("triton")
 
 from comfyui_sage_rdna4.kernels import settings  # noqa: E402
-from comfyui_sage_rdna4.kernels.verify import triton_aot  # noqa: E402
 from comfyui_sage_rdna4.kernels.backends.triton.configs import (  # noqa: E402
-    RDNA4_ARCHS, attention_config, padded_head_dim, shipped_rdna4_configs)
+    RDNA4_ARCHS,
+    attention_config,
+    padded_head_dim,
+    shipped_rdna4_configs,
+)
+from comfyui_sage_rdna4.kernels.verify import triton_aot  # noqa: E402
 
 _missing = triton_aot.amd_backend_missing()
 pytestmark = pytest.mark.skipif(_missing is not None, reason=f"AOT for gfx12 impossible here: {_missing}")

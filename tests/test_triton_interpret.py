@@ -99,9 +99,9 @@ if not CHILD:
         assert " passed" in r.stdout and " failed" not in r.stdout
 
 else:
-    from comfyui_sage_rdna4.kernels.backends.triton.attention import attention_from_quantized_triton
     import dataclasses
 
+    from comfyui_sage_rdna4.kernels.backends.triton.attention import attention_from_quantized_triton
     from comfyui_sage_rdna4.kernels.backends.triton.configs import PV_ACCUMULATE, attention_config
     from comfyui_sage_rdna4.kernels.backends.triton.prologue import triton_quantize_qkv
 

@@ -31,7 +31,6 @@ from pathlib import Path
 import pytest
 
 import comfy_browser as cb
-
 from comfyui_sage_rdna4.sage_patch.report import CPU_CAVEAT, report_json, summarize_steps
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -46,6 +46,7 @@ def main():
     args = parser.parse_args()
     load_pack()
     import torch
+
     from comfyui_sage_rdna4.kernels import benchmark as bench
     from comfyui_sage_rdna4.kernels.api import sage_attention
     from comfyui_sage_rdna4.kernels.call_spec import describe_call

@@ -23,6 +23,7 @@ def main():
     args = parser.parse_args()
     load_pack()
     import torch
+
     from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride
 
     def site_sdpa(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,

@@ -87,6 +87,7 @@ def main(argv=None):
     load_pack()
     import torch
     import torch.nn.functional as F
+
     from comfyui_sage_rdna4.kernels.api import sage_attention
 
     b, h, n, d = (int(x) for x in args.shape.split(","))

@@ -25,6 +25,7 @@ def main():
     args = parser.parse_args()
     load_pack()
     import torch
+
     from comfyui_sage_rdna4.kernels import benchmark as bench
     from comfyui_sage_rdna4.kernels.backends.triton import prologue
     from comfyui_sage_rdna4.kernels.backends.triton.configs import PrologueConfig, attention_config

@@ -16,11 +16,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton_h200 as T  # noqa: E402  (loads the pack)
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
 from comfyui_sage_rdna4.kernels import benchmark as B  # noqa: E402
 from comfyui_sage_rdna4.kernels import metrics, reference
 from comfyui_sage_rdna4.kernels.backends.triton.attention import attention_from_quantized_triton  # noqa: E402
 from comfyui_sage_rdna4.kernels.backends.triton.prologue import triton_quantize_qkv  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 SHAPES = {"wan_480p": B.Shape("wan_480p", 1, 40, 32760, 128, "bfloat16"),
           "flux_1mp": B.Shape("flux_1mp", 1, 24, 4608, 128, "bfloat16")}

@@ -24,6 +24,8 @@ load_pack()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
 from comfyui_sage_rdna4.kernels import (  # noqa: E402
     backends,  # noqa: E402,F401
     metrics,
@@ -35,7 +37,6 @@ from comfyui_sage_rdna4.kernels.backends.triton.prologue import triton_quantize_
 from comfyui_sage_rdna4.kernels.benchmark import median_time_ms  # noqa: E402
 from comfyui_sage_rdna4.kernels.call_spec import describe_call  # noqa: E402
 from comfyui_sage_rdna4.kernels.registry import get_backend  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 SHAPES = {"flux_1mp": (1, 24, 4608, 128), "wan_480p": (1, 40, 32760, 128), "wan_720p": (1, 40, 75600, 128)}
 REPS = {"flux_1mp": 40, "wan_480p": 6, "wan_720p": 3}

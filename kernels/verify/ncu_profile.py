@@ -130,6 +130,7 @@ def _child(args) -> int:
     """Inside ncu: two warm-up calls and the profiled one, at the shape (with --heads heads)."""
     _load_pack()
     import torch
+
     from comfyui_sage_rdna4.kernels import benchmark as bench
     from comfyui_sage_rdna4.kernels.api import sage_attention
 
