@@ -23,8 +23,10 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_lay
                    attn_mask: Optional[torch.Tensor] = None, qk_group: str = "token", smooth_v: bool = False):
     """Quantized attention. `tensor_layout` "HND" is (B, H, N, D); "NHD" is (B, N, H, D).
 
-    k/v may have fewer heads than q (GQA). `attn_mask` broadcasts to (B, Hq, Nq, Nk): bool selects,
-    float is added to the scores (natural-log units). `kernel="auto"` picks the best backend that
+    k/v may have fewer heads than q (GQA). `attn_mask` (2-4 dims) broadcasts to (B, Hq, Nq, Nk): bool
+    selects, floating is added to the scores (natural-log units); other dtypes raise ValueError. A call that
+    needs a gradient (grad mode on, an input requiring grad) is refused by every quantized kernel: `auto`
+    takes SDPA, an explicit quantized kernel raises KernelRefused. `kernel="auto"` picks the best backend that
     accepts the call (on a GPU: the fastest measured at first use, kernels/autotune.py); an explicit
     name runs exactly that backend or raises KernelRefused with the reason. `smooth_v` takes V's
     per-channel mean out before quantizing and adds it back to the output (exact; docs/MEASUREMENTS.md,
@@ -38,7 +40,10 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_lay
                          smooth_k=smooth_k, prologue=prologue, qk_group=qk_group, smooth_v=smooth_v)
     if sm_scale is None:
         sm_scale = default_sm_scale(call.head_dim)
-    selection = choose_backend(call, kernel, tensors=(qh, kh, vh), sm_scale=float(sm_scale), attn_mask=attn_mask)
+    # An autograd call is not measured: no quantized kernel takes it (registry.Backend.why_not), and an empty
+    # decision made on it would keep auto from measuring that kind of call for the rest of the process.
+    tensors = None if call.requires_grad else (qh, kh, vh)
+    selection = choose_backend(call, kernel, tensors=tensors, sm_scale=float(sm_scale), attn_mask=attn_mask)
     if selection.refusal is not None:
         raise KernelRefused(selection.backend.name, selection.refusal)
     out, lse = selection.backend.launch(qh, kh, vh, call, float(sm_scale), attn_mask)

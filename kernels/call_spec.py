@@ -13,6 +13,10 @@ import torch
 
 QK_GROUPS = ("token", "block32", "block64", "block128")
 PROLOGUES = ("auto", "hip", "triton")
+# The one rule for autograd (Backend.why_not): the Triton/HIP kernels return no grad_fn and the reference's gradient
+# is not attention's, so a call that needs a gradient goes to exact attention.
+AUTOGRAD_REFUSAL = ("an input requires grad (grad mode on): the quantized kernels are for inference and give no "
+                    "correct gradient; exact attention serves autograd")
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,6 +60,7 @@ class AttentionCall:
     same_dtype: bool
     same_device: bool
     has_zero_size: bool
+    requires_grad: bool  # grad mode is on and q, k, v or the mask requires grad: AUTOGRAD_REFUSAL
 
     def short(self) -> str:
         return (f"B{self.batch} Hq{self.q_heads} Hkv{self.kv_heads} Nq{self.q_len} Nk{self.kv_len} "
@@ -75,9 +80,20 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must share heads and length")
     if d != dk:
         raise ValueError(f"q head_dim {d} != k head_dim {dk}")
+    if d == 0:  # would reach the quantizers' amax() over an empty dim
+        raise ValueError("q/k head_dim 0: attention needs at least one channel")
     if hk == 0 or hq % hk != 0:
         raise ValueError(f"q heads {hq} must be a multiple of k/v heads {hk}")
     if attn_mask is not None:
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            # Added as a bias, a 0/1 integer mask would shift scores by +0/+1 instead of selecting (torch SDPA
+            # refuses it) and a complex one would lose its imaginary part.
+            raise ValueError(f"mask dtype {str(attn_mask.dtype).replace('torch.', '')} is not accepted: a bool mask "
+                             "selects (True keeps), a floating mask adds to the scores")
+        if attn_mask.dim() < 2:
+            # ComfyUI unsqueezes 2-D and 3-D masks and hands anything else to SDPA, which fails on it inside torch.
+            raise ValueError(f"mask of {attn_mask.dim()} dims: a mask has 2, 3 or 4 dims and broadcasts to "
+                             "(B, Hq, Nq, Nk)")
         nq = q.shape[2]
         try:
             full = torch.broadcast_shapes(tuple(attn_mask.shape), (b, hq, nq, nk))
@@ -98,22 +114,25 @@ _DESCRIBED_MAX = 512
 def describe_call(q, k, v, *, attn_mask=None, is_causal=False, return_lse=False, smooth_k=True,
                   prologue="auto", qk_group="token", smooth_v=False) -> AttentionCall:
     mask_key = None if attn_mask is None else (attn_mask.shape, attn_mask.dtype, attn_mask.device)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (attn_mask is not None and attn_mask.requires_grad))
     key = (q.shape, k.shape, v.shape, q.stride(-1) if q.dim() else None, k.stride(-1) if k.dim() else None,
            v.stride(-1) if v.dim() else None, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, mask_key,
-           is_causal, return_lse, smooth_k, prologue, qk_group, smooth_v)
+           is_causal, return_lse, smooth_k, prologue, qk_group, smooth_v, grad)
     try:
         call = _DESCRIBED.get(key)
     except TypeError:  # an unhashable option: described every time, never kept
-        return _describe(q, k, v, attn_mask, is_causal, return_lse, smooth_k, prologue, qk_group, smooth_v)
+        return _describe(q, k, v, attn_mask, is_causal, return_lse, smooth_k, prologue, qk_group, smooth_v, grad)
     if call is None:
-        call = _describe(q, k, v, attn_mask, is_causal, return_lse, smooth_k, prologue, qk_group, smooth_v)
+        call = _describe(q, k, v, attn_mask, is_causal, return_lse, smooth_k, prologue, qk_group, smooth_v, grad)
         if len(_DESCRIBED) >= _DESCRIBED_MAX:
             _DESCRIBED.clear()
         _DESCRIBED[key] = call
     return call
 
 
-def _describe(q, k, v, attn_mask, is_causal, return_lse, smooth_k, prologue, qk_group, smooth_v) -> AttentionCall:
+def _describe(q, k, v, attn_mask, is_causal, return_lse, smooth_k, prologue, qk_group, smooth_v,
+              requires_grad) -> AttentionCall:
     check_shapes(q, k, v, attn_mask)
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
@@ -151,4 +170,5 @@ def _describe(q, k, v, attn_mask, is_causal, return_lse, smooth_k, prologue, qk_
         same_device=q.device == k.device == v.device
         and (attn_mask is None or attn_mask.device == q.device),
         has_zero_size=q.numel() == 0 or k.numel() == 0 or v.numel() == 0,
+        requires_grad=bool(requires_grad),
     )

@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Mapping, Optional
 
 import torch
 
-from .call_spec import AttentionCall
+from .call_spec import AUTOGRAD_REFUSAL, AttentionCall
 
 # Stable names, in the order the node lists them.
 BACKEND_NAMES = (
@@ -116,6 +116,8 @@ class Backend:
             return "q, k, v (and mask) are on different devices"
         if not call.same_dtype:
             return "q, k, v have different dtypes"
+        if call.requires_grad and self.quantized:  # stated before availability: true of every quantized backend
+            return AUTOGRAD_REFUSAL
         reason = self.unavailable(call.device_type, call.device_index) or self.refuse(call)
         if reason or self.selfcheck is None:
             return reason

@@ -3,10 +3,10 @@
 A Flux step makes ~57 attention calls of a handful of signatures; describing each call and asking every
 backend's rule again (arch, availability, shape limits, the self-check verdict) cost more host time than
 some of those calls take on the GPU. A signature is everything those decisions read: shapes, strides,
-dtypes and devices of q, k, v and the mask, `heads` and `skip_reshape`; the patch's config is fixed per
-cache. A plan keeps the `registry.Selection` it was made from and is trusted only while
-`registry.decision_generation()` is the one it was made under, so a backend that its self-check (or
-anything else) disables is never served from here.
+dtypes and devices of q, k, v and the mask, `heads`, `skip_reshape` and whether the call needs a gradient;
+the patch's config is fixed per cache. A plan keeps the `registry.Selection` it was made from and is
+trusted only while `registry.decision_generation()` is the one it was made under, so a backend that its
+self-check (or anything else) disables is never served from here.
 
 What depends on the call itself and not on its signature (transformer_options: step, block_index;
 `scale`, `enable_gqa`, `low_precision_attention`) is not in a plan: the override reads it on every call.
@@ -16,6 +16,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch
 
 from ..kernels.call_spec import AttentionCall
 from ..kernels.registry import Backend, Selection, decision_generation
@@ -47,7 +49,11 @@ def call_signature(bound: Dict[str, Any]) -> Optional[tuple]:
     plan's strided views (layouts.strided_layout) are made for plain tensors only."""
     q, k, v, mask = bound["q"], bound["k"], bound["v"], bound["mask"]
     try:
-        return (bound["heads"], bool(bound["skip_reshape"]),
+        # Whether the call needs a gradient: the kernels refuse autograd calls (call_spec.AUTOGRAD_REFUSAL), so a
+        # plan made for one must not serve an inference call of the same shapes, nor the other way round.
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                            or (mask is not None and mask.requires_grad))
+        return (bound["heads"], bool(bound["skip_reshape"]), grad,
                 q.__class__, q.shape, q.stride(), q.dtype, q.device,
                 k.__class__, k.shape, k.stride(), k.dtype, k.device,
                 v.__class__, v.shape, v.stride(), v.dtype, v.device,

@@ -121,9 +121,11 @@ class SageAttentionOverride:
             return f"malformed call: {exc}"
         generation = decision_generation()  # read before deciding: a change meanwhile leaves the plan stale
         sm_scale = float(scale) if scale is not None else default_sm_scale(call.head_dim)
-        # With the tensors, `auto` on a GPU takes the fastest backend measured for this kind of call.
-        selection = choose_backend(call, self.config.kernel, quantized_only=True, tensors=(q, k, v),
-                                   sm_scale=sm_scale, attn_mask=mask)
+        # With the tensors, `auto` on a GPU takes the fastest backend measured for this kind of call. Not for an
+        # autograd call: nothing quantized takes it, and that empty decision would stick to its kind of call.
+        selection = choose_backend(call, self.config.kernel, quantized_only=True,
+                                   tensors=None if call.requires_grad else (q, k, v), sm_scale=sm_scale,
+                                   attn_mask=mask)
         if selection.decision is not None:
             self.stats.record_choice(selection.decision)
         plan = self._make_plan(call, view_shapes, generation, selection,

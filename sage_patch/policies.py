@@ -6,42 +6,11 @@ A policy whose inputs the model does not provide cannot apply; `inactive_reason`
 """
 from __future__ import annotations
 
-import re
-from typing import Optional, Set, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from .config import PatchConfig
-
-
-def parse_blocks(spec: str) -> Tuple[Set[int], int, int]:
-    """'' -> nothing; '0,1,5' -> those indices; 'last 2' -> the last two; 'first 1, last 2' both.
-
-    Returns (indices, first_n, last_n)."""
-    indices: Set[int] = set()
-    first_n = last_n = 0
-    for part in (p.strip().lower() for p in spec.replace(";", ",").split(",")):
-        if not part:
-            continue
-        m = re.fullmatch(r"(first|last)\s+(\d+)", part)
-        if m:
-            if m.group(1) == "first":
-                first_n = max(first_n, int(m.group(2)))
-            else:
-                last_n = max(last_n, int(m.group(2)))
-            continue
-        m = re.fullmatch(r"(\d+)\s*-\s*(\d+)", part)
-        if m:
-            lo, hi = int(m.group(1)), int(m.group(2))
-            if lo > hi:
-                raise ValueError(f"block range {part!r} runs backwards")
-            indices.update(range(lo, hi + 1))
-            continue
-        if part.isdigit():
-            indices.add(int(part))
-            continue
-        raise ValueError(f"cannot read block spec {part!r}: use indices '0,3', ranges '2-5', 'first N' or 'last N'")
-    return indices, first_n, last_n
+from .config import PatchConfig, parse_blocks
 
 
 def step_fraction(transformer_options: dict) -> Optional[float]:

@@ -2,13 +2,19 @@
 backends `auto` passed over per (backend, reason), and what a measuring `auto` chose per kind of call.
 
 Cheap and always on. Thread-safe, since ComfyUI may sample on a worker thread while the UI thread
-reads a snapshot. Each distinct fallback reason, and each distinct (backend, reason) that `auto` passed
+reads a snapshot. Each kind of fallback reason, and each (backend, kind of reason) that `auto` passed
 over (a backend that cannot run here, refuses the call, or failed its self-check), is logged once per
 patch, not once per call; the counts keep growing.
+
+Bounded whatever the calls: a reason's kind is its text with the numbers taken out (calls of changing sizes
+give texts that differ only there). Each counter keeps the first TEXTS_PER_KIND texts of a kind as they are,
+counts later ones under the kind, and past MAX_REASONS keys counts the rest under OTHER. A key, once made,
+never changes, so deltas between two snapshots (the step timer, the A/B report) stay right.
 """
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections import Counter
 from typing import Dict, List, Optional
@@ -16,15 +22,57 @@ from typing import Dict, List, Optional
 log = logging.getLogger("sage_rdna4")
 
 
+MAX_REASONS = 50      # keys per counter (fallbacks, routed, each backend's skips), OTHER aside
+TEXTS_PER_KIND = 5    # texts of one kind kept as they are; the numbers in them are what a user reads
+MAX_LOGGED = 1000     # messages remembered as logged (each is logged once)
+MORE = " (and more of this kind)"
+OTHER = f"other reasons (past the {MAX_REASONS} the stats keep apart)"
+_NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+")
+
+
+def reason_kind(reason: str) -> str:
+    """The reason with its numbers (and hex addresses) replaced by '#'."""
+    return _NUMBERS.sub("#", reason)
+
+
+class _Reasons:
+    """Counts per reason over a bounded set of keys (the module's docstring says which). PatchStats' lock guards it."""
+
+    __slots__ = ("counts", "_kept")
+
+    def __init__(self):
+        self.counts: Dict[str, int] = {}
+        self._kept: Dict[str, int] = {}  # kind -> its texts kept as keys
+
+    def add(self, reason: str) -> Optional[str]:
+        """Count one `reason`; returns its kind when the text was new (OTHER when it went there), else None."""
+        counts = self.counts
+        n = counts.get(reason)
+        if n is not None:  # the common case: a known text
+            counts[reason] = n + 1
+            return None
+        kind = reason_kind(reason)
+        kept = self._kept.get(kind, 0)
+        if kept < TEXTS_PER_KIND and len(counts) < MAX_REASONS:
+            self._kept[kind] = kept + 1
+            key = reason
+        else:
+            key = kind + MORE
+            if key not in counts and len(counts) >= MAX_REASONS:
+                key = kind = OTHER
+        counts[key] = counts.get(key, 0) + 1
+        return kind
+
+
 class PatchStats:
     def __init__(self, label: str = "sage_rdna4"):
         self.label = label
         self._lock = threading.Lock()
         self._calls: Counter = Counter()
-        self._fallbacks: Counter = Counter()
-        self._routed: Counter = Counter()
-        self._skipped: Counter = Counter()   # (backend, reason) -> calls where auto passed over it
-        self._logged = set()
+        self._fallbacks = _Reasons()
+        self._routed = _Reasons()
+        self._skipped: Dict[str, _Reasons] = {}  # backend -> reason -> calls where auto passed over it
+        self._logged = set()  # what was logged once: bounded (_first_time)
         self._notes = []
         self._choices: Dict[str, str] = {}  # auto's measured decision per kind of call -> its summary
 
@@ -32,12 +80,21 @@ class PatchStats:
         with self._lock:  # once per call: dict.get skips Counter's Python-level __missing__ machinery
             self._calls[backend] = self._calls.get(backend, 0) + 1
 
+    def _first_time(self, key) -> bool:
+        """Whether to log `key` now: once each, and no more than MAX_LOGGED keys kept (under the lock)."""
+        if key in self._logged or len(self._logged) >= MAX_LOGGED:
+            return False
+        self._logged.add(key)
+        return True
+
     def record_fallback(self, reason: str) -> None:
         with self._lock:
-            self._fallbacks[reason] += 1
-            first = reason not in self._logged
-            self._logged.add(reason)
-        if first:
+            kind = self._fallbacks.add(reason)
+            first = kind is not None and self._first_time(("fallback", kind))
+        if first and kind == OTHER:
+            log.warning("[%s] attention falls back to the call site's own attention: %s (more kinds of reason than "
+                        "the stats keep: counted as %r from now on, not logged)", self.label, reason, OTHER)
+        elif first:
             log.warning("[%s] attention falls back to the call site's own attention: %s", self.label, reason)
 
     def record_skips(self, skipped: Dict[str, str], ran: Optional[str]) -> None:
@@ -48,11 +105,12 @@ class PatchStats:
         new = []
         with self._lock:
             for name, reason in skipped.items():
-                key = (name, reason)
-                self._skipped[key] += 1
-                if ("skip",) + key not in self._logged:
-                    self._logged.add(("skip",) + key)
-                    new.append(key)
+                reasons = self._skipped.get(name)
+                if reasons is None:
+                    reasons = self._skipped[name] = _Reasons()
+                kind = reasons.add(reason)
+                if kind is not None and self._first_time(("skip", name, kind)):
+                    new.append((name, reason))
         for name, reason in new:
             then = f"auto takes {ran} instead" if ran else "no quantized kernel takes the call: it falls back"
             # A self-check failure or a failed probe is a defect to report; a refusal is routine.
@@ -75,13 +133,12 @@ class PatchStats:
     def record_routed(self, policy: str) -> None:
         """A policy sent this call to exact attention on purpose (not a failure)."""
         with self._lock:
-            self._routed[policy] += 1
+            self._routed.add(policy)
 
     def note(self, message: str) -> None:
         """Something the user should know once (a policy that cannot apply); not counted per call."""
         with self._lock:
-            first = message not in self._logged
-            self._logged.add(message)
+            first = self._first_time(message)
             if first:
                 self._notes.append(message)
         if first:
@@ -89,17 +146,16 @@ class PatchStats:
 
     def snapshot(self) -> dict:
         with self._lock:
-            skipped: Dict[str, Dict[str, int]] = {}
-            for (name, reason), n in self._skipped.items():
-                skipped.setdefault(name, {})[reason] = n
-            return {"calls": dict(self._calls), "fallbacks": dict(self._fallbacks), "routed": dict(self._routed),
-                    "skipped": skipped, "notes": list(self._notes), "auto_choices": list(self._choices.values())}
+            skipped = {name: dict(reasons.counts) for name, reasons in self._skipped.items()}
+            return {"calls": dict(self._calls), "fallbacks": dict(self._fallbacks.counts),
+                    "routed": dict(self._routed.counts), "skipped": skipped, "notes": list(self._notes),
+                    "auto_choices": list(self._choices.values())}
 
     def reset(self) -> None:
         with self._lock:
             self._calls.clear()
-            self._fallbacks.clear()
-            self._routed.clear()
+            self._fallbacks = _Reasons()
+            self._routed = _Reasons()
             self._skipped.clear()
 
     def summary(self) -> str:

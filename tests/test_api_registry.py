@@ -124,6 +124,83 @@ def test_malformed_shapes_raise_value_error():
         sage_attention(q, k, v, attn_mask=torch.ones(5, 7, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("kernel", ["auto", "sdpa", "reference"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.complex64])
+def test_integer_and_complex_masks_are_refused_with_the_rule(kernel, dtype):
+    """A 0/1 integer mask would be added as +0/+1 (torch SDPA refuses it); a complex one loses its imaginary part."""
+    q, k, v = qkv(n=16, dtype=torch.float32)
+    mask = torch.ones(16, 16, dtype=dtype)
+    name = str(dtype).replace("torch.", "")
+    with pytest.raises(ValueError, match=rf"mask dtype {name} .*bool .*selects.*floating.*adds"):
+        sage_attention(q, k, v, attn_mask=mask, kernel=kernel)
+    with pytest.raises(ValueError, match=rf"mask dtype {name}"):
+        describe_call(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "sdpa", "reference"])
+@pytest.mark.parametrize("shape", [(16,), ()])
+def test_a_mask_of_fewer_than_two_dims_is_refused_as_comfyui_and_sdpa_do(kernel, shape):
+    """ComfyUI's attention gives a 2-D mask a batch dim and a 3-D one a heads dim, and hands anything else to SDPA,
+    which fails on a (Nk,) mask inside torch: refused here, for every kernel, with the ranks accepted."""
+    q, k, v = qkv(n=16, dtype=torch.float32)
+    with pytest.raises(ValueError, match=rf"mask of {len(shape)} dims: .*2, 3 or 4"):
+        sage_attention(q, k, v, attn_mask=torch.zeros(shape), kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "sdpa", "reference"])
+def test_head_dim_zero_is_refused_in_the_call_description(kernel):
+    q, k, v = qkv(n=16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="head_dim 0"):
+        sage_attention(q[..., :0], k[..., :0], v, kernel=kernel)
+
+
+def test_autograd_calls_are_refused_by_every_quantized_backend_with_one_reason():
+    """The quantized kernels are for inference: the Triton/HIP ones return no grad_fn and the reference's gradient is
+    not attention's (dq 105-120 % off). An explicit quantized kernel raises with the reason; none runs the call."""
+    q, k, v = qkv(n=16, dtype=torch.float32)
+    q.requires_grad_(True)
+    call = describe_call(q, k, v)
+    assert call.requires_grad
+    reasons = {name: registry.get_backend(name).why_not(call) for name in BACKEND_NAMES}
+    quantized = [name for name in BACKEND_NAMES if registry.get_backend(name).quantized]
+    assert set(quantized) == set(BACKEND_NAMES) - {"sdpa"}
+    assert len({reasons[name] for name in quantized}) == 1 and "requires grad" in reasons["reference"], reasons
+    assert reasons["sdpa"] is None
+    for name in quantized:
+        with pytest.raises(KernelRefused) as err:
+            sage_attention(q, k, v, kernel=name)
+        assert err.value.backend == name and err.value.reason == reasons[name]
+
+
+def test_a_mask_that_requires_grad_makes_the_call_an_autograd_call():
+    q, k, v = qkv(n=16, dtype=torch.float32)
+    bias = torch.zeros(16, 16, requires_grad=True)
+    with pytest.raises(KernelRefused, match="requires grad"):
+        sage_attention(q, k, v, attn_mask=bias, kernel="reference")
+
+
+def test_without_grad_mode_the_same_tensors_are_an_inference_call():
+    q, k, v = qkv(n=16, dtype=torch.float32)
+    q.requires_grad_(True)
+    assert describe_call(q, k, v).requires_grad  # described (and kept) under grad mode first
+    with torch.no_grad():
+        assert not describe_call(q, k, v).requires_grad  # the kept description is not reused
+        out = sage_attention(q, k, v, kernel="reference")
+    assert out.grad_fn is None and cosine(out, exact_attention(q.detach(), k, v)[0]) > 0.998
+
+
+@pytest.mark.parametrize("kernel", ["auto", "sdpa"])
+def test_exact_attention_keeps_serving_autograd_calls(kernel):
+    q, k, v = (t.requires_grad_(True) for t in qkv(n=16, dtype=torch.float32))
+    sage_attention(q, k, v, kernel=kernel).square().sum().backward()
+    got = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    torch.nn.functional.scaled_dot_product_attention(q, k, v).square().sum().backward()
+    for g, t in zip(got, (q, k, v)):
+        torch.testing.assert_close(g, t.grad)
+
+
 def test_unsupported_dtype_refused_by_reference():
     q, k, v = qkv(dtype=torch.float64)
     with pytest.raises(KernelRefused, match="dtype"):

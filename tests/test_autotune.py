@@ -516,6 +516,20 @@ def test_override_runs_the_measured_choice_and_the_report_shows_it(registered, m
     assert "what 'auto' measured" in text and "auto chose triton_int8_fp16: 0.80x SDPA" in text
 
 
+def test_an_autograd_call_first_does_not_keep_auto_from_measuring_that_kind(registered, monkeypatch):
+    """No quantized kernel takes an autograd call, so it is not measured: a "nothing to weigh" decision made on it
+    would stay with its kind of call for the whole process, and the inference calls after it would go unmeasured."""
+    ov, _ = patched(registered, monkeypatch, {"sdpa": 5.0, "triton_int8_fp8": 6.0, "triton_int8_fp16": 4.0})
+    q, k, v = (t.transpose(1, 2).reshape(1, 4000, 128).requires_grad_(True) for t in tensors())
+    assert ov(marker_attention, q, k, v, 2) == "call site"  # under grad mode: the call site's attention
+    with torch.no_grad():
+        out = ov(marker_attention, q, k, v, 2)
+    assert torch.equal(out, q)  # the fake returns q
+    snap = ov.stats.snapshot()
+    assert snap["calls"] == {"triton_int8_fp16": 1}, snap  # measured fastest, not the static order's first
+    assert snap["auto_choices"][0].startswith("auto chose triton_int8_fp16")
+
+
 def test_the_benchmark_has_a_row_for_what_auto_takes(registered, monkeypatch):
     from comfyui_sage_rdna4.kernels import benchmark
 

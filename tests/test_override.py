@@ -8,7 +8,7 @@ import torch
 from comfyui_sage_rdna4.kernels import KernelRefused
 from comfyui_sage_rdna4.kernels.metrics import cosine
 from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride, bind_attention_args
-from fakes import comfy_attention, wrap_attn
+from fakes import comfy_attention, marker_attention, wrap_attn
 
 
 def wrap_attn_call(override, func, *args, **kwargs):
@@ -140,6 +140,78 @@ def test_malformed_call_falls_back():
     out = wrap_attn_call(ov, lambda *a, **kw: "site", transformer_options=to)
     assert out == "site"
     assert "unrecognised attention call" in next(iter(ov.stats.snapshot()["fallbacks"]))
+
+
+@pytest.mark.parametrize("mask, rule", [
+    (torch.ones(96, 96, dtype=torch.int64), "mask dtype int64"),
+    (torch.ones(96, 96, dtype=torch.uint8), "mask dtype uint8"),
+    (torch.ones(96, 96, dtype=torch.complex64), "mask dtype complex64"),
+    (torch.zeros(96), "mask of 1 dims"),
+])
+def test_a_mask_the_kernels_cannot_read_goes_to_the_call_site_counted(mask, rule):
+    """The same rule as the public API (call_spec.check_shapes): an integer or complex mask, or a 1-D one, is a
+    malformed call; the call site's own attention gets it unchanged (to accept or reject), and the reason is counted."""
+    ov, to = make()
+    q, k, v = bnhd()
+    before = marker_attention.calls
+    out = wrap_attn_call(ov, marker_attention, q, k, v, 4, mask=mask, transformer_options=to)
+    assert out == "call site" and marker_attention.calls == before + 1
+    snap = ov.stats.snapshot()
+    (reason,) = snap["fallbacks"]
+    assert reason.startswith("malformed call: ") and rule in reason, reason
+    assert snap["calls"] == {}
+
+
+class TinyAttentionModel(torch.nn.Module):
+    """One attention block calling attention as ComfyUI's blocks do: through wrap_attn, with transformer_options."""
+
+    def __init__(self, dim=64, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, dim)
+
+    def forward(self, x, transformer_options):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.out(wrap_attn(comfy_attention)(q, k, v, self.heads, transformer_options=transformer_options))
+
+
+def _grads(model, x, to):
+    model.zero_grad()
+    model(x, to).square().mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kernel", ["triton_int8_fp8", "reference"])
+def test_training_through_the_override_gets_the_call_sites_gradients(kernel):
+    """ComfyUI ships LoRA training nodes: an attention call under autograd goes to the call site's exact attention
+    (the quantized kernels give no gradient, or a wrong one), and the reason is counted."""
+    torch.manual_seed(0)
+    model, x = TinyAttentionModel(), torch.randn(2, 32, 64)
+    expected = _grads(model, x, {})
+    ov, to = make(kernel)
+    got = _grads(model, x, to)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    snap = ov.stats.snapshot()
+    (reason,) = snap["fallbacks"]
+    assert reason.startswith(f"{kernel}: ") and "requires grad" in reason, reason
+    assert snap["fallbacks"][reason] == 1 and snap["calls"] == {}
+
+
+def test_an_inference_call_of_the_same_signature_still_runs_the_kernel():
+    """Grad mode is part of a call's signature: the plan made for an autograd call does not serve inference calls of
+    the same shapes, nor the other way round."""
+    torch.manual_seed(0)
+    model, x = TinyAttentionModel(), torch.randn(2, 32, 64)
+    ov, to = make("reference")
+    with torch.no_grad():
+        model(x, to)
+    _grads(model, x, to)
+    with torch.no_grad():
+        model(x, to)
+    snap = ov.stats.snapshot()
+    assert snap["calls"] == {"reference": 2} and sum(snap["fallbacks"].values()) == 1, snap
 
 
 def test_deepcopy_keeps_the_same_override():

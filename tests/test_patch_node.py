@@ -69,6 +69,20 @@ def test_the_node_refuses_an_unknown_kernel_or_prologue_before_patching(patch_no
     assert len(patched) == 1 and getattr(patched[0], field) == choice and out.args[0] is not None
 
 
+@pytest.mark.parametrize("spec", ["0-1000000000", "0-5,7-"])
+def test_the_node_refuses_a_bad_block_spec_before_patching(patch_node, monkeypatch, spec):
+    """exact_blocks is free text a workflow sets: a spec that is unreadable or names too many blocks stops at the
+    node, with its name and the rule, not inside the first attention call (nor by exhausting memory)."""
+    patched = []
+    monkeypatch.setattr(patch_node, "patch_model", lambda model, config: patched.append(config) or (model, None))
+    with pytest.raises(ValueError) as exc:
+        execute(patch_node, exact_blocks=spec)
+    message = str(exc.value)
+    assert patched == []
+    assert message.startswith("Patch Sage Attention (RDNA4): exact_blocks"), message
+    assert "at most 10000 block indices" in message or "cannot read block spec" in message, message
+
+
 def test_the_node_offers_exactly_the_values_the_config_takes(patch_node):
     from comfyui_sage_rdna4.sage_patch import config
 

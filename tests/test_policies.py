@@ -35,6 +35,42 @@ def test_parse_blocks_rejects_what_it_cannot_read(spec):
         parse_blocks(spec)
 
 
+@pytest.mark.parametrize("spec, rule", [
+    ("0-10000000", "at most 10000 block indices"),     # took 1.5 s and 588 MiB before it was bounded
+    ("0-1000000000", "under 100000"),                   # raised MemoryError
+    ("0-4999, 5000-10000", "at most 10000 block indices"),  # 10,001 indices from two ranges
+    ("100000", "under 100000"),
+    ("99990-100000", "under 100000"),
+    ("last 100001", "at most 100000"),
+    ("first 1" + "0" * 5000, "at most 100000"),          # too many digits for int(): still the rule's message
+])
+def test_a_block_spec_is_bounded_and_never_expanded_past_the_bound(spec, rule):
+    """exact_blocks is free text any shared workflow sets: it may name at most 10,000 blocks, each under 100,000,
+    and a spec past that is refused without expanding it."""
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=rule):
+            parse_blocks(spec)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"refusing {spec[:20]!r} allocated {peak} B"  # a full 10,000-index set is ~1 MiB
+
+
+def test_a_block_spec_at_the_bounds_is_accepted():
+    assert parse_blocks("0-9999") == (set(range(10000)), 0, 0)
+    assert parse_blocks("99999, first 100000, last 100000") == ({99999}, 100000, 100000)
+    assert parse_blocks("0007") == ({7}, 0, 0)  # leading zeros are no digits too many
+
+
+def test_the_config_refuses_an_unbounded_block_spec_with_the_rule():
+    with pytest.raises(ValueError, match="exact_blocks.*at most 10000 block indices"):
+        PatchConfig(exact_blocks="0-10000000")
+    with pytest.raises(ValueError, match="exact_blocks.*cannot read block spec"):
+        PatchConfig(exact_blocks="last two")
+
+
 def test_bad_block_spec_is_caught_when_the_node_builds_its_policies():
     with pytest.raises(ValueError, match="cannot read block spec"):
         CallPolicies(PatchConfig(exact_blocks="last two"))

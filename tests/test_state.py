@@ -91,6 +91,61 @@ def test_1000_patched_calls_keep_host_memory_flat():
     assert mem.heap_growth < 64 * 1024
 
 
+def test_10k_malformed_calls_of_distinct_widths_keep_and_log_a_bounded_set_of_reasons(caplog):
+    """Every width gives its own reason text; the stats count them by kind (the text with its numbers taken out) past
+    the first few, log each kind once, and keep a bounded set however many calls come."""
+    from comfyui_sage_rdna4.sage_patch import stats as stats_mod
+
+    patched, ov = install.patch_model(FakePatcher(), PatchConfig(kernel="reference"))
+    widths = [3 * i + 1 for i in range(1, 10_001)]  # never a multiple of 3 heads: each call is malformed
+    with caplog.at_level("WARNING", logger="sage_rdna4"):
+        for w in widths:
+            x = torch.zeros(1, 1, w)
+            assert ov(lambda *a, **kw: "site", x, x, x, 3, transformer_options={}) == "site"
+    snap = ov.stats.snapshot()
+    assert sum(snap["fallbacks"].values()) == 10_000
+    assert len(snap["fallbacks"]) <= stats_mod.MAX_REASONS + 1, len(snap["fallbacks"])
+    kind = "malformed call: ValueError: q width # is not a multiple of heads=#"
+    assert all(stats_mod.reason_kind(r).startswith(kind) for r in snap["fallbacks"]), list(snap["fallbacks"])[:3]
+    logged = [r for r in caplog.records if "falls back" in r.getMessage()]
+    assert len(logged) == 1 and "q width 4 is not a multiple of heads=3" in logged[0].getMessage()
+    assert len(ov.stats.summary().splitlines()) <= stats_mod.MAX_REASONS + 2
+
+
+def test_reasons_past_the_bound_are_counted_and_the_summary_and_report_read_them():
+    """The first texts of a kind are kept as they are (a user reads the numbers), later ones under their kind, and
+    beyond MAX_REASONS keys the rest under one "other" key: counted, never dropped; keys never change, so the
+    deltas the step timer and the A/B report take between two snapshots stay right."""
+    from comfyui_sage_rdna4.sage_patch import stats as stats_mod
+    from comfyui_sage_rdna4.sage_patch.report import format_report_text
+    from comfyui_sage_rdna4.sage_patch.timing import _delta
+
+    st = stats_mod.PatchStats("t")
+    for i in range(20):
+        st.record_fallback(f"hip_int8_fp8: head_dim {i} is not 64 or 128")
+    before = st.snapshot()
+    words = ["".join(chr(97 + (i // 26 ** j) % 26) for j in range(3)) for i in range(3 * stats_mod.MAX_REASONS)]
+    for w in words:  # distinct kinds: no numbers to take out
+        st.record_fallback(f"backend {w} refused")
+        st.record_fallback(f"backend {w} refused")
+    st.record_fallback("hip_int8_fp8: head_dim 3 is not 64 or 128")
+    after = st.snapshot()
+    fallbacks = after["fallbacks"]
+    assert sum(fallbacks.values()) == 20 + 2 * len(words) + 1
+    assert len(fallbacks) == stats_mod.MAX_REASONS + 1
+    per_kind = stats_mod.TEXTS_PER_KIND
+    assert [f"hip_int8_fp8: head_dim {i} is not 64 or 128" for i in range(per_kind)] == list(fallbacks)[:per_kind]
+    assert fallbacks["hip_int8_fp8: head_dim 3 is not 64 or 128"] == 2  # a kept text keeps its own count
+    assert fallbacks[stats_mod.reason_kind("hip_int8_fp8: head_dim 9 is not 64 or 128") + stats_mod.MORE] == \
+        20 - per_kind
+    other = fallbacks[stats_mod.OTHER]
+    assert other == 2 * len(words) - 2 * (stats_mod.MAX_REASONS - per_kind - 1)
+    assert all(before_n <= fallbacks[r] for r, before_n in before["fallbacks"].items())
+    assert sum(_delta(after["fallbacks"], before["fallbacks"]).values()) == 2 * len(words) + 1
+    assert f"fell back ({stats_mod.OTHER}): {other}" in st.summary()
+    assert f"{other} x {stats_mod.OTHER}" in format_report_text({"fallbacks": fallbacks})
+
+
 def test_repeated_patch_and_unpatch_free_everything():
     base = FakePatcher({"transformer_options": {"keep": 1}})
     before = copy.deepcopy(base.model_options)
