@@ -59,6 +59,9 @@ LOAD_MS = 40.0
 LOAD_SIDE = 4096
 LOAD_MAX_GEMMS = 400
 FILE_FORMAT = 1
+# A stored timing is believed only when finite and above 0 and within these ratios to SDPA's: no kernel run is
+# 1000x off exact attention either way, so such a number is a damaged or edited entry, and is measured again.
+PLAUSIBLE_RATIO = (1e-3, 1e3)
 
 # timer(fn, device) -> milliseconds of one call of fn; injectable so tests need no GPU.
 Timer = Callable[[Callable[[], object], torch.device], float]
@@ -192,10 +195,25 @@ class Decision:
         return cls(key, timings, failed, source="disk")
 
 
+def implausible(timings: Dict[str, float]) -> Optional[str]:
+    """What makes stored `timings` unbelievable (see PLAUSIBLE_RATIO), or None."""
+    if SDPA not in timings:
+        return "no SDPA timing"
+    for name, ms in timings.items():
+        if not (math.isfinite(ms) and ms > 0):
+            return f"{name} {ms} ms"
+    sdpa_ms, (low, high) = timings[SDPA], PLAUSIBLE_RATIO
+    for name, ms in timings.items():
+        if not low <= ms / sdpa_ms <= high:
+            return f"{name} {ms:.4g} ms is {ms / sdpa_ms:.3g}x SDPA's {sdpa_ms:.4g} ms, outside {low:g}-{high:g}x"
+    return None
+
+
 class DecisionStore:
     """Decisions on disk: one entry per TuneKey, GPU identity, pack version and code digest, in the cache
     folder's auto_decisions/ (kernels/disk_cache.py; `root`: another folder for them). A corrupt entry is a
-    miss and is removed; one measured among other candidates is measured again and replaced."""
+    miss and is removed; one measured among other candidates, or with implausible timings, is measured again
+    and replaced."""
 
     LABEL = "autotune"
 
@@ -240,6 +258,11 @@ class DecisionStore:
             if not isinstance(entry, dict) or entry.get("candidates") != sorted(candidates):
                 return None  # a backend came or went since: measure again
             decision = Decision.from_json(key, entry)
+            problem = implausible(decision.timings)
+            if problem:
+                log.warning("auto's stored decision for (%s) is implausible (%s); measuring again", key.label(),
+                            problem)
+                return None
             return decision if set(decision.timings) <= set(candidates) | {SDPA} else None
         except Exception:  # a corrupt cache is never a reason to fail a call
             return None
@@ -269,6 +292,11 @@ def _capturing_or_compiling() -> bool:
 
 
 _NOT_DECIDED = object()
+
+
+class _DecideLater(Exception):
+    """A candidate could not be judged now and nothing says it will stay so (its first-use check ran out of
+    memory): a decision made without it would leave it out for the rest of the process."""
 
 
 class Autotuner:
@@ -340,6 +368,9 @@ class Autotuner:
             started = time.perf_counter()
             try:
                 decision = self._measure_or_load(key[2], call, candidates, sdpa, tensors, sm_scale, attn_mask)
+            except _DecideLater as exc:  # nothing kept: the static order serves this call, a later one measures
+                log.info("auto measures %s on a later call: %s", call.short(), exc)
+                return None, True
             except Exception as exc:  # measuring must never take the call down: fall back to the static order
                 log.warning("auto could not measure %s: %s: %s; using the static order", call.short(),
                             type(exc).__name__, exc)
@@ -357,6 +388,8 @@ class Autotuner:
             reason = backend.ready(call)  # runs the backend's first-use self-check
             if reason is None:
                 accepted.append(backend)
+            elif backend.why_not(call) is None:  # refused, yet no verdict recorded: the check could not run
+                raise _DecideLater(reason)
             else:
                 refused[backend.name] = reason
         if not accepted:

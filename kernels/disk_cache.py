@@ -4,7 +4,9 @@ one is written and read back. Kinds: HIP code objects (kernels/backends/hip), se
 
 Folder: $SAGE_RDNA4_CACHE if set; else %LOCALAPPDATA%\\comfyui_sage_rdna4 on Windows, $XDG_CACHE_HOME (or
 ~/.cache)/comfyui_sage_rdna4 elsewhere; then one subfolder per kind (`KINDS`). A kind whose folder cannot
-be created or written goes to <temp>/comfyui_sage_rdna4/<kind>; if that fails too, to memory only.
+be created or written goes to this user's folder in the system temp folder, <temp>/comfyui_sage_rdna4-<uid>/<kind>
+(made 0700); one there that another user owns or may write is refused, since entries planted in it would be
+trusted (passes) or loaded (code objects). Failing that, memory only.
 
 Keys hash everything that shapes an entry (`cache_key`, with this module's ENTRY_FORMAT): a changed input is
 a different key, so a stale entry is never read; it is simply left behind.
@@ -27,6 +29,7 @@ import json
 import logging
 import os
 import re
+import stat
 import struct
 import sys
 import tempfile
@@ -66,22 +69,72 @@ def default_folder(kind: str) -> str:
     return os.path.join(cache_root(), kind)
 
 
+def fallback_root() -> str:
+    """This user's folder in the system temp folder, which every user can write to."""
+    if not hasattr(os, "getuid"):
+        # Windows: tempfile.gettempdir() is %TEMP%, inside the user's own profile and private to the user already.
+        return os.path.join(tempfile.gettempdir(), FOLDER_NAME)
+    return os.path.join(tempfile.gettempdir(), f"{FOLDER_NAME}-{os.getuid()}")
+
+
 def fallback_folder(kind: str) -> str:
-    return os.path.join(tempfile.gettempdir(), FOLDER_NAME, kind)
+    return os.path.join(fallback_root(), kind)
+
+
+def not_private(folder: str) -> Optional[str]:
+    """Why another user could have written into `folder` (not ours, or writable by group or others), or None.
+    Always None where there are no POSIX owners (Windows: see fallback_root)."""
+    if not hasattr(os, "getuid"):
+        return None
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a folder (a link?)"
+    if st.st_uid != os.getuid():
+        return f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+_refused_logged: set = set()  # temp folders refused in this process: each is reported once, not per store
+
+
+def _private_fallback(kind: str) -> Optional[str]:
+    """The kind's temp folder, made 0700 for this user; None when it, or the folder above it, is not private.
+    Another user can predict its name and plant entries there first (a pass, a code object to load)."""
+    root, folder = fallback_root(), fallback_folder(kind)
+    problem = None
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        for path in (root, folder):  # the one above too: its owner could swap the kind's folder for another
+            why = not_private(path)
+            if why:
+                problem = f"{path} is {why}"
+                break
+    except OSError as exc:
+        problem = f"{folder} is unusable ({exc})"
+    if problem is None:
+        return folder
+    if problem not in _refused_logged:
+        _refused_logged.add(problem)
+        log.warning("cache folder refused: %s; %s entries are kept in memory only", problem, kind)
+    return None
 
 
 def usable_folder(kind: str, preferred: Optional[str] = None) -> Optional[str]:
-    """`preferred` (default: the kind's folder under cache_root) if it can be created and written, else the
-    temp folder's; None when neither can."""
-    for folder in (preferred if preferred is not None else default_folder(kind), fallback_folder(kind)):
-        try:
-            os.makedirs(folder, exist_ok=True)
-            if os.access(folder, os.W_OK):
-                return folder
-        except OSError:
-            pass
-        log.warning("cache folder %s is not writable", folder)
-    return None
+    """`preferred` (default: the kind's folder under cache_root) if it can be created and written, else this
+    user's private temp folder (`_private_fallback`); None when neither can be used."""
+    preferred = preferred if preferred is not None else default_folder(kind)
+    try:
+        os.makedirs(preferred, exist_ok=True)
+        if os.access(preferred, os.W_OK):
+            return preferred
+    except OSError:
+        pass
+    log.warning("cache folder %s is not writable", preferred)
+    folder = _private_fallback(kind)
+    return folder if folder is not None and os.access(folder, os.W_OK) else None
 
 
 # -- keys and entries -------------------------------------------------------------------------------

@@ -181,17 +181,26 @@ class _BrokenBackend(Backend):
         return self._reason
 
 
+# One lock per name: two threads' first calls make one instance (one self-check), and a slow import of one
+# backend (Triton) does not hold up the first call of another.
+_CREATION_LOCKS: Dict[str, threading.Lock] = {name: threading.Lock() for name in BACKEND_NAMES}
+
+
 def get_backend(name: str) -> Backend:
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown kernel {name!r}; choose 'auto' or one of {', '.join(BACKEND_NAMES)}")
-    if name not in _REGISTRY:
-        # Every name has a loader: importing the package runs backends/__init__.py, which registers them all.
-        try:
-            backend: Backend = _LOADERS[name]()
-        except Exception as exc:
-            backend = _BrokenBackend(name, f"failed to load: {type(exc).__name__}: {exc}")
-        _REGISTRY[name] = backend
-    return _REGISTRY[name]
+    backend = _REGISTRY.get(name)
+    if backend is not None:  # made already: no lock on the path of every call
+        return backend
+    with _CREATION_LOCKS[name]:
+        if name not in _REGISTRY:  # another thread may have made it while this one waited
+            # Every name has a loader: importing the package runs backends/__init__.py, which registers them all.
+            try:
+                backend = _LOADERS[name]()
+            except Exception as exc:
+                backend = _BrokenBackend(name, f"failed to load: {type(exc).__name__}: {exc}")
+            _REGISTRY[name] = backend
+        return _REGISTRY[name]
 
 
 def auto_order(call: AttentionCall) -> List[str]:

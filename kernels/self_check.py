@@ -39,6 +39,7 @@ from .reference import exact_attention
 log = logging.getLogger(__name__)
 
 FAILED = "self-check failed"  # in every failure reason a backend is disabled with
+NOT_CHECKED = "self-check could not run"  # in the reason of a call refused because memory ran out during it
 CALLS_PER_CASE = 2  # check_case calls the attention twice per case: the second call must repeat the first's bits
 QUERY_BLOCK = 128  # rows per query block: the largest BLOCK_M of our kernels (Triton and HIP)
 
@@ -234,6 +235,12 @@ def _where(case: Case, b: int, h: int, block: Optional[int] = None) -> str:
     return text
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is a failed allocation: the device's state at that moment, no verdict on the kernel."""
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -265,6 +272,8 @@ def check_case(attention: Callable, case: Case, device) -> CaseResult:
         again, _ = call()
         _sync(device)
     except Exception as exc:  # any failure of the kernel path is a verdict, not a crash
+        if out_of_memory(exc):
+            raise  # but memory that ran out says nothing of the kernel: SelfCheck.ensure tries again later
         return done(f"{label}: raised {type(exc).__name__}: {exc}")
     want_shape = (case.batch, case.q_heads, case.q_len, case.head_dim)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != want_shape or out.dtype != case.dtype:
@@ -315,7 +324,8 @@ def run_self_check(attention: Callable, device, cases: Sequence[Case] = DEFAULT_
                    accepts: Optional[Callable[[Case], bool]] = None, stop_at_first: bool = True) -> SelfCheckResult:
     """Run every case `accepts` takes (default: `default_accepts`); the first failure is the verdict.
 
-    A GQA case the callable declines runs with as many kv heads as q heads instead."""
+    A GQA case the callable declines runs with as many kv heads as q heads instead. Running out of memory
+    (`out_of_memory`) is no verdict: it is raised."""
     device = torch.device(device)
     accepts = accepts or default_accepts
     t0 = time.perf_counter()
@@ -345,7 +355,8 @@ def self_check(attention: Callable, device, *, accepts: Optional[Callable[[Case]
     `attention(q, k, v, is_causal=False)` takes and returns HND tensors (B, H, N, D) on `device` (softmax
     scale 1/sqrt(D)). `accepts(case) -> bool` declines cases the callable cannot take (GQA: `case.gqa`,
     then the case runs without GQA; causal: `case.is_causal`; LSE: `case.return_lse`, then called with
-    return_lse=True -> (out, lse)); by default every case but the LSE one runs."""
+    return_lse=True -> (out, lse)); by default every case but the LSE one runs. An out-of-memory error is
+    raised, not judged."""
     return run_self_check(attention, device, cases, accepts).reason
 
 
@@ -409,6 +420,8 @@ class SelfCheck:
     through the backend's own `refuse` and `launch`; concurrent first calls wait for that one result. A
     failure, an exception or a NaN disables the backend on that device for the process (`Backend.disable`:
     `unavailable`, `available_backends` and every later call report the reason; the dispatcher falls back).
+    Memory running out during the check is no verdict: that call is refused (NOT_CHECKED), nothing is
+    recorded, and the next call checks again.
     A pass may come from the disk (`PassCache`): only passes are kept there, keyed by everything that could
     change the verdict."""
 
@@ -470,6 +483,8 @@ class SelfCheck:
                 self.last_result = result
                 reason = result.reason
             except Exception as exc:
+                if out_of_memory(exc):  # this moment's memory, not the kernel: no verdict, tried again later
+                    return self._not_checked(backend, device, options, exc)
                 reason, result = f"self-check crashed: {type(exc).__name__}: {exc}", None
             if reason:
                 reason = f"{backend.name} disabled on {device}: {FAILED} ({options}): {reason}"
@@ -489,6 +504,16 @@ class SelfCheck:
                 from .registry import invalidate_decisions
                 invalidate_decisions()  # calls with this variant are refused from now on
             return reason
+
+    @staticmethod
+    def _not_checked(backend, device: torch.device, options: str, exc: BaseException) -> str:
+        """The reason for a call whose check ran out of memory; no verdict is recorded."""
+        reason = (f"{backend.name} on {device}: {NOT_CHECKED} for lack of memory ({options}): "
+                  f"{type(exc).__name__}: {exc}; it will be tried again on a later call")
+        log.warning("%s; this call falls back", reason)
+        from .registry import invalidate_decisions
+        invalidate_decisions()  # a plan made on this answer (the override's) must ask again on its next call
+        return reason
 
 
 # -- passes cached on disk ---------------------------------------------------------------------------------

@@ -1,4 +1,7 @@
 """The public API and the registry: explicit kernels never get answered by another backend."""
+import threading
+import time
+
 import pytest
 import torch
 
@@ -258,3 +261,32 @@ def test_sdpa_launch_shortcut_is_sdpa_hnd(case):
     out, lse = registry.get_backend("sdpa").launch(q, k, v, call, 0.125, mask)
     assert lse is None
     assert torch.equal(out, sdpa_hnd(q, k, v, 0.125, mask, is_causal=case == "causal"))
+
+
+def test_the_first_get_backend_from_many_threads_makes_one_instance(monkeypatch):
+    """16 threads ask at once for a backend whose loader is slow: one instance, one load, so its first-use
+    self-check runs once (not once per instance)."""
+    loads = []
+
+    def slow_loader():
+        loads.append(threading.current_thread().name)
+        time.sleep(0.2)  # long enough for every thread to reach get_backend while the first one loads
+        return FakeBackend("sageattention")
+
+    monkeypatch.setattr(registry, "_REGISTRY", {})
+    monkeypatch.setattr(registry, "_LOADERS", {**registry._LOADERS, "sageattention": slow_loader})
+    start = threading.Barrier(16)
+    got = []
+
+    def ask():
+        start.wait()
+        got.append(registry.get_backend("sageattention"))
+
+    threads = [threading.Thread(target=ask) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 16 and all(b is got[0] for b in got), f"{len({id(b) for b in got})} instances"
+    assert len(loads) == 1, f"the loader ran {len(loads)} times"
+    assert registry.get_backend("sageattention") is got[0] and len(loads) == 1  # later calls: the same, no load

@@ -6,7 +6,10 @@ the CPU; the timer returns each fake backend's set time for the backend that jus
 import dataclasses
 import json
 import math
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride
 from comfyui_sage_rdna4.sage_patch.report import format_report_text
 from fakes import FakeBackend, marker_attention
 
+ROOT = Path(__file__).resolve().parents[1]
 IDENTITY = {"gpu": "AMD Radeon RX 9070 XT", "arch": "gfx1201", "driver": 60342134, "torch": "2.9", "hip": "6.4",
             "cuda": None, "triton": "3.6"}
 
@@ -299,6 +303,22 @@ def test_a_backend_disabled_after_measuring_is_passed_over_per_call():
     assert backend.name == "triton_int8_fp16" and skipped == {"triton_int8_fp8": "self-check failed"}
 
 
+def test_a_candidate_whose_self_check_ran_out_of_memory_is_measured_on_a_later_call():
+    """Its first-use check could not run (out of memory: kernels/self_check.py records no verdict, why_not stays
+    None). auto decides nothing for this call (the static order serves it) and measures on a later one, with it."""
+    backends, clock, tuner = setup({"sdpa": 10.0, "triton_int8_fp8": 4.0, "triton_int8_fp16": 6.0})
+    fp8 = backends["triton_int8_fp8"]
+    answers = ["triton_int8_fp8 on cuda:0: self-check could not run for lack of memory (...); it will be tried "
+               "again on a later call"]
+    fp8.ready = lambda call: answers.pop(0) if answers else None
+    qkv = tensors()
+    call = gpu_call(qkv)
+    assert choose(tuner, backends, call, qkv) is None and clock.timed == []
+    assert tuner.decision_for(call) is None  # nothing kept: the next call decides
+    backend, skipped, decision = choose(tuner, backends, call, qkv)
+    assert backend is fp8 and skipped == {} and set(decision.timings) == set(backends)
+
+
 # -- through choose_backend (the real registry, fakes under real names) -------------------------------------
 
 @pytest.fixture
@@ -460,6 +480,104 @@ def test_a_corrupt_or_unreadable_cache_entry_is_measured_again(tmp_path):
     path.mkdir()  # a folder where the entry should be: unreadable, and unwritable
     backends, clock, tuner = disk_tuner(tmp_path, TIMES)
     assert choose(tuner, backends, gpu_call(qkv), qkv)[0].name == "triton_int8_fp8"
+
+
+@pytest.mark.parametrize("timings", [
+    {"triton_int8_fp8": -0.1}, {"triton_int8_fp8": 0.0}, {"triton_int8_fp8": math.nan},
+    {"triton_int8_fp8": math.inf}, {"triton_int8_fp8": 0.001, "sdpa": 5.0}, {"triton_int8_fp16": 2e4},
+    {"sdpa": 0.0}, {"sdpa": -5.0}, {"sdpa": math.nan}, {"sdpa": math.inf},
+], ids=["negative", "zero", "nan", "inf", "0.001ms-vs-5ms", "2000x-sdpa", "sdpa-zero", "sdpa-negative",
+        "sdpa-nan", "sdpa-inf"])
+def test_an_implausible_timing_on_disk_is_a_miss_and_measured_again(tmp_path, caplog, timings):
+    """A checksummed entry whose timings cannot be (not finite, not above 0, or over 1000x off SDPA either
+    way) is not believed: it would read "auto chose ... -0.10x SDPA". Measured again and rewritten."""
+    backends, _, tuner = disk_tuner(tmp_path, TIMES)
+    qkv = tensors()
+    measured = choose(tuner, backends, gpu_call(qkv), qkv)[2]
+    path = entries(tmp_path)[0]
+    key = disk_cache.read_meta(str(path))["key"]
+    entry = json.loads(disk_cache.decode_entry(path.read_bytes(), key)[0])
+    entry["timings"].update(timings)
+    path.write_bytes(disk_cache.encode_entry(key, json.dumps(entry).encode()))  # sound entry, planted numbers
+    backends, clock, tuner = disk_tuner(tmp_path, TIMES)
+    with caplog.at_level("INFO", logger=autotune.__name__):
+        backend, _, again = choose(tuner, backends, gpu_call(qkv), qkv)
+    assert clock.timed and again.source == "measured", again.summary
+    assert backend.name == "triton_int8_fp8" and again.timings == measured.timings
+    assert "implausible" in caplog.text
+    rewritten = json.loads(disk_cache.decode_entry(path.read_bytes(), key)[0])
+    assert rewritten["timings"] == measured.timings
+
+
+def test_plausible_edited_timings_on_disk_are_believed(tmp_path):
+    """The rule's edges: 1.1e-3x and 900x SDPA are odd but possible, and are read as stored."""
+    backends, _, tuner = disk_tuner(tmp_path, TIMES)
+    qkv = tensors()
+    choose(tuner, backends, gpu_call(qkv), qkv)
+    path = entries(tmp_path)[0]
+    key = disk_cache.read_meta(str(path))["key"]
+    entry = json.loads(disk_cache.decode_entry(path.read_bytes(), key)[0])
+    entry["timings"] = {"sdpa": 10.0, "triton_int8_fp8": 0.011, "triton_int8_fp16": 9000.0}
+    path.write_bytes(disk_cache.encode_entry(key, json.dumps(entry).encode()))
+    backends, clock, tuner = disk_tuner(tmp_path, TIMES)
+    backend, _, again = choose(tuner, backends, gpu_call(qkv), qkv)
+    assert clock.timed == [] and again.source == "disk" and again.timings == entry["timings"]
+
+
+# One process saving one decision, loading the pack by its folder as tests/conftest.py does. It waits for `go`
+# after loading (torch's import takes seconds) so that every process writes at the same moment.
+SAVE_ONE_DECISION = """
+import importlib.util, os, sys, time
+root, folder, sync, index = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+spec = importlib.util.spec_from_file_location("comfyui_sage_rdna4", os.path.join(root, "__init__.py"),
+                                              submodule_search_locations=[root])
+pack = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = pack
+spec.loader.exec_module(pack)
+import torch
+from comfyui_sage_rdna4.kernels import autotune
+key = autotune.TuneKey("float16", 64, 64, False, False, 2 ** (index + 6), 4096, "none", "opts")
+decision = autotune.Decision(key, {"sdpa": 10.0, "triton_int8_fp8": 1.0 + index / 4})
+store = autotune.DecisionStore(folder, enabled=True, identity=lambda device: {"gpu": "concurrent writers"})
+open(os.path.join(sync, f"ready-{index}"), "w").close()
+while not os.path.exists(os.path.join(sync, "go")):
+    time.sleep(0.001)
+print(store.save(torch.device("cpu"), decision, ["triton_int8_fp8"]))
+"""
+
+
+@pytest.mark.slow  # 12 Pythons importing torch: about 40 s on 2 shared cores
+def test_twelve_processes_saving_at_once_lose_no_decision(tmp_path):
+    """One entry per decision, each written atomically on its own (kernels/disk_cache.py): writers never read,
+    merge and rewrite one another's entries, so all 12 decisions saved at the same moment load afterwards. (The
+    earlier store, one JSON file per GPU merged on every save, kept 2 of 12 in this very test.)"""
+    folder, sync = tmp_path / "decisions", tmp_path / "sync"
+    sync.mkdir()
+    writers = [subprocess.Popen([sys.executable, "-c", SAVE_ONE_DECISION, str(ROOT), str(folder), str(sync), str(i)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(12)]
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(sync.glob("ready-*"))) < 12 and time.monotonic() < deadline:
+            if any(w.poll() not in (None, 0) for w in writers):
+                break
+            time.sleep(0.05)
+        (sync / "go").touch()
+        outputs = [w.communicate(timeout=120) for w in writers]
+    finally:
+        for w in writers:
+            if w.poll() is None:
+                w.kill()
+    assert [w.returncode for w in writers] == [0] * 12, [err[-2000:] for _, err in outputs]
+    assert len(list(sync.glob("ready-*"))) == 12
+    store = autotune.DecisionStore(str(folder), enabled=True, identity=lambda device: {"gpu": "concurrent writers"})
+    found = {}
+    for i in range(12):
+        key = autotune.TuneKey("float16", 64, 64, False, False, 2 ** (i + 6), 4096, "none", "opts")
+        decision = store.load(torch.device("cpu"), key, ["triton_int8_fp8"])
+        if decision is not None:
+            found[i] = decision.timings["triton_int8_fp8"]
+    assert found == {i: 1.0 + i / 4 for i in range(12)}, f"{len(found)} of 12 decisions kept"
+    assert not list(folder.glob(".tmp-*"))  # no temporary file left behind
 
 
 def test_no_identity_means_memory_only(tmp_path):

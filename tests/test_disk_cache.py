@@ -1,6 +1,7 @@
 """kernels/disk_cache.py: the cache folder, keys, atomic writes and the one entry format every kind uses
 (HIP code objects, self-check passes, auto's decisions): round trips, corrupt and stale entries as misses
 that are removed, and an unwritable disk degrading to memory."""
+import importlib
 import json
 import os
 
@@ -151,7 +152,8 @@ def test_a_folder_it_cannot_create_falls_back_to_the_temp_folder(tmp_path, monke
     blocker.write_text("x")
     monkeypatch.setattr(disk_cache.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     c = disk_cache.EntryStore(disk_cache.SELF_CHECK_PASSES, str(blocker / "sub"))
-    assert c.folder == str(tmp_path / "tmp" / disk_cache.FOLDER_NAME / disk_cache.SELF_CHECK_PASSES)
+    assert c.folder == disk_cache.fallback_folder(disk_cache.SELF_CHECK_PASSES)
+    assert c.folder.startswith(str(tmp_path / "tmp" / disk_cache.FOLDER_NAME))
 
 
 def test_a_failed_write_leaves_no_temporary_file(tmp_path):
@@ -172,3 +174,87 @@ def test_every_kind_writes_the_same_entry_format(tmp_path):
         assert blob.startswith(disk_cache.MAGIC)
         payload, problem = disk_cache.decode_entry(blob, disk_cache.cache_key(kind=kind))
         assert problem == "" and json.loads(payload) == {"kind": kind}
+
+
+# -- the shared temp folder: private to this user, or not used --------------------------------------------------
+
+posix_only = pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX owners and modes (Windows: per-user temp)")
+
+
+def unusable_cache(tmp_path, monkeypatch):
+    """The cache folder cannot be made (a file is in the way); the system temp folder is tmp_path/tmp."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    monkeypatch.setenv(CACHE.name, str(blocker / "cache"))
+    monkeypatch.setattr(disk_cache.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+
+
+def plant(kind, key, mode=None, root_mode=None):
+    """Another user's entry for `key` in the temp fallback of `kind` (a pass, a decision, a code object)."""
+    folder = disk_cache.fallback_folder(kind)
+    planted = disk_cache.EntryStore(kind, folder).store(key, "planted", b'{"verdict": "pass"}')
+    assert planted and os.path.isfile(planted)
+    if mode is not None:
+        os.chmod(folder, mode)
+    if root_mode is not None:
+        os.chmod(os.path.dirname(folder), root_mode)
+    return folder
+
+
+@posix_only
+def test_the_temp_fallback_is_per_user_and_private(tmp_path, monkeypatch):
+    unusable_cache(tmp_path, monkeypatch)
+    c = disk_cache.EntryStore(KIND)
+    root = tmp_path / "tmp" / f"{disk_cache.FOLDER_NAME}-{os.getuid()}"
+    assert c.folder == str(root / KIND)
+    for folder in (root, root / KIND):
+        assert os.stat(folder).st_mode & 0o777 == 0o700, oct(os.stat(folder).st_mode)
+    assert c.store(disk_cache.cache_key(**BASE), "attn", b"image")  # and it is used
+    assert store(root / KIND).load(disk_cache.cache_key(**BASE), "attn")[0] == b"image"
+
+
+@posix_only
+@pytest.mark.parametrize("kind", disk_cache.KINDS)
+@pytest.mark.parametrize("how", ["kind folder 0777", "its parent 0777", "owned by another user"])
+def test_a_temp_fallback_others_can_write_or_own_is_refused(tmp_path, monkeypatch, caplog, kind, how):
+    """Whatever the temp fallback is named, one that another user owns or may write (and may have planted a
+    self-check pass, a decision or a code object in) is not read: memory only, logged once."""
+    unusable_cache(tmp_path, monkeypatch)
+    key = disk_cache.cache_key(what="planted")
+    if how == "owned by another user":
+        real = os.getuid()
+        monkeypatch.setattr(disk_cache.os, "getuid", lambda: real + 1)  # the folder below is real's, not ours
+        folder = plant(kind, key)
+    else:
+        folder = plant(kind, key, **({"mode": 0o777} if how == "kind folder 0777" else {"root_mode": 0o777}))
+    with caplog.at_level("WARNING", logger=disk_cache.__name__):
+        first, second = disk_cache.EntryStore(kind), disk_cache.EntryStore(kind)
+    assert first.folder is None and second.folder is None
+    assert first.load(key, "planted") == (None, None)
+    assert first.load_json(key, "planted") is None
+    refusals = [r for r in caplog.records if folder in r.getMessage() or os.path.dirname(folder) in r.getMessage()]
+    assert len(refusals) == 1, [r.getMessage() for r in caplog.records]
+    assert first.store(key, "mine", b"kept") is None and first.load(key, "mine") == (b"kept", None)  # memory
+
+
+@posix_only
+def test_a_planted_pass_in_a_shared_temp_folder_is_no_pass(tmp_path, monkeypatch):
+    """End to end through the pass cache: a pass another user could have written never skips a self-check."""
+    sc = importlib.import_module("comfyui_sage_rdna4.kernels.self_check")  # kernels.self_check is the function
+    unusable_cache(tmp_path, monkeypatch)
+    cache = sc.PassCache(enabled=True)
+    key = cache.key("hip_int8_fp8", None, None, identity={"gpu": "AMD Radeon RX 9070 XT", "arch": "gfx1201"})
+    folder = disk_cache.fallback_folder(disk_cache.SELF_CHECK_PASSES)
+    os.makedirs(folder)
+    disk_cache.EntryStore(disk_cache.SELF_CHECK_PASSES, folder).store_json(
+        key, "selfcheck-hip_int8_fp8", {"verdict": "pass", "backend": "hip_int8_fp8"})
+    os.chmod(folder, 0o777)
+    assert not cache.has_pass(key, "hip_int8_fp8")
+
+
+def test_without_posix_owners_the_temp_fallback_is_the_per_user_temp_folder(tmp_path, monkeypatch):
+    """Windows has no os.getuid: its temp folder is the user's own (%TEMP% in the profile), used as it is."""
+    unusable_cache(tmp_path, monkeypatch)
+    monkeypatch.delattr(disk_cache.os, "getuid", raising=False)
+    assert disk_cache.EntryStore(KIND).folder == str(tmp_path / "tmp" / disk_cache.FOLDER_NAME / KIND)

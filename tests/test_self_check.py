@@ -428,3 +428,45 @@ def test_a_failure_with_weaker_options_refuses_only_those_options():
     assert reason and "self-check failed" in reason
     assert backend.unavailable("cpu", None) is None  # the accurate options still get their own check
     assert check.guard(backend, _call(qk_group="block64")) == reason
+
+
+# -- out of memory during the check: no verdict ------------------------------------------------------------------
+
+def oom_once(error):
+    """The reference, but its first call raises `error` (memory was short then), as a GPU's first use may."""
+    calls = []
+
+    def attention(q, k, v, is_causal=False, return_lse=False):
+        calls.append(1)
+        if len(calls) == 1:
+            raise error
+        return reference(q, k, v, is_causal=is_causal, return_lse=return_lse)
+    return attention
+
+
+@pytest.mark.parametrize("error", [torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                   RuntimeError("HIP out of memory. Tried to allocate 512.00 MiB")],
+                         ids=["OutOfMemoryError", "RuntimeError"])
+def test_out_of_memory_during_the_check_is_no_verdict_and_a_later_call_checks_again(error):
+    backend = VerifiedFake(oom_once(error))
+    call = _call()
+    variant = backend.variant(call)
+    generation = registry.decision_generation()
+    reason = backend.ready(call)
+    assert reason and "memory" in reason and "tried again" in reason, reason
+    assert sc.FAILED not in reason
+    assert backend.unavailable("cpu", None) is None  # not disabled
+    assert backend.selfcheck.verdict("cpu", None, variant) == (False, None)  # nothing recorded
+    assert backend.why_not(call) is None
+    # plans made while it ran (the override's) are stale: their next call asks again
+    assert registry.decision_generation() != generation
+    runs = backend.runs
+    assert backend.ready(call) is None  # the second call runs the check, and it passes
+    assert backend.runs > runs and backend.selfcheck.verdict("cpu", None, variant) == (True, None)
+
+
+def test_an_error_that_is_not_out_of_memory_still_disables():
+    backend = VerifiedFake(oom_once(RuntimeError("an illegal memory access was encountered")))
+    reason = backend.ready(_call())
+    assert reason and sc.FAILED in reason and "illegal memory access" in reason
+    assert backend.unavailable("cpu", None) == reason
