@@ -21,6 +21,15 @@ reference and the kernel see the same numbers and only the kernel's own arithmet
       - "extreme" values (|q|,|k| up to the dtype max; or K channel offsets with smooth_k off), where INT8
         cannot resolve the scores: no accuracy promise, but the output must stay inside V's range
         (|out| <= 1.07 max|V|: a convex combination of V).
+      - and, where the above holds accuracy, a magnitude bound against FP64 exact attention of the same inputs
+        (the cosine is blind to a scale): exact kernels rel L1 and max abs error per dtype (EXACT_REL_L1,
+        EXACT_MAX_REL; a 1 % scale exceeds them), except where fp16/bf16 cannot hold the scores (counted);
+        quantized kernels rel L1 per value kind (QUANT_REL_L1), and with smooth_v, V's constant channels to
+        the output's rounding (SMOOTH_V_CONST_ERR: there a 1 % or 3 % scale is far above the noise);
+      - with return_lse, the LSE against FP64 logsumexp of the same scaled, masked scores (natural log; LSE_BIAS
+        on the mean error, LSE_MAX_ERR on the worst), for finite inputs INT8 can resolve.
+    The calls vary sm_scale (API) / scale (the override's keyword), return_lse, smooth_v and prologue;
+    test_fuzz_reports_planted_faults plants faults into the backends and requires the fuzz to see each one.
   * finite inputs whose scores overflow FP32 (only bf16/fp32 near their max): a non-finite output is
     accepted (SDPA overflows the same way); a finite one must meet the "extreme" rule against FP64.
   * NaN or Inf in q, k, v or the mask: wherever exact attention is not finite, the output must not be
@@ -91,12 +100,20 @@ class Case:
     qk_group: str = "token"
     skip_output_reshape: bool = False
     seed: int = 0
+    scale_factor: Optional[float] = None  # sm_scale (API) / scale (override) = factor x 1/sqrt(D); None: default
+    return_lse: bool = False
+    smooth_v: bool = False
+    prologue: str = "auto"
 
     def short(self):
         return (f"B{self.batch} H{self.q_heads}/{self.kv_heads} N{self.q_len}/{self.kv_len} D{self.head_dim}/"
                 f"{self.v_head_dim} {self.dtype} {self.layout} mask={self.mask}:{self.mask_shape} "
                 f"values={self.values} causal={self.is_causal} smooth_k={self.smooth_k} {self.qk_group} "
+                f"scale={self.scale_factor} lse={self.return_lse} smooth_v={self.smooth_v} {self.prologue} "
                 f"seed={self.seed}")
+
+    def sm_scale(self):
+        return None if self.scale_factor is None else self.scale_factor / math.sqrt(max(1, self.head_dim))
 
 
 def pick(rng: random.Random, weighted):
@@ -137,11 +154,20 @@ def random_case(rng: random.Random, for_comfy: bool, budget: Optional[int] = Non
     mask_shape = rng.choice(["full", "2d", "3d", "row", "key", "head"])
     values = pick(rng, [("normal", 30), ("scaled", 12), ("big_v", 10), ("k_offset", 10), ("constant_rows", 6),
                         ("zeros", 2), ("extreme", 10), ("nan", 10), ("inf", 10)])
-    return Case(batch=batch, q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=d,
+    case = Case(batch=batch, q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=d,
                 v_head_dim=v_head_dim, dtype=dtype, layout=layout, mask=mask, mask_shape=mask_shape, values=values,
                 is_causal=(not for_comfy) and rng.random() < 0.15, smooth_k=rng.random() < 0.85,
                 qk_group=pick(rng, [("token", 85), ("block32", 5), ("block64", 5), ("block128", 5)]),
                 skip_output_reshape=rng.random() < 0.3, seed=rng.randrange(1 << 30))
+    # The call's options, from their own stream (the calls above stay those of the earlier fuzz): sm_scale /
+    # scale (half the calls: 0.3 .. 3 x the default), return_lse, smooth_v, prologue (these three API only).
+    orng = random.Random(case.seed ^ 0x5CA1E)
+    case.scale_factor = None if orng.random() < 0.5 else round(10 ** (orng.random() - 0.5), 3)
+    if not for_comfy:
+        case.return_lse = orng.random() < 0.15  # SDPA refuses it: keeps 1,000 of its 1,700 small calls
+        case.smooth_v = orng.random() < 0.25
+        case.prologue = pick(orng, [("auto", 80), ("triton", 10), ("hip", 10)])
+    return case
 
 
 def long_cases(for_comfy: bool, square: int = 4096):
@@ -330,6 +356,8 @@ class Tally:
         self.worst_cos = 1.0
         self.torch_overflow = 0
         self.dtype_limited = 0   # exact results not held to a cosine: scores beyond the inputs' dtype resolution
+        self.dtype_limited_mag = 0  # exact results not held to a magnitude bound, for the same reason
+        self.worst = {}          # per dtype / value kind: worst rel L1, max abs error, smooth_v channels, results
         self.t0 = time.time()
 
     def violation(self, case, what):
@@ -348,6 +376,11 @@ class Tally:
                  f"torch SDPA overflows on near-max values {self.torch_overflow}; exact results beyond the dtype's "
                  f"score resolution (range-checked only) {self.dtype_limited}; "
                  f"violations {len(self.violations)}; worst cosine of accuracy-checked results {self.worst_cos:.5f}"]
+        lines.append(f"    exact results beyond the dtype's score resolution, no magnitude bound: "
+                     f"{self.dtype_limited_mag}")
+        for key, (l1, mx, const, n) in sorted(self.worst.items()):
+            lines.append(f"    worst {key}: rel L1 (LSE: |mean error|) {l1:.3g}, max abs err / max|exact| (LSE: max "
+                         f"|error|) {mx:.3g}, constant V channels with smooth_v {const:.3g}, over {n}")
         for reason, n in self.refusals.most_common(25):
             lines.append(f"    refused {n:5d}x  {reason}")
         for v in self.violations[:20]:
@@ -357,6 +390,25 @@ class Tally:
 
 # Half the spacing of representable numbers near 1 (the largest relative rounding error) per dtype.
 HALF_ULP = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -9}
+# Magnitude bounds against FP64 exact attention of the same rounded inputs (check_magnitude, check_lse); each was
+# set from the worst of the slow run's 10,000+ calls (measured value in the comment) with a margin.
+EXACT_REL_L1 = {torch.float16: 1e-3,     # measured 5.1e-4 (SDPA, output rounded to fp16)
+                torch.bfloat16: 4e-3,    # measured 2.9e-3 (bf16 output rounding); x1.01 gives >= 7e-3
+                torch.float32: 1e-4,     # measured 2.0e-5
+                torch.float64: 1e-9}     # (SDPA refuses float64 on this path; none measured)
+EXACT_MAX_REL = {torch.float16: 1e-3,    # x max|exact|; measured 5.0e-4
+                 torch.bfloat16: 9e-3,   # measured 6.3e-3
+                 torch.float32: 1e-4,    # measured 3.5e-5
+                 torch.float64: 1e-9}
+QUANT_REL_L1 = {"normal": 0.12,          # measured 0.090 (tiny calls: a few keys, FP8 P)
+                "scaled": 0.18,          # measured 0.132 (D1: one channel near zero on average)
+                "big_v": 0.08,           # measured 0.058
+                "k_offset": 0.35,        # measured 0.26 (D1, 33 keys; smooth_k on; off: range only)
+                "constant_rows": 0.025,  # measured 0.015
+                "zeros": 0.13}           # measured 0.097 (D3)
+SMOOTH_V_CONST_ERR = 1e-3   # measured 1.2e-15: V's mean is taken out and added back exactly; x1.01 gives 1e-2
+LSE_BIAS = 0.035            # |mean(LSE - exact)| in natural-log units; measured 0.027; LSE + 0.05 exceeds it
+LSE_MAX_ERR = 0.25          # max |LSE - exact|; measured 0.154
 SCORE_ROUNDING_LIMIT = 0.05   # largest score rounding error (natural-log units) under which SDPA must be exact
 
 
@@ -386,10 +438,13 @@ def exact_for(q, k, v, mask, is_causal, sm_scale):
 
 
 def judge(tally: Tally, case: Case, out, q, k, v, mask, quantized: bool, is_causal=False, sm_scale=None,
-          label="result"):
-    """Apply the rule to one returned result; `out` is HND (B, Hq, Nq, Dv). Returns nothing; counts."""
+          label="result", lse=None, want_lse=False):
+    """Apply the rule to one returned result; `out` is HND (B, Hq, Nq, Dv), `lse` the returned LSE where
+    `want_lse` (return_lse) was asked. Returns nothing; counts."""
     tally.results[label] += 1
     e32, e64 = exact_for(q, k, v, mask, is_causal, sm_scale)
+    if want_lse:
+        check_lse(tally, case, lse, q, k, v, mask, is_causal, sm_scale, label)
     if tuple(out.shape) != tuple(e32.shape):
         return tally.violation(case, f"{label}: shape {tuple(out.shape)} != {tuple(e32.shape)}")
     if out.numel() == 0:
@@ -430,6 +485,84 @@ def judge(tally: Tally, case: Case, out, q, k, v, mask, quantized: bool, is_caus
         err = float((o - e32.double()).abs().max())
         if err > QUANT_MAX_ERR * vmax + 1e-6:
             tally.violation(case, f"{label}: max abs error {err:.4g} > {QUANT_MAX_ERR} x max|V| ({vmax:.4g})")
+    check_magnitude(tally, case, o, q, k, v, mask, is_causal, sm_scale, quantized, label)
+
+
+def exact64(q, k, v, mask, is_causal, sm_scale):
+    """Exact attention and its natural-log LSE in FP64, from the same (rounded) inputs the kernel was given."""
+    m64 = mask.double() if mask is not None and mask.is_floating_point() else mask
+    return exact_attention(q.double(), k.double(), v.double(), is_causal=is_causal, sm_scale=sm_scale,
+                           attn_mask=m64, return_lse=True)
+
+
+def magnitude_errors(o, e):
+    """(rel L1, max abs error / max|exact|) of o against e: both see a scale, which the cosine does not."""
+    ea = float(e.abs().sum())
+    if ea == 0.0:
+        return float(o.abs().sum()), float(o.abs().max())
+    return float((o - e).abs().sum()) / ea, float((o - e).abs().max()) / float(e.abs().max())
+
+
+def check_magnitude(tally, case, o, q, k, v, mask, is_causal, sm_scale, quantized, label):
+    """The scale-sensitive half of the rule, against FP64 exact attention of the same rounded inputs: rel L1 and
+    max abs error per dtype (exact kernels); rel L1 per value kind and, where V has constant channels and
+    smooth_v takes V's mean out exactly, those channels to the output's rounding (quantized kernels)."""
+    if not quantized and beyond_dtype_resolution(q, k, sm_scale):
+        tally.dtype_limited_mag += 1  # fp16/bf16 scores rounded by > SCORE_ROUNDING_LIMIT move the result > 1 %
+        return
+    e, _ = exact64(q, k, v, mask, is_causal, sm_scale)
+    rel_l1, max_rel = magnitude_errors(o, e)
+    key = f"quantized {case.values}" if quantized else f"exact {q.dtype}"
+    bound_l1 = QUANT_REL_L1.get(case.values, QUANT_REL_L1["normal"]) if quantized else EXACT_REL_L1[q.dtype]
+    bound_max = None if quantized else EXACT_MAX_REL[q.dtype]
+    const_err = constant_channel_error(case, o, e, v) if quantized and case.smooth_v else None
+    w = tally.worst.setdefault(key, [0.0, 0.0, 0.0, 0])
+    w[0], w[1], w[2], w[3] = max(w[0], rel_l1), max(w[1], max_rel), max(w[2], const_err or 0.0), w[3] + 1
+    if rel_l1 > bound_l1:
+        tally.violation(case, f"{label}: rel L1 {rel_l1:.3g} > {bound_l1} against FP64 exact attention")
+    elif bound_max is not None and max_rel > bound_max:
+        tally.violation(case, f"{label}: max abs error {max_rel:.3g} x max|exact| > {bound_max}")
+    elif const_err is not None and const_err > SMOOTH_V_CONST_ERR:
+        tally.violation(case, f"{label}: V's constant channels off by {const_err:.3g} (relative) with smooth_v "
+                              f"(> {SMOOTH_V_CONST_ERR})")
+
+
+def constant_channel_error(case, o, e, v) -> Optional[float]:
+    """Max relative error on the channels where V is one constant for every key (constant_rows sets half of
+    them to 3.0), over the rows that see a key; None where there are none."""
+    if case.values != "constant_rows" or v.shape[2] == 0:
+        return None
+    const = (v == v[:, :, :1, :]).flatten(0, 2).all(dim=0) & (v[0, 0, 0] != 0)
+    live = e.abs().sum(-1) > 0
+    if not bool(const.any()) or not bool(live.any()):
+        return None
+    oc, ec = o[..., const][live], e[..., const][live]
+    return float((oc - ec).abs().max() / ec.abs().max())
+
+
+def check_lse(tally, case, lse, q, k, v, mask, is_causal, sm_scale, label):
+    """The LSE (natural log) against FP64 logsumexp of the same scaled, masked scores."""
+    want = (q.shape[0], q.shape[1], q.shape[2])
+    if lse is None or tuple(lse.shape) != want:
+        return tally.violation(case, f"{label}: return_lse gave {None if lse is None else tuple(lse.shape)}, "
+                                     f"not {want}")
+    if (lse.numel() == 0 or not all_finite(q, k, v, mask) or case.values == "extreme"
+            or (case.values == "k_offset" and not case.smooth_k)):  # INT8 cannot resolve these scores
+        return
+    _, e = exact64(q, k, v, mask, is_causal, sm_scale)
+    fin = torch.isfinite(e)
+    if not bool((torch.isfinite(lse) == fin).all()):
+        return tally.violation(case, f"{label}: LSE finite where exact is not, or the reverse")
+    if not bool(fin.any()):
+        return
+    d = lse.double()[fin] - e[fin]
+    bias, worst = abs(float(d.mean())), float(d.abs().max())
+    w = tally.worst.setdefault("lse", [0.0, 0.0, 0.0, 0])
+    w[0], w[1], w[3] = max(w[0], bias), max(w[1], worst), w[3] + 1
+    if bias > LSE_BIAS:
+        tally.violation(case, f"{label}: LSE off by {bias:.3g} on average (> {LSE_BIAS}) against FP64 logsumexp")
+    elif worst > LSE_MAX_ERR:
+        tally.violation(case, f"{label}: LSE off by {worst:.3g} (> {LSE_MAX_ERR}) against FP64 logsumexp")
 
 
 def check_range(tally, case, o, vmax, label):
@@ -452,7 +585,8 @@ def api_call(tally: Tally, case: Case, kernel: str, device):
     try:
         out = sage_attention(*args, tensor_layout="NHD" if use_nhd else "HND", kernel=kernel,
                              is_causal=case.is_causal, smooth_k=case.smooth_k, qk_group=case.qk_group,
-                             attn_mask=mask)
+                             attn_mask=mask, sm_scale=case.sm_scale(), return_lse=case.return_lse,
+                             smooth_v=case.smooth_v, prologue=case.prologue)
     except KernelRefused as exc:
         tally.refusal(f"{exc.backend}: {exc.reason}")
         return
@@ -461,6 +595,9 @@ def api_call(tally: Tally, case: Case, kernel: str, device):
         return
     except Exception as exc:  # noqa: BLE001  (anything else is a crash)
         return tally.violation(case, f"{kernel} raised {type(exc).__name__}: {str(exc)[:200]}")
+    lse = None
+    if case.return_lse:
+        out, lse = out
     if use_nhd:
         out = out.transpose(1, 2)
     if expected_bad and case.dtype != torch.float64:
@@ -470,10 +607,11 @@ def api_call(tally: Tally, case: Case, kernel: str, device):
     ran = kernel
     if kernel == "auto":  # judge by the backend auto chose (SDPA, or the reference where SDPA refuses)
         call = describe_call(q, k, v, attn_mask=mask, is_causal=case.is_causal, smooth_k=case.smooth_k,
-                             qk_group=case.qk_group)
+                             qk_group=case.qk_group, return_lse=case.return_lse, smooth_v=case.smooth_v,
+                             prologue=case.prologue)
         ran = choose_backend(call, "auto").backend.name
-    judge(tally, case, out, q, k, v, mask, get_backend(ran).quantized, case.is_causal, label=f"{kernel}->{ran}"
-          if kernel != ran else kernel)
+    judge(tally, case, out, q, k, v, mask, get_backend(ran).quantized, case.is_causal, sm_scale=case.sm_scale(),
+          label=f"{kernel}->{ran}" if kernel != ran else kernel, lse=lse, want_lse=case.return_lse)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -511,6 +649,8 @@ def override_call(tally: Tally, case: Case, override: SageAttentionOverride, fun
           "cond_or_uncond": [0]}
     kwargs = dict(mask=mask, skip_reshape=skip, skip_output_reshape=case.skip_output_reshape,
                   transformer_options=to)
+    if case.scale_factor is not None:
+        kwargs["scale"] = case.sm_scale()  # ComfyUI's keyword for a non-default softmax scale
     tally.calls += 1
     before = override.stats.snapshot()
     # ComfyUI's own attention on the same call: what a fallback must return, and whether it raises.
@@ -538,7 +678,7 @@ def override_call(tally: Tally, case: Case, override: SageAttentionOverride, fun
             m4 = m4.unsqueeze(0) if m4.ndim == 2 else m4
             m4 = m4.unsqueeze(1) if m4.ndim == 3 else m4
         judge(tally, case, to_hnd_out(out, case, case.skip_output_reshape), q4, k4, v4, m4, quantized=True,
-              label=kernel_name)
+              sm_scale=case.sm_scale(), label=kernel_name)
     elif ran == 0 and len(fell) == 1:
         reason = next(iter(fell))
         tally.refusal(reason)
@@ -572,10 +712,12 @@ CPU_CALLS = collections.Counter()
 
 
 def run_api_fuzz(kernels, n_random: int, device="cpu", seed=SEED, long_calls=4, square=4096,
-                 budget: Optional[int] = None) -> List[Tally]:
-    """`long_calls` of long_cases() first (0 to 4), then `n_random` random calls, through each kernel."""
+                 budget: Optional[int] = None, tweak=None) -> List[Tally]:
+    """`long_calls` of long_cases() first (0 to 4), then `n_random` random calls, through each kernel; `tweak`
+    (a Case -> Case) adjusts every random call (the planted-fault test)."""
     rng = random.Random(seed)
     cases = long_cases(False, square)[:long_calls] + [random_case(rng, False, budget) for _ in range(n_random)]
+    cases = [tweak(c) for c in cases] if tweak else cases
     tallies = []
     for kernel in kernels:
         tally = Tally(f"api kernel={kernel} on {device}")
@@ -589,10 +731,11 @@ def run_api_fuzz(kernels, n_random: int, device="cpu", seed=SEED, long_calls=4, 
 
 
 def run_override_fuzz(kernels, n_random: int, device="cpu", seed=SEED + 1, long_calls=4, square=4096,
-                      budget: Optional[int] = None) -> List[Tally]:
+                      budget: Optional[int] = None, tweak=None) -> List[Tally]:
     """As run_api_fuzz, through the ComfyUI override."""
     rng = random.Random(seed)
     cases = long_cases(True, square)[:long_calls] + [random_case(rng, True, budget) for _ in range(n_random)]
+    cases = [tweak(c) for c in cases] if tweak else cases
     func, func_name = comfy_func()
     tallies = []
     for kernel in kernels:
@@ -750,6 +893,124 @@ def test_fuzz_many_small_calls_cpu(summary_lines, scale):
     # is not made)
     assert all(sum(t.results.values()) >= scale.small * 10 // 17  # 1,000 of 1,700
                for t in tallies if "kernel=auto" not in t.name or "api" in t.name)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The fuzz must be able to fail: faults planted into the backends' launch
+# ---------------------------------------------------------------------------------------------------------
+
+def _scaled(launch, factor):
+    def faulty(q, k, v, call, sm_scale, mask):
+        out, lse = launch(q, k, v, call, sm_scale, mask)
+        return (out.double() * factor).to(out.dtype), lse
+    return faulty
+
+
+def _default_scale(launch):
+    def faulty(q, k, v, call, sm_scale, mask):
+        return launch(q, k, v, call, 1.0 / math.sqrt(q.shape[-1]), mask)
+    return faulty
+
+
+def _lse_shifted(launch):
+    def faulty(q, k, v, call, sm_scale, mask):
+        out, lse = launch(q, k, v, call, sm_scale, mask)
+        return out, None if lse is None else lse + 0.05
+    return faulty
+
+
+def _last_key_dropped(launch):
+    def faulty(q, k, v, call, sm_scale, mask):
+        if mask is not None and mask.shape[-1] == k.shape[2] > 1:
+            mask = mask[..., :-1]
+        return launch(q, k[..., :-1, :], v[..., :-1, :], call, sm_scale, mask)
+    return faulty
+
+
+def _causal_shifted(launch):
+    """Causal with the diagonal one key late: query i also sees key i + 1."""
+    import dataclasses
+
+    def faulty(q, k, v, call, sm_scale, mask):
+        if not call.is_causal:
+            return launch(q, k, v, call, sm_scale, mask)
+        nq, nk = q.shape[2], k.shape[2]
+        keep = torch.arange(nk, device=q.device)[None, :] <= torch.arange(nq, device=q.device)[:, None] + 1
+        if mask is None:
+            mask = keep
+        elif mask.dtype == torch.bool:
+            mask = mask & keep
+        else:
+            mask = mask.masked_fill(~keep, -math.inf)
+        return launch(q, k, v, dataclasses.replace(call, is_causal=False), sm_scale, mask)
+    return faulty
+
+
+def _spec_scaled(factor):
+    from comfyui_sage_rdna4.kernels.reference import reference_attention
+
+    def faulty(*args, **kwargs):
+        res = reference_attention(*args, **kwargs)
+        out, lse = res if isinstance(res, tuple) else (res, None)
+        out = (out.double() * factor).to(out.dtype)
+        return (out, lse) if isinstance(res, tuple) else out
+    return faulty
+
+
+# name -> (the backend whose launch is wrapped, or "spec" for the reference's function; the wrapper or factor; a case
+# tweak; whether the override's calls run too). The API fuzz runs the backend's own kernel name; the override
+# (kernel=reference) gets no LSE and no causal calls from ComfyUI, so those two faults are sought through the API.
+def _v_offset(c: Case) -> Case:
+    """Constant V channels with smooth_v: the one place a quantized kernel's 1 % scale is above its noise."""
+    return dict_replace(c, values="constant_rows", smooth_v=True)
+
+
+PLANTED_FAULTS = {
+    "reference x1.01": ("reference", lambda f: _scaled(f, 1.01), _v_offset, True),
+    "sdpa x1.01": ("sdpa", lambda f: _scaled(f, 1.01), None, False),
+    "sdpa ignores sm_scale": ("sdpa", _default_scale, None, False),
+    "spec x1.01": ("spec", 1.01, _v_offset, True),
+    "spec x0.97": ("spec", 0.97, _v_offset, True),
+    "LSE + 0.05": ("reference", _lse_shifted, lambda c: dict_replace(c, return_lse=True), False),
+    "last key dropped": ("reference", _last_key_dropped, None, True),
+    "causal off by one (sdpa)": ("sdpa", _causal_shifted, lambda c: dict_replace(c, is_causal=True), False),
+    "causal off by one (reference)": ("reference", _causal_shifted, lambda c: dict_replace(c, is_causal=True),
+                                      False),
+}
+PLANTED_CALLS = 40
+
+
+def _planted_run(fault: Optional[str], seed: int) -> List[Tally]:
+    target, _, tweak, via_override = PLANTED_FAULTS[fault] if fault else ("reference", None, None, True)
+    tallies = run_api_fuzz(["sdpa" if target == "sdpa" else "reference"], n_random=PLANTED_CALLS, seed=seed,
+                           long_calls=0, tweak=tweak)
+    if via_override:
+        tallies += run_override_fuzz(["reference"], n_random=PLANTED_CALLS, seed=seed + 1, long_calls=0)
+    return tallies
+
+
+@pytest.mark.parametrize("fault", [None, *PLANTED_FAULTS])
+def test_fuzz_reports_planted_faults(monkeypatch, fault):
+    """Each fault planted into a backend's launch (or the spec) makes the quick fuzz report a violation; with no
+    fault it reports none. Every fault was seen (5 to 42 violations each) with seeds SEED + 0 .. 3 and SEED + 77."""
+    from comfyui_sage_rdna4.kernels.backends import reference as reference_module
+
+    if fault is not None:
+        target, wrap, _, _ = PLANTED_FAULTS[fault]
+        if target == "spec":
+            monkeypatch.setattr(reference_module, "reference_attention", _spec_scaled(wrap))
+        else:
+            backend = get_backend(target)
+            monkeypatch.setattr(backend, "launch", wrap(type(backend).launch.__get__(backend)))
+    tallies = _planted_run(fault, SEED + 77)
+    bad = [v for t in tallies for v in t.violations]
+    results = sum(sum(t.results.values()) for t in tallies)
+    print(f"planted fault {fault}: {len(bad)} violations in {results} results; first: {bad[:1]}")
+    if fault is None:
+        assert not bad, bad[:5]
+        assert results >= PLANTED_CALLS // 2
+    else:
+        assert bad, f"the fuzz did not see the planted fault {fault!r} ({results} results)"
 
 
 @pytest.mark.slow
