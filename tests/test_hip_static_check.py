@@ -1,7 +1,10 @@
-"""Static checks of the HIP kernels for gfx1200/gfx1201 with Debian bookworm's clang-19 (no GPU needed).
+"""Static checks of the shipped HIP code objects for gfx1200/gfx1201 (no GPU or compiler needed).
 
-Compiles every kernel, reads VGPRs/spills/LDS from the code object and counts instructions in the
-key loop from the disassembly. Prints a table (pytest -s). Skipped cleanly without clang-19."""
+Reads the objects a user's run loads (kernels/backends/hip/prebuilt/, built with Debian bookworm's clang-19 by
+tools/build_hip_objects.py): VGPRs/spills/LDS and the occupancy derived from them from the metadata, the
+instructions of the key loop from the disassembly. Prints a table (pytest -s). Skipped cleanly without
+llvm-readelf-19/llvm-objdump-19. That the objects are the build of the current sources:
+tests/test_prebuilt_objects.py."""
 import re
 
 import pytest
@@ -10,12 +13,13 @@ from comfyui_sage_rdna4.kernels.backends.hip import kernel_abi
 from comfyui_sage_rdna4.kernels.verify import hip_static_check
 
 pytestmark = pytest.mark.hipcc
-needs_clang = pytest.mark.skipif(hip_static_check.toolchain_missing() is not None,
-                                 reason=str(hip_static_check.toolchain_missing()))
+needs_llvm = pytest.mark.skipif(hip_static_check.readers_missing() is not None,
+                                 reason=str(hip_static_check.readers_missing()))
 
 # Key-loop limits: non-WMMA instructions per v_wmma in the unmasked key loop (every instruction counted, waits
 # included), and the occupancy each attention kernel keeps (waves per SIMD, the compiler's model), both archs and
-# both output dtypes. The limits are the current figures (clang-19, gfx1200 and gfx1201 identical) plus a
+# both output dtypes, read from the shipped objects. The limits are the current figures (clang-19, gfx1200 and
+# gfx1201 identical) plus a
 # little headroom, so that a regression fails:
 #                 before issue 11 (two-level P.V)   issue 11   after   now     limit   waves
 #   FP8  D128     7.70                              5.52       5.52    5.47    5.70    9
@@ -31,10 +35,10 @@ MIN_WAVES = {("fp8", 128): 9, ("fp16", 128): 8, ("fp8", 64): 12, ("fp16", 64): 1
 
 @pytest.fixture(scope="module", params=hip_static_check.ARCHS)
 def stats(request, summary_lines):
-    if hip_static_check.toolchain_missing():
-        pytest.skip(hip_static_check.toolchain_missing())
-    kernels = hip_static_check.analyze(request.param, kernel_abi.module_source("hip"))
-    print()
+    if hip_static_check.readers_missing():
+        pytest.skip(hip_static_check.readers_missing())
+    kernels = hip_static_check.analyze(request.param)  # the shipped object, as a user's run loads it
+    print(f"\n{hip_static_check.shipped_object(request.param)}")
     for name in sorted(kernels):
         print(kernels[name].line())
     # The attention kernels' figures go to the run's summary too (CI captures test output).
@@ -44,12 +48,12 @@ def stats(request, summary_lines):
     return kernels
 
 
-@needs_clang
+@needs_llvm
 def test_every_kernel_compiles(stats):
     assert sorted(stats) == sorted(kernel_abi.all_kernel_names())
 
 
-@needs_clang
+@needs_llvm
 def test_no_spills_and_lds_within_64k(stats):
     for ks in stats.values():
         assert ks.vgpr_spills == 0 and ks.sgpr_spills == 0, ks.line()
@@ -58,7 +62,7 @@ def test_no_spills_and_lds_within_64k(stats):
         assert ks.occupancy >= 1, ks.line()
 
 
-@needs_clang
+@needs_llvm
 @pytest.mark.parametrize("pv,pv_insn", [("fp8", "v_wmma_f32_16x16x16_fp8_fp8"), ("fp16", "v_wmma_f32_16x16x16_f16")])
 @pytest.mark.parametrize("d", kernel_abi.HEAD_DIMS)
 def test_attention_uses_the_wmma_units(stats, pv, pv_insn, d):
@@ -72,7 +76,7 @@ def test_attention_uses_the_wmma_units(stats, pv, pv_insn, d):
         assert ks.vgprs <= 256
 
 
-@needs_clang
+@needs_llvm
 @pytest.mark.parametrize("pv,d", sorted(KEY_LOOP_LIMITS))
 def test_key_loop_within_limits(stats, pv, d):
     for dt in kernel_abi.DTYPES:
@@ -81,7 +85,7 @@ def test_key_loop_within_limits(stats, pv, d):
         assert ks.occupancy >= MIN_WAVES[pv, d], ks.line()
 
 
-@needs_clang
+@needs_llvm
 def test_probe_and_scores_kernels_use_each_builtin(stats):
     assert set(stats["sage_wmma_probe"].wmma_kinds) == {
         "v_wmma_i32_16x16x16_iu8", "v_wmma_f32_16x16x16_fp8_fp8", "v_wmma_f32_16x16x16_f16"}

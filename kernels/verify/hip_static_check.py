@@ -1,13 +1,14 @@
 """Static checks of the HIP kernels for gfx1200/gfx1201 without a GPU or ROCm.
 
-Compiles `kernel_abi.module_source('hip')` with clang-19 (Debian bookworm's clang-19 + lld-19), reads
-the code object's AMDHSA metadata with llvm-readelf (VGPRs, SGPRs, spills, LDS), the compiler's
-resource remarks (occupancy in waves per SIMD, as the compiler models it for the target), and the
-disassembly from llvm-objdump: for every loop that contains v_wmma (a backward branch), how many
-v_wmma it holds and how many other instructions run per v_wmma.
+Reads the shipped code objects (kernels/backends/hip/prebuilt/, built by tools/build_hip_objects.py with
+Debian bookworm's clang-19 + lld-19): the AMDHSA metadata with llvm-readelf (VGPRs, SGPRs, spills, LDS,
+and from these the occupancy in waves per SIMD, `occupancy_from_metadata`), and the disassembly from
+llvm-objdump: for every loop that contains v_wmma (a backward branch), how many v_wmma it holds and how
+many other instructions run per v_wmma. `--fresh` compiles the sources as they are now instead (the same
+flags, shipped_objects.BUILD_FLAGS), for trying an edit before rebuilding the objects.
 
-    python kernels/verify/hip_static_check.py [--arch gfx1201] [--kernel NAME]
-    (it imports nothing of the pack: it only reads the sources in kernels/backends/hip/src)
+    python kernels/verify/hip_static_check.py [--arch gfx1201] [--kernel NAME] [--fresh]
+    (it imports nothing of the pack but shipped_objects.py, loaded by path: standard library only)
 
 The key loop's figures and their limits (non-WMMA instructions per v_wmma, waves per SIMD) are kept in
 tests/test_hip_static_check.py (KEY_LOOP_LIMITS, MIN_WAVES) and in docs/MEASUREMENTS.md#hip-key-loop; now:
@@ -16,6 +17,7 @@ FP8 D128 5.47, FP16 D128 5.84, FP8 D64 8.53, FP16 D64 8.81 (history in docs/MEAS
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
@@ -26,7 +28,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-ARCHS = ("gfx1200", "gfx1201")
+HIP_DIR = Path(__file__).resolve().parents[1] / "backends" / "hip"
+
+
+def _load_shipped_objects():
+    """kernels/backends/hip/shipped_objects.py by path (this file also runs as a script, outside the package)."""
+    name = "_sage_rdna4_shipped_objects"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, HIP_DIR / "shipped_objects.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+shipped_objects = _load_shipped_objects()
+ARCHS = shipped_objects.ARCHS
 LDS_LIMIT = 64 * 1024
 TOOL_SUFFIXES = ("-19", "")
 
@@ -41,11 +58,16 @@ def find_tool(name: str) -> Optional[str]:
     return str(cand) if cand.exists() else None
 
 
-def toolchain_missing() -> Optional[str]:
-    for tool in ("clang++", "llvm-readelf", "llvm-objdump", "ld.lld"):
+def toolchain_missing(tools=("clang++", "llvm-readelf", "llvm-objdump", "ld.lld")) -> Optional[str]:
+    for tool in tools:
         if find_tool(tool) is None:
             return f"{tool}-19 not found (apt-get install clang-19 lld-19 llvm-19)"
     return None
+
+
+def readers_missing() -> Optional[str]:
+    """What reading a shipped object needs (no compiler)."""
+    return toolchain_missing(("llvm-readelf", "llvm-objdump"))
 
 
 @dataclass
@@ -77,7 +99,9 @@ class KernelStats:
     sgpr_spills: int = -1
     lds_bytes: int = -1
     scratch_bytes: int = -1
-    occupancy: int = -1             # waves per SIMD (compiler's model)
+    workgroup_size: int = -1        # .max_flat_workgroup_size
+    wavefront_size: int = -1
+    occupancy: int = -1             # waves per SIMD (LLVM 19's model, from the metadata)
     wmma_total: int = 0
     wmma_kinds: Dict[str, int] = field(default_factory=dict)
     loops: List[LoopStats] = field(default_factory=list)
@@ -98,14 +122,16 @@ class KernelStats:
                 f"waves/SIMD {self.occupancy}, v_wmma {self.wmma_total}; {loop}")
 
 
+REMARKS_FLAG = "-Rpass-analysis=kernel-resource-usage"
+
+
 def compile_code_object(source: str, arch: str, out_dir: str, extra_flags=()) -> (str, str):
-    """Compile one translation unit for `arch`; returns (code object path, compiler remarks)."""
-    src = os.path.join(out_dir, "kernels.hip")
+    """Compile one translation unit for `arch` with the shipped objects' flags plus the resource remarks;
+    returns (code object path, compiler remarks)."""
+    src = os.path.join(out_dir, shipped_objects.SOURCE_NAME)
     obj = os.path.join(out_dir, f"kernels_{arch}.co")
     Path(src).write_text(source)
-    cmd = [find_tool("clang++"), "-x", "hip", f"--offload-arch={arch}", "-nogpulib", "-nogpuinc",
-           "--cuda-device-only", "--no-gpu-bundle-output", "-O3", "-std=c++17",
-           "-Rpass-analysis=kernel-resource-usage", "-o", obj, src, *extra_flags]
+    cmd = [find_tool("clang++"), *shipped_objects.build_flags(arch), REMARKS_FLAG, "-o", obj, src, *extra_flags]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"clang failed for {arch}:\n{res.stderr[-4000:]}")
@@ -114,7 +140,27 @@ def compile_code_object(source: str, arch: str, out_dir: str, extra_flags=()) ->
 
 _META_KEYS = {".vgpr_count": "vgprs", ".sgpr_count": "sgprs", ".vgpr_spill_count": "vgpr_spills",
               ".sgpr_spill_count": "sgpr_spills", ".group_segment_fixed_size": "lds_bytes",
-              ".private_segment_fixed_size": "scratch_bytes"}
+              ".private_segment_fixed_size": "scratch_bytes", ".max_flat_workgroup_size": "workgroup_size",
+              ".wavefront_size": "wavefront_size"}
+
+# LLVM 19's occupancy model for gfx12 in wave32 (what its resource remarks print): 1536 VGPRs per SIMD,
+# allocated in granules of 24; 64 KiB of LDS shared by the 2 SIMDs a workgroup runs on; at most 16 waves per
+# SIMD. tests/test_prebuilt_objects.py checks it against the remarks of a fresh build, kernel by kernel.
+GFX12_VGPRS, GFX12_VGPR_GRANULE, GFX12_LDS, GFX12_SIMDS_PER_CU, GFX12_MAX_WAVES = 1536, 24, 64 * 1024, 2, 16
+
+
+def occupancy_from_metadata(ks: "KernelStats") -> int:
+    """Waves per SIMD that the kernel's VGPRs and LDS allow (SGPRs do not limit gfx10+)."""
+    granules = -(-max(ks.vgprs, 1) // GFX12_VGPR_GRANULE)
+    by_vgprs = min(GFX12_MAX_WAVES, GFX12_VGPRS // (granules * GFX12_VGPR_GRANULE))
+    if ks.lds_bytes <= 0:
+        return by_vgprs
+    groups = GFX12_LDS // ks.lds_bytes
+    if groups == 0:
+        return 0
+    waves_per_group = -(-ks.workgroup_size // ks.wavefront_size)
+    by_lds = min(GFX12_MAX_WAVES, -(-groups * waves_per_group // GFX12_SIMDS_PER_CU))
+    return min(by_vgprs, by_lds)
 
 
 def parse_notes(text: str, arch: str) -> Dict[str, KernelStats]:
@@ -202,23 +248,20 @@ def loop_stats(insns: List[tuple]) -> List[LoopStats]:
     return loops
 
 
-def analyze(arch: str, source: Optional[str] = None, work_dir: Optional[str] = None) -> Dict[str, KernelStats]:
-    """Compile for `arch` and return statistics for every kernel."""
-    if source is None:
-        src_dir = Path(__file__).resolve().parents[1] / "backends" / "hip" / "src"
-        names = ("gfx12_prelude.h", "sage_prologue.hip", "sage_attention.hip")
-        source = "\n".join((src_dir / n).read_text() for n in names)
-    with tempfile.TemporaryDirectory() as tmp:
-        d = work_dir or tmp
-        obj, remarks = compile_code_object(source, arch, d)
-        notes = subprocess.run([find_tool("llvm-readelf"), "--notes", obj], capture_output=True, text=True,
-                               check=True).stdout
-        dis = subprocess.run([find_tool("llvm-objdump"), "-d", f"--mcpu={arch}", obj], capture_output=True,
-                             text=True, check=True).stdout
+def shipped_object(arch: str) -> str:
+    """The path of the code object shipped for `arch`."""
+    return shipped_objects.object_path(arch)
+
+
+def analyze_object(obj: str, arch: str) -> Dict[str, KernelStats]:
+    """Statistics of every kernel in the code object at `obj`."""
+    notes = subprocess.run([find_tool("llvm-readelf"), "--notes", obj], capture_output=True, text=True,
+                           check=True).stdout
+    dis = subprocess.run([find_tool("llvm-objdump"), "-d", f"--mcpu={arch}", obj], capture_output=True,
+                         text=True, check=True).stdout
     kernels = parse_notes(notes, arch)
-    for name, occ in parse_occupancy(remarks).items():
-        if name in kernels:
-            kernels[name].occupancy = occ
+    for ks in kernels.values():
+        ks.occupancy = occupancy_from_metadata(ks)
     for name, insns in parse_disassembly(dis).items():
         if name not in kernels:
             continue
@@ -231,18 +274,42 @@ def analyze(arch: str, source: Optional[str] = None, work_dir: Optional[str] = N
     return kernels
 
 
+def fresh_sources() -> str:
+    """The translation unit as the sources are now (kernel_abi.module_source('hip') without the pack)."""
+    names = ("gfx12_prelude.h", "sage_prologue.hip", "sage_attention.hip")
+    return "\n".join((HIP_DIR / "src" / n).read_text() for n in names)
+
+
+def analyze(arch: str, source: Optional[str] = None, work_dir: Optional[str] = None) -> Dict[str, KernelStats]:
+    """Statistics for every kernel: of the shipped object for `arch`, or of a fresh build of `source`."""
+    if source is None:
+        return analyze_object(shipped_object(arch), arch)
+    with tempfile.TemporaryDirectory() as tmp:
+        obj, _ = compile_code_object(source, arch, work_dir or tmp)
+        return analyze_object(obj, arch)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", action="append", choices=ARCHS)
     ap.add_argument("--kernel", help="substring filter on kernel names")
+    ap.add_argument("--fresh", action="store_true", help="compile the sources as they are now instead of "
+                                                         "reading the shipped objects")
     args = ap.parse_args(argv)
-    missing = toolchain_missing()
+    missing = toolchain_missing() if args.fresh else readers_missing()
     if missing:
         print(missing)
         return 2
     bad = 0
     for arch in args.arch or ARCHS:
-        for name, ks in sorted(analyze(arch).items()):
+        if args.fresh:
+            print(f"{arch}: a fresh build of kernels/backends/hip/src")
+            kernels = analyze(arch, fresh_sources())
+        else:
+            path = shipped_object(arch)
+            print(f"{arch}: {os.path.relpath(path)} ({shipped_objects.sha256(Path(path).read_bytes())[:8]})")
+            kernels = analyze(arch)
+        for name, ks in sorted(kernels.items()):
             if args.kernel and args.kernel not in name:
                 continue
             print(ks.line())

@@ -1,7 +1,8 @@
 """Runtime compilation of the kernel sources with hiprtc, for the device's own target.
 
-Nothing is built at install time. On first use the sources are compiled for the device's gcnArchName
-(e.g. gfx1201) and the code object is kept in the disk cache (kernels/disk_cache.py). The sources include
+Where the shipped code object for the device's arch serves (shipped_objects.py, prebuilt/), nothing is
+compiled. Otherwise, on first use, the sources are compiled for the device's gcnArchName (e.g. gfx1201) and
+the code object is kept in the disk cache (kernels/disk_cache.py). The sources include
 only headers of their own; those travel to the compiler by name with the program, so no include path or
 toolchain is needed. hiprtc is looked for beside the HIP runtime PyTorch loaded first (ROCm wheels ship it
 next to amdhip64), then in the ROCm install.
@@ -129,6 +130,12 @@ def _open(candidates: Sequence[str], stem: str, what: str) -> Tuple[ctypes.CDLL,
     raise CompilerUnavailable(f"{what} not found; tried: {', '.join(tried) or 'nothing'}")
 
 
+def device_gcn_arch(device_index: int) -> str:
+    """The device's processor name from its gcnArchName ('gfx1201:sramecc-:xnack-' -> 'gfx1201')."""
+    props = torch.cuda.get_device_properties(device_index)
+    return parse_gcn_arch(getattr(props, "gcnArchName", ""))
+
+
 # -- the compilers --------------------------------------------------------------------------------
 
 class RtcCompiler:
@@ -246,8 +253,7 @@ class HiprtcCompiler(RtcCompiler):
         super().__init__(candidates or hiprtc_candidates(), "hiprtc (the HIP runtime compiler)")
 
     def target_for_device(self, device_index: int) -> str:
-        props = torch.cuda.get_device_properties(device_index)
-        return parse_gcn_arch(getattr(props, "gcnArchName", ""))
+        return device_gcn_arch(device_index)
 
     def options(self, target, extra_flags):
         return [f"--offload-arch={target}", "-O3", "-std=c++17", *extra_flags]

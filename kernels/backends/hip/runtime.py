@@ -1,9 +1,10 @@
 """ctypes over the HIP runtime PyTorch already loaded: load a code object, find a kernel, launch it.
 
 The module API is one small interface (`GpuRuntime`); `HipRuntime` implements it on the HIP module API in
-libamdhip64 / amdhip64_N.dll. Nothing here compiles; `compiler.py` turns sources into code objects and
-kernels/disk_cache.py keeps them on disk. `KernelLoader` joins the three: (device, kernel) -> a launchable
-function. Where the libraries are and what the GPU is called come from `platform.py`, shared with the compiler.
+libamdhip64 / amdhip64_N.dll. Nothing here compiles: the code object is the one shipped for the device's
+arch (shipped_objects.py) when it is the build of these sources, else `compiler.py` builds one (hiprtc) and
+kernels/disk_cache.py keeps it on disk. `KernelLoader` joins them: (device, kernel) -> a launchable
+function, and says which path served (`code_paths`). Where the libraries are and what the GPU is called come from `platform.py`, shared with the compiler.
 
 Which runtime and compiler serve a PyTorch build is a registered `Platform`: 'hip' here. On NVIDIA the kernels
 run only as the gfx12 emulation, whose CUDA runtime and compiler live with the verification tooling
@@ -26,6 +27,7 @@ import contextlib
 import ctypes
 import glob
 import importlib
+import logging
 import os
 import sys
 import threading
@@ -36,7 +38,14 @@ import torch
 
 from ... import settings
 from ...disk_cache import HIP_CODE_OBJECTS, EntryStore
-from .compiler import SourceBundle, compiler_unavailable_reason, get_compiler
+from . import shipped_objects
+from .compiler import (
+    CompilerUnavailable,
+    SourceBundle,
+    compiler_unavailable_reason,
+    device_gcn_arch,
+    get_compiler,
+)
 from .platform import (
     loaded_library_paths,
     parse_gcn_arch,
@@ -55,6 +64,9 @@ ARG_CTYPES = {
     "u64": ctypes.c_uint64,
     "f32": ctypes.c_float,
 }
+
+log = logging.getLogger(__name__)
+
 
 class RuntimeUnavailable(RuntimeError):
     """The GPU runtime library cannot be found or lacks an entry point; the message says which."""
@@ -279,6 +291,7 @@ class Platform:
     compiler_kind: str                       # compiler.get_compiler's name for its compiler
     make_runtime: Callable[[], GpuRuntime]
     source_target: str                       # kernel_abi.module_source's target for its compiler
+    prebuilt: bool = False                   # whether shipped_objects' code objects serve it
 
 
 _PLATFORMS: Dict[str, Platform] = {}
@@ -288,7 +301,7 @@ def register_platform(platform: Platform) -> None:
     _PLATFORMS[platform.kind] = platform
 
 
-register_platform(Platform("hip", "hiprtc", HipRuntime, "hip"))
+register_platform(Platform("hip", "hiprtc", HipRuntime, "hip", prebuilt=True))
 
 EMULATION_KIND = "cuda"
 # The CUDA twin, relative to this package: verification code, imported only when the emulation is asked for.
@@ -396,18 +409,45 @@ class LoadedKernel:
 
 
 class KernelLoader:
-    """(device, source, entry) -> LoadedKernel, compiling through the disk cache on first use.
+    """(device, source, entry) -> LoadedKernel: the shipped code object when it may serve, else a build.
 
     One loader per runtime kind; modules are loaded once per device and source, and kept (a module
     loaded on device 0 is not valid on device 1, so the device is part of every key).
+
+    With `prebuilt` (shipped_objects.ShippedObjects; the 'hip' platform) and no extra flags, the object shipped
+    for the device's arch (`arch_of`) is loaded when its manifest names these sources' digest and its bytes
+    their sha256: no compiler is made or called. Otherwise, or when the runtime refuses it, the compiler
+    (`compiler`, or made by `compiler_factory` on first need) builds through the disk cache; `served` and
+    `prebuilt_refusals` say, per device, which path served and why the shipped object did not (a refusal by
+    the runtime is logged with its error).
     A cached code object the driver rejects is dropped and rebuilt once.
     """
 
-    def __init__(self, runtime: GpuRuntime, compiler, cache):
-        self.runtime, self.compiler, self.cache = runtime, compiler, cache
+    def __init__(self, runtime: GpuRuntime, compiler=None, cache=None, *,
+                 compiler_factory: Optional[Callable[[], object]] = None,
+                 prebuilt: Optional[shipped_objects.ShippedObjects] = None,
+                 arch_of: Optional[Callable[[int], str]] = None):
+        if compiler is None and compiler_factory is None:
+            raise ValueError("KernelLoader needs a compiler or a compiler_factory")
+        self.runtime, self.cache = runtime, cache
+        self._compiler, self._compiler_factory = compiler, compiler_factory
+        self.prebuilt, self._arch_of = prebuilt, arch_of
+        self.served: Dict[int, str] = {}             # device -> "prebuilt gfx1201 1a2b3c4d" / "hiprtc 7.0"
+        self.prebuilt_refusals: Dict[int, str] = {}  # device -> why the shipped object did not serve
         self._modules: Dict[Tuple[int, str, Tuple[str, ...]], object] = {}
         self._kernels: Dict[Tuple[int, str, Tuple[str, ...], str], LoadedKernel] = {}
+        self._prebuilt_refused: Dict[Tuple[int, str, Tuple[str, ...]], str] = {}
         self._lock = threading.Lock()
+
+    @property
+    def compiler(self):
+        """The compiler, made on first need; raises CompilerUnavailable (from the factory) when there is none."""
+        if self._compiler is None:
+            self._compiler = self._compiler_factory()
+        return self._compiler
+
+    def arch(self, device_index: int) -> str:
+        return self._arch_of(device_index) if self._arch_of else self.compiler.target_for_device(device_index)
 
     def kernel(self, device_index: int, source: "object", entry: str, signature: Sequence[str],
                extra_flags: Sequence[str] = ()) -> LoadedKernel:
@@ -425,23 +465,83 @@ class KernelLoader:
             self._kernels[key] = found
             return found
 
+    def preload(self, device_index: int, source) -> Optional[str]:
+        """Load `source`'s shipped object on the device now (nothing is compiled here). None when the shipped
+        object serves it, else the reason it does not."""
+        device_index = int(device_index)
+        mkey = (device_index, source.digest, ())
+        if self.prebuilt is None:
+            return "no prebuilt code objects on this platform"
+        with self._lock:
+            if mkey not in self._modules:
+                module = self._load_prebuilt(device_index, source)
+                if module is not None:
+                    self._modules[mkey] = module
+            return self._prebuilt_refused.get(mkey)
+
+    def _load_prebuilt(self, device_index: int, source):
+        """The module of the shipped object, or None with the reason kept (asked once per device and source)."""
+        mkey = (device_index, source.digest, ())
+        if self.prebuilt is None or mkey in self._prebuilt_refused:
+            return None
+        arch = self.arch(device_index)
+        found, reason = self.prebuilt.find(arch, source.digest)
+        if found is not None:
+            try:
+                module = self.runtime.load_module(found.image, device_index)
+            except LaunchError as exc:
+                reason = f"the runtime refused the {found.label} code object: {exc}"
+                log.warning("HIP kernels on device %d: %s", device_index, reason)
+            else:
+                self.served[device_index] = found.label
+                log.info("HIP kernels on device %d: %s (loaded as shipped, nothing compiled)", device_index,
+                         found.label)
+                return module
+        self._prebuilt_refused[mkey] = self.prebuilt_refusals[device_index] = reason
+        return None
+
     def _module(self, device_index, source, flags):
         mkey = (device_index, source.digest, flags)
         if mkey in self._modules:
             return self._modules[mkey]
-        target = self.compiler.target_for_device(device_index)
+        refusal = None
+        if not flags:  # shipped objects are builds without extra flags
+            module = self._load_prebuilt(device_index, source)
+            if module is not None:
+                self._modules[mkey] = module
+                return module
+            refusal = self._prebuilt_refused.get(mkey)
+        try:
+            comp = self.compiler
+        except CompilerUnavailable as exc:
+            if refusal:
+                raise CompilerUnavailable(f"{refusal}; and no compiler to build the kernels instead: {exc}") from None
+            raise
+        target = comp.target_for_device(device_index)
         version = self.runtime.version()
-        built = self.compiler.build_cached(self.cache, source, target, flags, version)
+        built = comp.build_cached(self.cache, source, target, flags, version)
         try:
             module = self.runtime.load_module(built.image, device_index)
         except LaunchError:
             if not built.from_cache:
                 raise  # freshly compiled and still rejected: a real error
             self.cache.discard(built.path, built.key)  # stale entry the driver rejects: rebuild once
-            built = self.compiler.build_cached(self.cache, source, target, flags, version, force=True)
+            built = comp.build_cached(self.cache, source, target, flags, version, force=True)
             module = self.runtime.load_module(built.image, device_index)
+        if not flags:
+            self.served[device_index] = compiled_label(comp)
+            log.info("HIP kernels on device %d: %s (%s)", device_index, self.served[device_index],
+                     f"{'from the disk cache' if built.from_cache else 'compiled at first use'}"
+                     f"{'; ' + refusal if refusal else ''}")
         self._modules[mkey] = module
         return module
+
+
+def compiled_label(comp) -> str:
+    """'hiprtc 7.0' from a compiler whose version() is 'hiprtc-7.0'."""
+    version = comp.version()
+    prefix = f"{comp.kind}-"
+    return f"{comp.kind} {version[len(prefix):] if version.startswith(prefix) else version}"
 
 
 # -- whether the kernels can run on a device ---------------------------------------------------------
@@ -457,8 +557,10 @@ def compiler_kind(rt_kind: str) -> str:
 def environment_refusal(device_type: str, index: Optional[int]) -> Optional[str]:
     """Why the HIP kernels cannot run on this device at all, or None.
 
-    ROCm: gfx1200/gfx1201 only. NVIDIA: only as the gfx12 emulation, and only when asked for with
-    SAGE_RDNA4_HIP_EMULATE=1 (it exists to verify the kernels, it is never a speed path).
+    ROCm: gfx1200/gfx1201 only, with the HIP runtime, and the shipped code object for the arch loaded here
+    (`KernelLoader.preload`) or else hiprtc to compile the kernels (a refusal names both reasons).
+    NVIDIA: only as the gfx12 emulation, and only when asked for with SAGE_RDNA4_HIP_EMULATE=1 (it exists
+    to verify the kernels, it is never a speed path).
     Answers are kept per device (and emulation setting): the prologue asks on every call."""
     key = (device_type, index, settings.hip_emulation_requested(), runtime_kind())
     if key not in _ENV_VERDICTS:
@@ -486,19 +588,52 @@ def _environment_refusal(device_type: str, index: Optional[int]) -> Optional[str
     reason = runtime_unavailable_reason(kind)
     if reason:
         return reason
-    return compiler_unavailable_reason(compiler_kind(kind))
+    if not get_platform(kind).prebuilt:
+        return compiler_unavailable_reason(compiler_kind(kind))
+    # A shipped object that loads needs no compiler: hiprtc is asked for only when it does not serve.
+    try:
+        prebuilt_reason = get_loader().preload(index, kernel_bundle())
+    except Exception as exc:  # the sources or the device properties unreadable: a reason, not a crash
+        prebuilt_reason = f"the prebuilt code object could not be loaded: {type(exc).__name__}: {exc}"
+    if prebuilt_reason is None:
+        return None
+    reason = compiler_unavailable_reason(compiler_kind(kind))
+    return f"{prebuilt_reason}; and no compiler to build the kernels instead: {reason}" if reason else None
 
 
 def get_loader() -> KernelLoader:
-    """The process-wide loader for this PyTorch's runtime (check environment_refusal first)."""
+    """The process-wide loader for this PyTorch's runtime (check environment_refusal first). Its compiler is
+    made on first need: where a shipped code object serves, never."""
     kind = runtime_kind()
     with _RUNTIME_LOCK:
         loader = _LOADERS.get(kind)
     if loader is None:
-        loader = KernelLoader(get_runtime(kind), get_compiler(compiler_kind(kind)), EntryStore(HIP_CODE_OBJECTS))
+        platform = get_platform(kind)
+        loader = KernelLoader(get_runtime(kind), None, EntryStore(HIP_CODE_OBJECTS),
+                              compiler_factory=lambda: get_compiler(platform.compiler_kind),
+                              prebuilt=shipped_objects.ShippedObjects() if platform.prebuilt else None,
+                              arch_of=device_gcn_arch if platform.prebuilt else None)
         with _RUNTIME_LOCK:
             loader = _LOADERS.setdefault(kind, loader)
     return loader
+
+
+def code_paths() -> Dict[int, str]:
+    """Per device, what serves the HIP kernels in this process: 'prebuilt gfx1201 1a2b3c4d' or 'hiprtc 7.0'
+    (the emulation: 'nvrtc 13.0'); empty before their first load."""
+    with _RUNTIME_LOCK:
+        loader = _LOADERS.get(runtime_kind())
+    return dict(loader.served) if loader else {}
+
+
+def code_path_line() -> Optional[str]:
+    """`code_paths` in one line ('prebuilt gfx1201 1a2b3c4d' on one GPU, 'cuda:0 ..., cuda:1 ...' on more)."""
+    paths = code_paths()
+    if not paths:
+        return None
+    if len(set(paths.values())) == 1:
+        return next(iter(paths.values()))
+    return ", ".join(f"cuda:{i} {p}" for i, p in sorted(paths.items()))
 
 
 def run_launches(device_index: int, source, launches: Sequence, stream: Optional[int] = None,
@@ -519,12 +654,17 @@ def run_launches(device_index: int, source, launches: Sequence, stream: Optional
 _BUNDLES: Dict[str, object] = {}
 
 
+def source_bundle(target: str) -> SourceBundle:
+    """The kernels' translation unit for a compiler target ('hip', 'cuda'): what the loader builds or finds
+    shipped (its digest is the one in the shipped manifests)."""
+    from . import kernel_abi
+    return SourceBundle(shipped_objects.SOURCE_NAME, kernel_abi.module_source(target))
+
+
 def kernel_bundle():
     """The kernels' translation unit for this runtime (kernel_abi.module_source), read once per process."""
     kind = runtime_kind()
     bundle = _BUNDLES.get(kind)
     if bundle is None:
-        from . import kernel_abi
-        text = kernel_abi.module_source(get_platform(kind).source_target)
-        bundle = _BUNDLES.setdefault(kind, SourceBundle("sage_kernels.hip", text))
+        bundle = _BUNDLES.setdefault(kind, source_bundle(get_platform(kind).source_target))
     return bundle
