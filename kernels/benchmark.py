@@ -358,7 +358,18 @@ def environment() -> Dict:
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = None
+    info["hip_code"] = hip_code_path()
     return info
+
+
+def hip_code_path() -> Optional[str]:
+    """What serves the HIP kernels here ('prebuilt gfx1201 1a2b3c4d', 'hiprtc 7.0'): known once the backends
+    were asked whether they run here (which loads a shipped object); None where they do not."""
+    try:
+        from .backends.hip import runtime
+        return runtime.code_path_line()
+    except Exception:  # the environment line never fails over this
+        return None
 
 
 class _Parser(argparse.ArgumentParser):

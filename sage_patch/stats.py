@@ -162,8 +162,10 @@ class PatchStats:
         snap = self.snapshot()
         total = sum(snap["calls"].values()) + sum(snap["fallbacks"].values()) + sum(snap["routed"].values())
         lines = [f"{self.label}: {total} attention calls"]
+        hip_code = hip_code_path() if any(name.startswith("hip_") for name in snap["calls"]) else None
         for name, n in sorted(snap["calls"].items(), key=lambda kv: -kv[1]):
-            lines.append(f"  ran {name}: {n}")
+            served = f" ({hip_code})" if hip_code and name.startswith("hip_") else ""
+            lines.append(f"  ran {name}: {n}{served}")
         for policy, n in sorted(snap["routed"].items(), key=lambda kv: -kv[1]):
             lines.append(f"  exact by policy ({policy}): {n}")
         for reason, n in sorted(snap["fallbacks"].items(), key=lambda kv: -kv[1]):
@@ -174,6 +176,15 @@ class PatchStats:
         for note in snap["notes"]:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
+
+
+def hip_code_path() -> Optional[str]:
+    """What served the HIP kernels ('prebuilt gfx1201 1a2b3c4d', 'hiprtc 7.0'), asked only once they ran."""
+    try:
+        from ..kernels.backends.hip import runtime
+        return runtime.code_path_line()
+    except Exception:  # a stats line never fails over this
+        return None
 
 
 def format_skipped(skipped: Dict[str, Dict[str, int]], indent: str = "") -> List[str]:

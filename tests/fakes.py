@@ -9,7 +9,9 @@ tests/test_package_layout.py's user run) has tests/ on sys.path already or puts 
                marker_attention (a call site answering a marker)
   backends     FakeBackend (a registry Backend with no kernel)
   HIP          FakeCompiler (RtcCompiler without a compiler library), FakeRuntime (GpuRuntime in Python),
-               FakeHip (libamdhip64 with two devices, as ctypes callbacks) and fake_image (its code objects)
+               FakeHip (libamdhip64 with two devices, as ctypes callbacks) and fake_image (its code objects),
+               write_prebuilt (a shipped object and its manifest in a folder), CompilerFactory (counts the
+               compilers made, or has none)
   Triton       FakeJit and FakeKernel (a JITFunction and the compiled kernel it returns)
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ import pytest
 import torch
 
 from comfyui_sage_rdna4.kernels import registry
-from comfyui_sage_rdna4.kernels.backends.hip import compiler, runtime
+from comfyui_sage_rdna4.kernels.backends.hip import compiler, runtime, shipped_objects
 
 # -- ComfyUI ---------------------------------------------------------------------------------------------------
 
@@ -217,6 +219,36 @@ class FakeRuntime(runtime.GpuRuntime):
 
     def get_function(self, module, name):
         return (module, name)
+
+
+def write_prebuilt(folder, arch, image, source_digest, **manifest):
+    """A shipped object for `arch` in `folder` with the manifest tools/build_hip_objects.py would write for it
+    (fields in `manifest` replace the true ones: a wrong sha256, another digest...). Returns the Manifest."""
+    fields = dict(arch=arch, source_digest=source_digest, compiler="fake clang 19",
+                  sha256=shipped_objects.sha256(image), flags=tuple(shipped_objects.build_flags(arch)), size=len(image),
+                  code_object_version=shipped_objects.CODE_OBJECT_VERSION)
+    fields.update(manifest)
+    made = shipped_objects.Manifest(**fields)
+    with open(shipped_objects.object_path(arch, str(folder)), "wb") as fh:
+        fh.write(image)
+    with open(shipped_objects.manifest_path(arch, str(folder)), "w") as fh:
+        fh.write(made.to_json())
+    return made
+
+
+class CompilerFactory:
+    """A loader's compiler_factory: counts the compilers it makes (`made`); with `missing`, raises
+    CompilerUnavailable with that text instead, as get_compiler does without hiprtc."""
+
+    def __init__(self, compiler_=None, missing=None):
+        self.compiler, self.missing, self.made = compiler_, missing, 0
+
+    def __call__(self):
+        if self.missing:
+            raise compiler.CompilerUnavailable(self.missing)
+        self.made += 1
+        self.compiler = self.compiler or FakeCompiler()
+        return self.compiler
 
 
 HIP_NOT_FOUND, HIP_INVALID_DEVICE, HIP_INVALID_HANDLE, HIP_CALLBACK_RAISED = 500, 101, 400, 999

@@ -9,13 +9,13 @@ import torch
 
 from comfyui_sage_rdna4.kernels import disk_cache, quant, registry, settings
 from comfyui_sage_rdna4.kernels.backends.hip import backend as hip_backend
-from comfyui_sage_rdna4.kernels.backends.hip import compiler, runtime
+from comfyui_sage_rdna4.kernels.backends.hip import compiler, runtime, shipped_objects
 from comfyui_sage_rdna4.kernels.backends.hip import prologue as hip_prologue
 from comfyui_sage_rdna4.kernels.call_spec import describe_call
 from comfyui_sage_rdna4.kernels.reference import attention_from_quantized
 from comfyui_sage_rdna4.kernels.self_check import CALLS_PER_CASE, DEFAULT_CASES, Case, SelfCheck, call_variant
 from comfyui_sage_rdna4.kernels.verify import cuda_twin  # the loader on NVIDIA, for the tests that use it
-from fakes import FakeCompiler, FakeRuntime
+from fakes import CompilerFactory, FakeCompiler, FakeRuntime, write_prebuilt
 
 
 @pytest.fixture(autouse=True)
@@ -125,6 +125,162 @@ def test_loader_raises_when_a_fresh_build_is_rejected(tmp_path):
     loader = runtime.KernelLoader(FakeRuntime(), Stale(), code_objects(tmp_path))
     with pytest.raises(runtime.LaunchError):
         loader.kernel(0, SRC, "k", [])
+
+
+# -- shipped code objects (the files themselves: tests/test_prebuilt_objects.py) ----------------------
+
+SHIPPED_IMAGE = b"shipped code object for gfx1201 " * 64
+
+
+def prebuilt_loader(tmp_path, factory, rt=None, arch="gfx1201"):
+    folder = tmp_path / "prebuilt"
+    folder.mkdir(exist_ok=True)
+    loader = runtime.KernelLoader(rt or FakeRuntime(), None, code_objects(tmp_path / "cache"),
+                                  compiler_factory=factory, prebuilt=shipped_objects.ShippedObjects(str(folder)),
+                                  arch_of=lambda index: arch)
+    return loader, folder
+
+
+def test_a_matching_shipped_object_is_loaded_without_a_compiler(tmp_path):
+    factory = CompilerFactory()
+    loader, folder = prebuilt_loader(tmp_path, factory)
+    made = write_prebuilt(folder, "gfx1201", SHIPPED_IMAGE, SRC.digest)
+    kern = loader.kernel(0, SRC, "k", ["ptr"])
+    assert factory.made == 0 and loader._compiler is None  # no compiler made, so none called
+    assert loader.runtime.loaded == [SHIPPED_IMAGE] and kern.module == ("module", SHIPPED_IMAGE)
+    assert loader.served == {0: f"prebuilt gfx1201 {made.sha256[:8]}"} and not loader.prebuilt_refusals
+    assert not list((tmp_path / "cache").glob("**/*.bin"))  # nothing went to the disk cache
+    assert loader.kernel(0, SRC, "k2", []).module is kern.module  # one module per device and source
+
+
+def _edited(folder):
+    write_prebuilt(folder, "gfx1201", SHIPPED_IMAGE, "0" * 64)  # built from other sources
+
+
+def _damaged(folder):
+    write_prebuilt(folder, "gfx1201", SHIPPED_IMAGE, SRC.digest)
+    path = shipped_objects.object_path("gfx1201", str(folder))
+    blob = bytearray(open(path, "rb").read())
+    blob[100] ^= 0x01
+    open(path, "wb").write(bytes(blob))
+
+
+def _other_arch_only(folder):
+    write_prebuilt(folder, "gfx1200", SHIPPED_IMAGE, SRC.digest)
+
+
+def _refused(folder):
+    write_prebuilt(folder, "gfx1201", b"stale" + SHIPPED_IMAGE, SRC.digest)  # FakeRuntime refuses b"stale..."
+
+
+@pytest.mark.parametrize("plant, words", [
+    (_edited, ["built from other sources", shipped_objects.REBUILD_COMMAND]),
+    (_damaged, ["damaged", "sha256"]),
+    (_other_arch_only, ["no prebuilt code object for gfx1201", "shipped: gfx1200"]),
+    (_refused, ["the runtime refused the prebuilt gfx1201", "hipModuleLoadData failed: invalid image"]),
+], ids=["edited-source", "damaged-bytes", "missing-arch", "runtime-refusal"])
+def test_the_compiler_serves_when_the_shipped_object_cannot(tmp_path, caplog, plant, words):
+    factory = CompilerFactory()
+    loader, folder = prebuilt_loader(tmp_path, factory)
+    plant(folder)
+    with caplog.at_level("INFO", logger=runtime.__name__):
+        loader.kernel(0, SRC, "k", ["ptr"])
+    assert factory.made == 1 and factory.compiler.compiles == 1
+    assert loader.runtime.loaded[-1] == f"{SRC.digest}:gfx1201:fake-1.0".encode()  # the compiler's build
+    assert loader.served == {0: "fake 1.0"}
+    reason = loader.prebuilt_refusals[0]
+    assert all(w in reason for w in words), reason
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert reason in logged and "fake 1.0" in logged  # the reason and the path that served, in the log
+    if plant is _refused:  # the runtime's own error, logged as a warning
+        assert any(r.levelname == "WARNING" and "invalid image" in r.getMessage() for r in caplog.records)
+
+
+def test_extra_flags_always_compile(tmp_path):
+    factory = CompilerFactory()
+    loader, folder = prebuilt_loader(tmp_path, factory)
+    write_prebuilt(folder, "gfx1201", SHIPPED_IMAGE, SRC.digest)
+    loader.kernel(0, SRC, "k", [], extra_flags=["-DX=1"])
+    assert factory.made == 1 and SHIPPED_IMAGE not in loader.runtime.loaded
+
+
+def test_a_refused_object_without_a_compiler_names_both(tmp_path):
+    loader, folder = prebuilt_loader(tmp_path, CompilerFactory(missing="hiprtc (the HIP runtime compiler) not found"))
+    _refused(folder)
+    with pytest.raises(compiler.CompilerUnavailable) as err:
+        loader.kernel(0, SRC, "k", [])
+    assert "runtime refused the prebuilt gfx1201" in str(err.value) and "hiprtc" in str(err.value)
+
+
+@pytest.fixture
+def rocm_gfx1201(monkeypatch, tmp_path):
+    """environment_refusal's view of a ROCm gfx1201 machine: FakeRuntime for the HIP runtime, the shipped objects
+    from tmp_path/prebuilt, SRC as the kernels' sources, no compiler made yet. Returns (folder, set_compiler)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.version, "hip", "7.0.0", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(gcnArchName="gfx1201:sramecc-:xnack-"))
+    monkeypatch.setattr(runtime, "_RUNTIMES", {"hip": FakeRuntime()})
+    monkeypatch.setattr(runtime, "_LOADERS", {})
+    monkeypatch.setattr(runtime, "_BUNDLES", {"hip": SRC})
+    monkeypatch.setattr(compiler, "_COMPILERS", {})
+    monkeypatch.setattr(compiler, "_COMPILER_ERRORS", {})
+    monkeypatch.setenv("SAGE_RDNA4_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "prebuilt"
+    folder.mkdir()
+    monkeypatch.setattr(shipped_objects, "PREBUILT_DIR", str(folder))
+
+    def set_compiler(factory):
+        monkeypatch.setattr(compiler, "_FACTORIES", {"hiprtc": factory})
+
+    return folder, set_compiler
+
+
+def test_no_hiprtc_and_a_matching_object_is_available(rocm_gfx1201):
+    folder, set_compiler = rocm_gfx1201
+    factory = CompilerFactory(missing="hiprtc (the HIP runtime compiler) not found; tried: libhiprtc.so")
+    set_compiler(factory)
+    made = write_prebuilt(folder, "gfx1201", SHIPPED_IMAGE, SRC.digest)
+    assert runtime.environment_refusal("cuda", 0) is None
+    assert runtime.code_paths() == {0: f"prebuilt gfx1201 {made.sha256[:8]}"}
+    assert runtime.code_path_line() == f"prebuilt gfx1201 {made.sha256[:8]}"
+    assert "hiprtc" not in compiler._COMPILER_ERRORS  # the compiler was never even looked for
+
+
+@pytest.mark.parametrize("plant, words", [
+    (_refused, "the runtime refused the prebuilt gfx1201"),
+    (_edited, "built from other sources"),
+    (lambda folder: None, "no prebuilt code object for gfx1201"),
+])
+def test_no_hiprtc_and_an_unusable_object_is_a_refusal_naming_both(rocm_gfx1201, plant, words):
+    folder, set_compiler = rocm_gfx1201
+    set_compiler(CompilerFactory(missing="hiprtc (the HIP runtime compiler) not found; tried: libhiprtc.so"))
+    plant(folder)
+    reason = runtime.environment_refusal("cuda", 0)
+    assert reason and words in reason and "hiprtc (the HIP runtime compiler) not found" in reason, reason
+
+
+def test_hiprtc_present_and_a_refused_object_is_available(rocm_gfx1201):
+    folder, set_compiler = rocm_gfx1201
+    set_compiler(CompilerFactory())
+    _refused(folder)
+    assert runtime.environment_refusal("cuda", 0) is None  # hiprtc compiles at first use
+    assert "runtime refused" in runtime.get_loader().prebuilt_refusals[0]
+
+
+def test_the_path_that_served_shows_in_the_stats_and_the_benchmark(monkeypatch):
+    from comfyui_sage_rdna4.kernels import benchmark
+    from comfyui_sage_rdna4.sage_patch.stats import PatchStats
+    monkeypatch.setattr(runtime, "code_path_line", lambda: "prebuilt gfx1201 1a2b3c4d")
+    stats = PatchStats()
+    stats.record_call("hip_int8_fp8")
+    stats.record_call("sdpa")
+    summary = stats.summary()
+    assert "ran hip_int8_fp8: 1 (prebuilt gfx1201 1a2b3c4d)" in summary
+    assert "ran sdpa: 1\n" in summary + "\n" and "sdpa: 1 (" not in summary
+    assert benchmark.environment()["hip_code"] == "prebuilt gfx1201 1a2b3c4d"
+    assert "prebuilt" in hip_backend.make_backend("fp8").description
 
 
 # -- launch arguments -------------------------------------------------------------------------------

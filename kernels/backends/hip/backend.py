@@ -1,7 +1,8 @@
 """`hip_int8_fp8` / `hip_int8_fp16`: the gfx12 HIP kernels as registered backends.
 
 Acceptance, stated once:
-  * environment (`runtime.environment_refusal`): ROCm gfx1200/gfx1201 with the HIP runtime and hiprtc;
+  * environment (`runtime.environment_refusal`): ROCm gfx1200/gfx1201 with the HIP runtime, and the shipped
+    code object for the arch (prebuilt/) loaded or else hiprtc to compile the kernels;
     on NVIDIA only the gfx12 emulation, only when SAGE_RDNA4_HIP_EMULATE=1 (never a speed path, and
     the registry's `auto` order never lists HIP outside gfx12 anyway);
   * the call (`attention_refusal`): the one shape rule that `refuse` and the launch wrapper
@@ -108,7 +109,8 @@ class HipBackend(Backend):
         self.pv = pv
         self.name = f"hip_int8_{pv}"
         self.description = (f"HIP gfx12 kernels: INT8 Q.K, {pv.upper()} P.V, FP32 accumulation "
-                            f"(compiled at first use with hiprtc; emulated on NVIDIA)")
+                            f"(prebuilt gfx1200/gfx1201 code objects; compiled at first use with hiprtc where "
+                            f"they cannot serve; emulated on NVIDIA)")
         # The kernel path after quantization; a test replaces it with a broken one to exercise the self-check.
         self.attention_impl: Callable = hip_attention
 

@@ -4,7 +4,8 @@ The module API is one small interface (`GpuRuntime`); `HipRuntime` implements it
 libamdhip64 / amdhip64_N.dll. Nothing here compiles: the code object is the one shipped for the device's
 arch (shipped_objects.py) when it is the build of these sources, else `compiler.py` builds one (hiprtc) and
 kernels/disk_cache.py keeps it on disk. `KernelLoader` joins them: (device, kernel) -> a launchable
-function, and says which path served (`code_paths`). Where the libraries are and what the GPU is called come from `platform.py`, shared with the compiler.
+function, and says which path served (`code_paths`). Where the libraries are and what the GPU is called come
+from `platform.py`, shared with the compiler.
 
 Which runtime and compiler serve a PyTorch build is a registered `Platform`: 'hip' here. On NVIDIA the kernels
 run only as the gfx12 emulation, whose CUDA runtime and compiler live with the verification tooling
@@ -620,15 +621,27 @@ def get_loader() -> KernelLoader:
 
 def code_paths() -> Dict[int, str]:
     """Per device, what serves the HIP kernels in this process: 'prebuilt gfx1201 1a2b3c4d' or 'hiprtc 7.0'
-    (the emulation: 'nvrtc 13.0'); empty before their first load."""
+    (the emulation: its compiler's); empty before their first load."""
     with _RUNTIME_LOCK:
         loader = _LOADERS.get(runtime_kind())
     return dict(loader.served) if loader else {}
 
 
 def code_path_line() -> Optional[str]:
-    """`code_paths` in one line ('prebuilt gfx1201 1a2b3c4d' on one GPU, 'cuda:0 ..., cuda:1 ...' on more)."""
-    paths = code_paths()
+    """`code_paths` in one line ('prebuilt gfx1201 1a2b3c4d' on one GPU, 'cuda:0 ..., cuda:1 ...' on more); a
+    device whose shipped object did not serve and that has not compiled yet: 'hiprtc 7.0 at first use (why)'."""
+    with _RUNTIME_LOCK:
+        loader = _LOADERS.get(runtime_kind())
+    if loader is None:
+        return None
+    paths = dict(loader.served)
+    for index, reason in loader.prebuilt_refusals.items():
+        if index not in paths:
+            try:
+                label = compiled_label(loader.compiler)
+            except CompilerUnavailable as exc:
+                label = f"no compiler ({exc})"
+            paths[index] = f"{label} at first use ({reason})"
     if not paths:
         return None
     if len(set(paths.values())) == 1:

@@ -143,8 +143,8 @@ def check(arch: str, source_digest: str, folder: str = PREBUILT_DIR) -> Tuple[Op
 class ShippedObjects:
     """`check` once per (arch, digest) and process: the loader and the environment check ask the same question."""
 
-    def __init__(self, folder: str = PREBUILT_DIR):
-        self.folder = folder
+    def __init__(self, folder: Optional[str] = None):
+        self.folder = folder or PREBUILT_DIR
         self._answers: Dict[Tuple[str, str], Tuple[Optional[Prebuilt], Optional[str]]] = {}
         self._lock = threading.Lock()
 

@@ -1,0 +1,153 @@
+"""The shipped gfx12 code objects (kernels/backends/hip/prebuilt/) are the build of the shipped sources.
+
+Without a compiler: every manifest names the digest of the sources the runtime would hand hiprtc, the bytes hash
+to the manifest, the ELF says code object v5 for its arch, and nothing of the build machine is in it. With Debian's
+clang-19 (marker hipcc): a rebuild gives the same bytes when its version line is the manifest's, and the occupancy
+the static check derives from the metadata is the compiler's own figure. None of this has run on RDNA4 hardware.
+"""
+import importlib.util
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from comfyui_sage_rdna4.kernels.backends.hip import runtime, shipped_objects
+from comfyui_sage_rdna4.kernels.verify import hip_static_check
+from fakes import write_prebuilt
+
+ROOT = Path(__file__).resolve().parents[1]
+EF_AMDGPU_MACH = {"gfx1200": 0x048, "gfx1201": 0x04E}  # LLVM's ELF.h (EF_AMDGPU_MACH_AMDGCN_GFX120x)
+
+
+def bundle():
+    return runtime.source_bundle("hip")
+
+
+@pytest.mark.parametrize("arch", shipped_objects.ARCHS)
+def test_the_shipped_object_is_the_build_of_these_sources(arch):
+    found, reason = shipped_objects.check(arch, bundle().digest)
+    assert found is not None, f"{reason}. Run `{shipped_objects.REBUILD_COMMAND}` and commit its output."
+    m, image = found.manifest, found.image
+    assert m.arch == arch and m.flags == tuple(shipped_objects.build_flags(arch))
+    assert m.code_object_version == shipped_objects.CODE_OBJECT_VERSION == shipped_objects.code_object_version(image)
+    assert int.from_bytes(image[48:52], "little") & 0xFF == EF_AMDGPU_MACH[arch]  # e_flags: the processor
+    assert 100_000 < m.size < 1_000_000, m.size  # the whole unit (38 kernels): ~300 KB with clang-19
+
+
+def test_the_source_digest_is_the_runtime_bundles():
+    """The loader looks objects up by kernel_bundle().digest on ROCm; the build script by source_bundle('hip')."""
+    from comfyui_sage_rdna4.kernels.backends.hip import kernel_abi
+    assert bundle().name == shipped_objects.SOURCE_NAME
+    assert bundle().text == kernel_abi.module_source("hip")
+
+
+def test_edited_sources_fail_with_the_rebuild_command(tmp_path):
+    write_prebuilt(tmp_path, "gfx1201", b"\x7fELF object", "1" * 64)
+    found, reason = shipped_objects.check("gfx1201", bundle().digest, str(tmp_path))
+    assert found is None and shipped_objects.REBUILD_COMMAND in reason and "other sources" in reason
+    assert shipped_objects.check("gfx1201", "1" * 64, str(tmp_path))[0] is not None  # the same files, digest agreeing
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "no object", "bad manifest"])
+def test_damaged_files_are_refused_with_a_reason(tmp_path, damage):
+    write_prebuilt(tmp_path, "gfx1201", b"\x7fELF" + bytes(range(256)), "2" * 64)
+    obj, man = Path(shipped_objects.object_path("gfx1201", str(tmp_path))), \
+        Path(shipped_objects.manifest_path("gfx1201", str(tmp_path)))
+    if damage == "flip":
+        blob = bytearray(obj.read_bytes())
+        blob[10] ^= 0x40
+        obj.write_bytes(bytes(blob))
+    elif damage == "truncate":
+        obj.write_bytes(obj.read_bytes()[:-1])
+    elif damage == "no object":
+        obj.unlink()
+    else:
+        man.write_text("{not json")
+    found, reason = shipped_objects.check("gfx1201", "2" * 64, str(tmp_path))
+    want = {"flip": "damaged", "truncate": "damaged", "no object": "cannot be read", "bad manifest": "unreadable"}
+    assert found is None and want[damage] in reason, reason
+
+
+@pytest.mark.parametrize("arch", shipped_objects.ARCHS)
+def test_no_path_or_time_of_the_build_machine_in_the_object(arch):
+    image = Path(shipped_objects.object_path(arch)).read_bytes()
+    texts = [t.decode() for t in re.findall(rb"[\x20-\x7e]{6,}", image)]
+    assert not [t for t in texts if re.search(r"/tmp|/work|/home|/root|\\Users|\.hip\b|\d\d:\d\d:\d\d", t)]
+    assert "__hip_cuid_" + "6d87581ee7fb5770" in image.decode("latin-1")  # -cuid=sage_rdna4, not a path hash
+
+
+def test_the_static_check_reads_the_shipped_bytes(monkeypatch):
+    seen = []
+    monkeypatch.setattr(hip_static_check, "analyze_object", lambda obj, arch: seen.append((obj, arch)) or {})
+    hip_static_check.analyze("gfx1201")
+    assert seen == [(shipped_objects.object_path("gfx1201"), "gfx1201")]
+    assert hip_static_check.shipped_objects.BUILD_FLAGS == shipped_objects.BUILD_FLAGS  # one statement of the flags
+
+
+# -- rebuilding with the pinned compiler --------------------------------------------------------------
+
+def build_tool(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))  # what `python tools/build_hip_objects.py` has on sys.path
+    spec = importlib.util.spec_from_file_location("sage_rdna4_build_hip_objects",
+                                                  ROOT / "tools" / "build_hip_objects.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def pinned_clang(tool, arch):
+    clang = tool.find_clang()
+    if clang is None or not shutil.which("ld.lld-19") and not Path("/usr/lib/llvm-19/bin/ld.lld").exists():
+        pytest.skip("clang++-19 / ld.lld-19 not found (apt-get install clang-19 lld-19)")
+    shipped, _ = shipped_objects.read_manifest(arch)
+    version = tool.compiler_version(clang)
+    if shipped is None or version != shipped.compiler:
+        pytest.skip(f"installed compiler {version!r} is not the one the objects were built with "
+                    f"({shipped.compiler if shipped else 'no manifest'!r}): bytes may differ")
+    return clang
+
+
+def assert_rebuild_identical(tool, arch):
+    clang = pinned_clang(tool, arch)
+    image, manifest = tool.build(arch, clang)
+    shipped = Path(shipped_objects.object_path(arch)).read_bytes()
+    assert image == shipped, (f"a rebuild of {arch} gives other bytes (sha256 {manifest.sha256[:12]}, shipped "
+                              f"{shipped_objects.sha256(shipped)[:12]}): run `{shipped_objects.REBUILD_COMMAND}`")
+    assert manifest.to_json() == Path(shipped_objects.manifest_path(arch)).read_text()
+
+
+@pytest.mark.hipcc
+def test_a_rebuild_of_gfx1201_is_byte_identical(monkeypatch):
+    """~6 s of CPU; gfx1200 and the occupancy model: the slow test below."""
+    assert_rebuild_identical(build_tool(monkeypatch), "gfx1201")
+
+
+@pytest.mark.hipcc
+@pytest.mark.slow
+def test_a_rebuild_of_gfx1200_is_byte_identical_and_occupancy_is_the_compilers(monkeypatch, tmp_path):
+    tool = build_tool(monkeypatch)
+    assert_rebuild_identical(tool, "gfx1200")
+    for arch in shipped_objects.ARCHS:
+        pinned_clang(tool, arch)
+        work = tmp_path / arch
+        work.mkdir()
+        obj, remarks = hip_static_check.compile_code_object(bundle().text, arch, str(work))
+        assert Path(obj).read_bytes() == Path(shipped_objects.object_path(arch)).read_bytes()  # remarks change nothing
+        compiler_says = hip_static_check.parse_occupancy(remarks)
+        from_metadata = {n: ks.occupancy for n, ks in hip_static_check.analyze(arch).items()}
+        assert compiler_says and from_metadata == compiler_says
+
+
+def test_the_occupancy_model_on_known_figures():
+    """LLVM 19's remarks for these (VGPRs, LDS, workgroup) triples, from kernels of this pack."""
+    def ks(vgprs, lds, group=256):
+        return hip_static_check.KernelStats("k", "gfx1201", vgprs=vgprs, lds_bytes=lds, workgroup_size=group,
+                                            wavefront_size=32)
+    cases = [((167, 19712), 9), ((190, 27904), 8), ((118, 10496), 12), ((144, 14592), 10), ((106, 32), 12),
+             ((46, 19712), 12), ((34, 10496), 16), ((12, 2048), 16)]
+    for (vgprs, lds), waves in cases:
+        assert hip_static_check.occupancy_from_metadata(ks(vgprs, lds)) == waves, (vgprs, lds)
+    assert hip_static_check.occupancy_from_metadata(ks(40, 70000)) == 0  # more LDS than a CU has
+    assert sys.modules[hip_static_check.shipped_objects.__name__] is hip_static_check.shipped_objects
