@@ -33,7 +33,7 @@ def test_the_shipped_object_is_the_build_of_these_sources(arch):
     assert m.arch == arch and m.flags == tuple(shipped_objects.build_flags(arch))
     assert m.code_object_version == shipped_objects.CODE_OBJECT_VERSION == shipped_objects.code_object_version(image)
     assert int.from_bytes(image[48:52], "little") & 0xFF == EF_AMDGPU_MACH[arch]  # e_flags: the processor
-    assert 100_000 < m.size < 1_000_000, m.size  # the whole unit (38 kernels): ~300 KB with clang-19
+    assert 100_000 < m.size < 1_000_000, m.size  # the whole unit: ~300 KB with clang-19
 
 
 def test_the_source_digest_is_the_runtime_bundles():
