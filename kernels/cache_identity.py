@@ -17,13 +17,14 @@ _PACK_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @functools.lru_cache(maxsize=None)
 def code_digest() -> str:
-    """SHA-256 over every source under kernels/ that a user's run executes (kernels, prologues, the self-check)."""
+    """SHA-256 over every source under kernels/ that a user's run executes (kernels, prologues, the self-check),
+    and the shipped code objects (.co): a pass of one build says nothing of another."""
     h = hashlib.sha256()
     root = os.path.dirname(os.path.abspath(__file__))
     for folder, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if d not in ("verify", "__pycache__"))
         for name in sorted(files):
-            if name.endswith((".py", ".hip", ".h", ".cu", ".cuh")):
+            if name.endswith((".py", ".hip", ".h", ".cu", ".cuh", ".co")):
                 path = os.path.join(folder, name)
                 h.update(os.path.relpath(path, root).replace(os.sep, "/").encode() + b"\0")
                 with open(path, "rb") as fh:

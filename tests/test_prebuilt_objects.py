@@ -151,3 +151,20 @@ def test_the_occupancy_model_on_known_figures():
         assert hip_static_check.occupancy_from_metadata(ks(vgprs, lds)) == waves, (vgprs, lds)
     assert hip_static_check.occupancy_from_metadata(ks(40, 70000)) == 0  # more LDS than a CU has
     assert sys.modules[hip_static_check.shipped_objects.__name__] is hip_static_check.shipped_objects
+
+
+def test_the_cache_identity_covers_the_shipped_objects(monkeypatch, tmp_path):
+    """Self-check passes and auto's choices are keyed by code_digest: a rebuilt object must change it."""
+    from comfyui_sage_rdna4.kernels import cache_identity
+    (tmp_path / "kernels" / "backends" / "hip" / "prebuilt").mkdir(parents=True)
+    (tmp_path / "kernels" / "cache_identity.py").write_text("# stand-in\n")
+    obj = tmp_path / "kernels" / "backends" / "hip" / "prebuilt" / "sage_kernels-gfx1201.co"
+    obj.write_bytes(b"build one")
+    monkeypatch.setattr(cache_identity, "__file__", str(tmp_path / "kernels" / "cache_identity.py"))
+    digests = []
+    for content in (b"build one", b"build two"):
+        obj.write_bytes(content)
+        cache_identity.code_digest.cache_clear()
+        digests.append(cache_identity.code_digest())
+    cache_identity.code_digest.cache_clear()
+    assert digests[0] != digests[1]
