@@ -269,6 +269,23 @@ def test_hiprtc_present_and_a_refused_object_is_available(rocm_gfx1201):
     assert "runtime refused" in runtime.get_loader().prebuilt_refusals[0]
 
 
+def test_the_emulation_never_looks_for_shipped_objects(monkeypatch, tmp_path):
+    """On NVIDIA (the 'cuda' platform) the loader compiles; the shipped gfx12 objects are not its code."""
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setenv(settings.HIP_EMULATE.name, "1")
+    monkeypatch.setenv("SAGE_RDNA4_CACHE", str(tmp_path))
+    monkeypatch.setattr(runtime, "_RUNTIMES", {"cuda": FakeRuntime()})
+    monkeypatch.setattr(runtime, "_LOADERS", {})
+    factory = CompilerFactory()
+    monkeypatch.setattr(compiler, "_FACTORIES", {**compiler._FACTORIES, "nvrtc": factory})
+    monkeypatch.setattr(compiler, "_COMPILERS", {})
+    monkeypatch.setattr(compiler, "_COMPILER_ERRORS", {})
+    loader = runtime.get_loader()
+    assert loader.prebuilt is None and factory.made == 0
+    loader.kernel(0, SRC, "k", [])
+    assert factory.made == 1 and runtime.code_paths() == {0: "fake 1.0"} and not loader.prebuilt_refusals
+
+
 def test_the_path_that_served_shows_in_the_stats_and_the_benchmark(monkeypatch):
     from comfyui_sage_rdna4.kernels import benchmark
     from comfyui_sage_rdna4.sage_patch.stats import PatchStats
