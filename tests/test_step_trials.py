@@ -114,7 +114,9 @@ def test_a_backend_that_wins_in_the_step_is_chosen_after_the_first_step(monkeypa
     assert snap["calls"]["triton_int8_fp16"] == FLUX_CALLS + FLUX_CALLS // 3
     assert snap["routed"] == {step_trials.StepTrial.SDPA_TURN: FLUX_CALLS // 3}
     assert decision.summary in scene.override.stats.summary()
-    assert decision.summary in format_report_text({"auto_choices": snap["auto_choices"]})
+    text = format_report_text({"auto_choices": snap["auto_choices"], "auto_decisions": snap["auto_decisions"]})
+    assert decision.summary in text
+    assert "float16, D64, Nq<=256, Nk<=256: triton_int8_fp16 at 0.800x SDPA (measured in step)" in text
 
 
 def test_a_short_step_spreads_the_measurement_over_more_steps(monkeypatch):
@@ -193,6 +195,9 @@ def test_the_watch_reverts_a_choice_that_turns_slow(monkeypatch, tmp_path, caplo
     snap = scene.override.stats.snapshot()
     assert [row["chosen"] for row in snap["auto_decisions"]] == ["sdpa"]
     assert snap["auto_choices"] == [decision.summary] and "reverted to SDPA" in scene.override.stats.summary()
+    text = format_report_text({"auto_decisions": snap["auto_decisions"]})
+    assert ("float16, D64, Nq<=256, Nk<=256: sdpa (best quantized triton_int8_fp16 1.200x) (measured in step); "
+            "reverted to SDPA") in text
     # the stored decision says so: a new process keeps SDPA for this kind of call without measuring
     again = Scene(monkeypatch, {"sdpa": 10.0, "triton_int8_fp16": 8.0}, store=store)
     assert again.step(3) == ["sdpa"] * 3 and again.events.marks == 0
@@ -259,3 +264,25 @@ def test_an_in_step_decision_round_trips_through_json():
     assert (back.method, back.samples, back.reverted, back.ranking) == (autotune.IN_STEP, decision.samples,
                                                                         "reverted to SDPA: slow", ("sdpa",))
     assert back.sdpa_reason() == "auto: reverted to SDPA: slow"
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_override_measures_in_the_step_and_every_output_is_right(monkeypatch):
+    from fakes import comfy_attention
+
+    tuner = step_trials.InStepTuner(store=autotune.DecisionStore(enabled=False), enabled=True)
+    monkeypatch.setattr(step_trials, "_DEFAULT", tuner)
+    override = SageAttentionOverride(PatchConfig(kernel="auto"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 4096, 24 * 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    exact = comfy_attention(q, k, v, 24, _inside_attn_wrapper=True).float()
+    for _ in range(2):
+        for _ in range(40):
+            out = override(comfy_attention, q, k, v, 24, _inside_attn_wrapper=True).float()
+            assert torch.nn.functional.cosine_similarity(out.flatten(), exact.flatten(), dim=0) > 0.999
+        override.step_boundary()
+    (decision,) = tuner.decisions()
+    assert decision.method == autotune.IN_STEP and all(n >= step_trials.SAMPLES for n in decision.samples.values())
+    assert all(ms > 0 for ms in decision.timings.values())
+    if decision.chosen != "sdpa":
+        assert decision.ratio(decision.chosen) <= autotune.QUANTIZED_MUST_BEAT
