@@ -136,6 +136,9 @@ class StepTrial(_Timed):
             self._seen[name] += 1
             if self._seen[name] > WARMUP_CALLS and name not in self.failed:
                 self.samples[name].append(ms)
+        if log.isEnabledFor(logging.DEBUG):  # the raw per-call times, in call order (docs/MEASUREMENTS.md)
+            log.debug("auto trial (%s) step %d: %s", self.key.label(), self._steps,
+                      "; ".join(f"{name} {ms:.4f}" for name, ms in timed))
         active = [n for n in self.names if n not in self.failed]
         if any(len(self.samples[n]) < SAMPLES for n in active):
             return None
