@@ -5,11 +5,13 @@ kind of call (autotune.TuneKey) is undecided, a `StepTrial` hands its calls in t
 attention) and to each candidate that accepts it and passed its self-check, so every call still returns a
 correct output: the one of the backend that ran it. Each call is bracketed by two device events on the model's
 current stream; nothing waits for them inside the step. At the step boundary (sage_patch/timing.py) the events
-are read, after one wait for the last of them. Once every backend has SAMPLES timed calls, the medians decide
-(autotune.Decision: SDPA unless a quantized backend measured at most 1 - MARGIN times SDPA).
+are read, after one wait for the last of them. Once every backend has SAMPLES timed calls, their trimmed means
+decide (autotune.Decision: SDPA unless a quantized backend measured at most 1 - MARGIN times SDPA). Deciding only
+at a boundary means each backend's calls cover the whole step, every kind of block in it.
 
 A quantized choice is then kept under a `Watch`: every WATCH_EVERY steps, WATCH_CALLS calls of that kind run on
-SDPA and as many on the chosen backend, timed the same way. When the newest of them show the choice over
+SDPA and as many on the chosen backend, in adjacent pairs spread over the step, timed the same way. When the
+newest of them show the choice over
 1 + MARGIN times SDPA, the kind of call reverts to SDPA, and the stored decision says so.
 
 Nothing here depends on a GPU model: `events` is injectable (tests script the elapsed times). Never imports
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 import threading
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
@@ -31,12 +32,24 @@ from .autotune import _NOT_DECIDED, IN_STEP, MARGIN, SDPA, Autotuner, Decision, 
 log = logging.getLogger(__name__)
 
 SAMPLES = 12         # timed calls per backend before deciding (why: docs/MEASUREMENTS.md, "auto in the step")
+# What a backend's timings come to: their mean with the top and bottom TRIM of them left out. Calls of one kind
+# take different times in different blocks (Flux: about 4 % apart between its double and single blocks), so a
+# median jumps between those groups; a trimmed mean does not, and a stray slow call does not move it either.
+TRIM = 0.2
 WARMUP_CALLS = 1     # a backend's first calls of a trial carry compilation and caches: not kept
 MAX_PENDING = 4096   # timed calls waiting for a step boundary; past it calls run on SDPA, untimed, until one
 WATCH_EVERY = 4      # after a quantized choice: one step in this many is a watch step
 WATCH_CALLS = 3      # calls of each (SDPA, the choice) timed in a watch step, spread over the step
 WATCH_KEEP = 6       # newest watch timings kept per side; the revert reads their medians
 WATCH_MIN = 3        # timings per side before a revert can be judged
+
+
+def trimmed_mean(values: Sequence[float], trim: float = TRIM) -> float:
+    """The mean of `values` without the lowest and highest `trim` share of them."""
+    ordered = sorted(values)
+    cut = int(len(ordered) * trim)
+    kept = ordered[cut:len(ordered) - cut] or ordered
+    return sum(kept) / len(kept)
 
 
 class DeviceEvents:
@@ -142,7 +155,7 @@ class StepTrial(_Timed):
         active = [n for n in self.names if n not in self.failed]
         if any(len(self.samples[n]) < SAMPLES for n in active):
             return None
-        timings = {n: statistics.median(self.samples[n]) for n in active}
+        timings = {n: trimmed_mean(self.samples[n]) for n in active}
         decision = Decision(self.key, timings, dict(self.failed), dict(self.refused), method=IN_STEP,
                             samples={n: len(self.samples[n]) for n in active},
                             candidates=tuple(n for n in self.names if n != SDPA))
@@ -169,7 +182,6 @@ class Watch(_Timed):
         self._steps = 0          # steps seen since the choice
         self._calls = 0          # calls of this kind in the current step
         self._calls_per_step = 0  # in the last step: spreads a watch step's timed calls over it
-        self._picked = 0
         self.done = False
 
     def backend(self, name: str):
@@ -182,23 +194,27 @@ class Watch(_Timed):
         return not self.done and self._steps % WATCH_EVERY == WATCH_EVERY - 1
 
     def pick(self) -> Optional[str]:
-        """SDPA or the choice for a timed call of a watch step; None (the common case): the choice, untimed."""
+        """SDPA or the choice for a timed call of a watch step; None (the common case): the choice, untimed.
+
+        The timed calls come in adjacent pairs (same kind of block), WATCH_CALLS pairs spread over the step, the
+        pair's first call alternating between SDPA and the choice."""
         n = self._calls
         self._calls += 1
-        if not self.watching() or self._picked >= 2 * WATCH_CALLS:
+        if not self.watching():
             return None
-        stride = max(1, self._calls_per_step // (2 * WATCH_CALLS))
-        if n % stride:
+        stride = max(2, self._calls_per_step // WATCH_CALLS)
+        pair, offset = divmod(n, stride)
+        if pair >= WATCH_CALLS or offset > 1:
             return None
-        self._picked += 1
-        return SDPA if self._picked % 2 else self.backend_name
+        first_sdpa = (pair % 2 == 0) == (offset == 0)
+        return SDPA if first_sdpa else self.backend_name
 
     def end_step(self) -> Optional[Decision]:
         if self._calls == 0:  # this kind of call did not run in that step
             self._read()
             return None
         self._steps += 1
-        self._calls_per_step, self._calls, self._picked = self._calls, 0, 0
+        self._calls_per_step, self._calls = self._calls, 0
         for name, ms in self._read():
             kept = self.samples[name]
             kept.append(ms)
@@ -206,7 +222,7 @@ class Watch(_Timed):
         sdpa, chosen = self.samples[SDPA], self.samples[self.backend_name]
         if self.done or len(sdpa) < WATCH_MIN or len(chosen) < WATCH_MIN:
             return None
-        sdpa_ms, chosen_ms = statistics.median(sdpa), statistics.median(chosen)
+        sdpa_ms, chosen_ms = trimmed_mean(sdpa), trimmed_mean(chosen)
         self.last_ratio = chosen_ms / sdpa_ms
         if self.last_ratio <= 1.0 + MARGIN:
             return None
