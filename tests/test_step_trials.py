@@ -26,7 +26,8 @@ NEEDED = step_trials.SAMPLES + step_trials.WARMUP_CALLS  # calls per backend bef
 class Scene:
     """Fake backends in the registry, an in-step tuner on a simulated clock, and a patched override."""
 
-    def __init__(self, monkeypatch, in_step, store=None, raises=None, require_cuda=False, later_blocks=(0, 1.0)):
+    def __init__(self, monkeypatch, in_step, store=None, raises=None, require_cuda=False, later_blocks=(0, 1.0),
+                 refuse=None):
         self.events = ScriptedEvents()
         self.in_step = dict(in_step)  # ms of one call inside a step; a test may change it between steps
         self.later_blocks = later_blocks  # (from call n of a step, its calls take this factor longer): block kinds
@@ -34,7 +35,8 @@ class Scene:
         self.ran = []
         names = list(in_step)
         self.backends = {name: FakeBackend(name, attention=self._work(name), ran=self.ran,
-                                           raises=(raises or {}).get(name)) for name in names[1:]}
+                                           raises=(raises or {}).get(name), refuse=(refuse or {}).get(name))
+                         for name in names[1:]}
         self.backends["sdpa"] = FakeBackend("sdpa", quantized=False, ran=self.ran)
         for name, backend in self.backends.items():
             monkeypatch.setitem(registry._REGISTRY, name, backend)
@@ -275,6 +277,28 @@ def test_a_candidate_that_raises_while_measured_is_left_out_and_its_call_answere
     assert decision.chosen == "triton_int8_fp16" and "triton_int8_fp8" not in decision.timings
     assert decision.failed == {"triton_int8_fp8": "triton_int8_fp8 failed: RuntimeError: boom"}
     assert scene.backends["triton_int8_fp8"].runs == 1
+
+
+def test_only_candidates_that_accept_the_call_take_turns(monkeypatch):
+    """A candidate that refuses the call (or failed its self-check: the same `ready` answer) never runs one."""
+    scene = Scene(monkeypatch, {"sdpa": 10.0, "triton_int8_fp8": 1.0, "triton_int8_fp16": 8.0},
+                  refuse={"triton_int8_fp8": "triton_int8_fp8 disabled on cuda:0: self-check failed: NaN"})
+    assert set(scene.step()) == {"sdpa", "triton_int8_fp16"} and scene.backends["triton_int8_fp8"].runs == 0
+    assert scene.decision().chosen == "triton_int8_fp16"
+    assert scene.decision().refused == {"triton_int8_fp8": "triton_int8_fp8 disabled on cuda:0: self-check failed: NaN"}
+    assert scene.override.stats.snapshot()["skipped"]["triton_int8_fp8"] == {
+        "triton_int8_fp8 disabled on cuda:0: self-check failed: NaN": FLUX_CALLS}
+
+
+def test_an_autograd_call_first_does_not_keep_auto_from_measuring_that_kind(monkeypatch):
+    """No quantized kernel takes an autograd call, so it starts no trial: the inference calls after it are measured."""
+    scene = Scene(monkeypatch, {"sdpa": 10.0, "triton_int8_fp8": 8.0})
+    q, k, v = (t.clone().requires_grad_(True) for t in (scene.q, scene.k, scene.v))
+    assert scene.who(scene.override(scene.call_site, q, k, v, HEADS).detach()) == "sdpa"
+    assert scene.events.marks == 0
+    with torch.no_grad():
+        scene.step()
+    assert scene.decision().chosen == "triton_int8_fp8"
 
 
 def test_an_in_step_decision_round_trips_through_json():
