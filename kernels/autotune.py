@@ -1,25 +1,23 @@
-"""`auto` that measures: the fastest backend per kind of call, timed on the user's GPU at first use.
+"""`auto` that measures: per kind of call, a quantized backend only where it was measured faster than SDPA.
 
-The static preference list (registry.auto_order) is a guess made on other GPUs. On a CUDA/ROCm device,
-the first call of each kind (TuneKey: dtype, head dims, causal, GQA, mask kind, quantization options and
-power-of-two buckets of the query and key lengths) times, on that call's own tensors, SDPA and every
-candidate that accepts the call (`ready(call) is None`, which runs a backend's first-use self-check):
-one untimed warm-up (compilation, caches), SETTLE_MS of calls whose times are not kept (the GPU's clocks
-settle to this backend's load), then up to TIMED_REPEATS repeats timed with CUDA events, each right behind
-LOAD_MS of queued GEMMs (as inside a model step, where attention follows the block's matrix multiplications
-and the GPU sits at its power cap), the median kept. A
-candidate whose first timed repeat is over DROP_FACTOR x the fastest so far is not repeated. When the
-fastest quantized candidate lands near the bar (CLOSE_CALL, a ratio to SDPA between 0.90 and 1.03), it and
-SDPA are timed CLOSE_CALL_TURNS more times in turns, each turn settled first, and the medians of all their
-repeats decide: a drift in the GPU's state while SDPA was measured first cannot then tip the choice.
-A quantized backend is taken only when it beats SDPA by QUANTIZED_MUST_BEAT: `auto` never
-picks one slower than exact attention on the measured shape. A candidate that raises while measured is
-left out with its reason; nothing here ever raises to the caller.
+Two ways to measure, one decision format:
+  * **in the step** (the ComfyUI override, `IN_STEP`): the model's own calls are the measurement. While a
+    kind of call (TuneKey) is undecided, its calls are spread over SDPA and each candidate that accepts it,
+    each timed with device events on the model's stream and read at the step boundary
+    (kernels/step_trials.py). Once decided, a quantized choice stays watched and reverts to SDPA when it turns
+    slow.
+  * **alone** (`ALONE`: the public API and the benchmark, where there is no step): the first call of each kind
+    times, on its own tensors, SDPA and every candidate: one untimed warm-up, then TIMED_REPEATS timed calls,
+    the median kept. Inside a model step a kernel can run at other clocks than alone (docs/MEASUREMENTS.md,
+    "Clocks under the power cap"), so the ComfyUI path never uses these.
+Either way a quantized backend is taken only when its measured ratio to SDPA is at most 1 - MARGIN: `auto`
+never picks one the measurement did not show faster than exact attention. A candidate that raises while
+measured is left out with its reason; nothing here ever raises to the caller.
 
-Decisions live in memory and on disk (one entry per kind of call, GPU identity, driver, torch, pack version
-and kernel source digest, in the cache folder's auto_decisions/: kernels/disk_cache.py). SAGE_RDNA4_AUTOTUNE=0
-turns measuring off (the static order decides); SAGE_RDNA4_AUTOTUNE_CACHE=0 keeps decisions in memory only
-(kernels/settings.py). Never imports ComfyUI.
+Decisions live in memory and on disk (one entry per kind of call, way of measuring, GPU identity, driver,
+torch, pack version and kernel source digest, in the cache folder's auto_decisions/: kernels/disk_cache.py).
+SAGE_RDNA4_AUTOTUNE=0 turns measuring off (the static order decides); SAGE_RDNA4_AUTOTUNE_CACHE=0 keeps
+decisions in memory only (kernels/settings.py). Never imports ComfyUI.
 """
 from __future__ import annotations
 
@@ -41,32 +39,20 @@ from .quant import default_sm_scale
 log = logging.getLogger(__name__)
 
 SDPA = "sdpa"
-TIMED_REPEATS = 3        # per candidate after its warm-up and settling; the median is kept
-DROP_FACTOR = 3.0        # a first timed repeat over 3x the fastest so far ends that candidate's measuring
-QUANTIZED_MUST_BEAT = 0.97  # a quantized backend must run under 0.97x SDPA: exact attention wins ties and noise
-CLOSE_CALL = (0.90, 1.03)  # a best quantized ratio to SDPA in here is measured again, in turns with SDPA
-CLOSE_CALL_TURNS = 2       # extra settled (SDPA, candidate) timings for such a close call
-# Before its timed calls a backend runs, timed but not kept, until SETTLE_MS of its own GPU time have passed
-# (at least SETTLE_CALLS[0] calls, at most SETTLE_CALLS[1]): the GPU's clocks follow the power drawn by what ran
-# before, and an unsettled timing misranks (figures: docs/MEASUREMENTS.md, "auto").
-SETTLE_MS = 100.0
-SETTLE_CALLS = (1, 20)
-# Right ahead of each timed call, LOAD_MS of matrix multiplications (LOAD_SIDE x LOAD_SIDE, half precision) are
-# queued on the same stream: inside a model step attention follows the block's GEMMs, which hold a GPU at its
-# power cap, and a kernel timed alone runs at other clocks (figures: docs/MEASUREMENTS.md, "Clocks under the
-# power cap"). Where the operands do not fit in memory, the calls are timed without it.
-LOAD_MS = 40.0
-LOAD_SIDE = 4096
-LOAD_MAX_GEMMS = 400
-FILE_FORMAT = 1
+IN_STEP, ALONE = "in step", "alone"  # how a decision was measured
+# A quantized backend must measure at most 1 - MARGIN times SDPA to be taken, and a watched choice reverts when
+# it measures over 1 + MARGIN: exact attention wins ties and noise (why 3 %: docs/MEASUREMENTS.md, "auto in the
+# step").
+MARGIN = 0.03
+QUANTIZED_MUST_BEAT = 1.0 - MARGIN
+TIMED_REPEATS = 3  # alone: timed calls per candidate after its warm-up; the median is kept
+FILE_FORMAT = 2    # 2: entries say how they were measured
 # A stored timing is believed only when finite and above 0 and within these ratios to SDPA's: no kernel run is
 # 1000x off exact attention either way, so such a number is a damaged or edited entry, and is measured again.
 PLAUSIBLE_RATIO = (1e-3, 1e3)
 
 # timer(fn, device) -> milliseconds of one call of fn; injectable so tests need no GPU.
 Timer = Callable[[Callable[[], object], torch.device], float]
-# power_load(device, dtype) -> a callable that queues the load ahead of a timed call, or None (no load there).
-PowerLoad = Callable[[torch.device, torch.dtype], Optional[Callable[[], None]]]
 
 
 def length_bucket(n: int) -> int:
@@ -109,7 +95,7 @@ def tune_key(call) -> TuneKey:
 
 
 def cuda_event_ms(fn: Callable[[], object], device: torch.device) -> float:
-    """One call of fn timed with CUDA events on the current stream (waits for it: first use only)."""
+    """One call of fn timed with CUDA events on the current stream (waits for it: `alone` only)."""
     stream = torch.cuda.current_stream(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record(stream)
@@ -119,47 +105,33 @@ def cuda_event_ms(fn: Callable[[], object], device: torch.device) -> float:
     return start.elapsed_time(end)
 
 
-def gemm_power_load(device: torch.device, dtype: torch.dtype) -> Optional[Callable[[], None]]:
-    """A callable that queues about LOAD_MS of GEMMs on the current stream without waiting for them, or None where
-    none can run (not a GPU, or no memory for the operands: 3 x 32 MiB)."""
-    if device.type != "cuda":
-        return None
-    half = dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
-    try:
-        a = torch.randn(LOAD_SIDE, LOAD_SIDE, device=device, dtype=half)
-        b, out = torch.randn_like(a), torch.empty_like(a)
-        gemm = lambda: torch.matmul(a, b, out=out)  # noqa: E731
-        cuda_event_ms(gemm, device)  # the first one sets up the BLAS library
-        one = cuda_event_ms(gemm, device)
-    except Exception as exc:  # out of memory, or no BLAS for this dtype: time without the load
-        log.info("auto times without its power load: %s: %s", type(exc).__name__, exc)
-        return None
-    count = max(1, min(LOAD_MAX_GEMMS, math.ceil(LOAD_MS / max(one, 1e-3))))
-
-    def load():
-        for _ in range(count):
-            gemm()
-    return load
-
-
 @dataclass
 class Decision:
-    """What was measured for one key. `timings` holds median ms per backend, SDPA included."""
+    """What was measured for one key. `timings` holds median ms per backend, SDPA included; `samples` how many
+    timed calls each median is over; `reverted` why a choice was taken back by the watch (then only SDPA runs)."""
     key: TuneKey
     timings: Dict[str, float]
     failed: Dict[str, str] = field(default_factory=dict)   # raised while measured
     refused: Dict[str, str] = field(default_factory=dict)  # why_not at first use (not stored on disk)
     source: str = "measured"                               # or "disk"
+    method: str = ALONE
+    samples: Dict[str, int] = field(default_factory=dict)
+    reverted: Optional[str] = None
+    candidates: Tuple[str, ...] = ()  # the quantized backends it was measured among (the disk entry's key)
 
     def __post_init__(self):
         sdpa_ms = self.timings[SDPA]
         quantized = sorted((ms, name) for name, ms in self.timings.items() if name != SDPA)
-        winners = [name for ms, name in quantized if ms < QUANTIZED_MUST_BEAT * sdpa_ms]
+        winners = [name for ms, name in quantized if ms <= QUANTIZED_MUST_BEAT * sdpa_ms]
         # Fastest first, SDPA after the quantized backends that beat it; nothing after SDPA is ever taken.
-        self.ranking: Tuple[str, ...] = tuple(winners) + (SDPA,)
+        self.ranking: Tuple[str, ...] = (SDPA,) if self.reverted else tuple(winners) + (SDPA,)
         self.best_quantized: Optional[Tuple[str, float]] = (
             (quantized[0][1], self.ratio(quantized[0][1])) if quantized else None)
         self.summary = self._summary()
+
+    @property
+    def chosen(self) -> str:
+        return self.ranking[0]
 
     def ratio(self, name: str) -> float:
         sdpa_ms = self.timings[SDPA]
@@ -170,29 +142,45 @@ class Decision:
         return f"auto: {self._why_sdpa()}"
 
     def _why_sdpa(self) -> str:
+        if self.reverted:
+            return self.reverted
         if self.best_quantized is None:
             return "no quantized kernel could be measured on this shape"
         name, ratio = self.best_quantized
+        where = " in the step" if self.method == IN_STEP else ""
         if ratio > 1.0:
-            return f"SDPA measured faster on this shape (best quantized: {name} {ratio:.2f}x SDPA)"
-        return f"SDPA kept on this shape (best quantized: {name} {ratio:.2f}x SDPA, not under {QUANTIZED_MUST_BEAT}x)"
+            return f"SDPA measured faster{where} on this shape (best quantized: {name} {ratio:.2f}x SDPA)"
+        return (f"SDPA kept{where} on this shape (best quantized: {name} {ratio:.2f}x SDPA, not at or under "
+                f"{QUANTIZED_MUST_BEAT:.2f}x)")
 
     def _summary(self) -> str:
-        chosen = self.ranking[0]
+        chosen = self.chosen
         head = f"auto chose {chosen}: " + (f"{self.ratio(chosen):.2f}x SDPA" if chosen != SDPA else self._why_sdpa())
-        measured = ", ".join(f"{name} {self.ratio(name):.2f}x" for name in sorted(self.timings, key=self.timings.get))
+        measured = ", ".join(f"{name} {self.ratio(name):.2f}x" + (f" ({self.samples[name]} calls)"
+                                                                  if name in self.samples else "")
+                             for name in sorted(self.timings, key=self.timings.get))
         failed = "".join(f"; {name}: {reason}" for name, reason in self.failed.items())
         origin = "; from disk" if self.source == "disk" else ""
-        return f"{head} at ({self.key.label()}) [measured: {measured}{failed}{origin}]"
+        return f"{head} at ({self.key.label()}) [measured {self.method}: {measured}{failed}{origin}]"
+
+    def as_row(self) -> dict:
+        """Per kind of call, for reports: what was chosen and its measured ratio to SDPA."""
+        return {"kind": self.key.label(), "chosen": self.chosen, "ratio": self.ratio(self.chosen),
+                "method": self.method, "reverted": self.reverted, "source": self.source,
+                "ratios": {name: self.ratio(name) for name in self.timings}, "samples": dict(self.samples)}
 
     def to_json(self, candidates: Sequence[str]) -> dict:
-        return {"timings": self.timings, "failed": self.failed, "candidates": sorted(candidates)}
+        return {"timings": self.timings, "failed": self.failed, "candidates": sorted(candidates),
+                "method": self.method, "samples": self.samples, "reverted": self.reverted}
 
     @classmethod
     def from_json(cls, key: TuneKey, entry: dict) -> "Decision":
         timings = {str(n): float(ms) for n, ms in entry["timings"].items()}
         failed = {str(n): str(r) for n, r in entry.get("failed", {}).items()}
-        return cls(key, timings, failed, source="disk")
+        samples = {str(n): int(c) for n, c in (entry.get("samples") or {}).items()}
+        reverted = entry.get("reverted")
+        return cls(key, timings, failed, source="disk", method=str(entry.get("method", ALONE)), samples=samples,
+                   reverted=str(reverted) if reverted else None)
 
 
 def implausible(timings: Dict[str, float]) -> Optional[str]:
@@ -210,9 +198,9 @@ def implausible(timings: Dict[str, float]) -> Optional[str]:
 
 
 class DecisionStore:
-    """Decisions on disk: one entry per TuneKey, GPU identity, pack version and code digest, in the cache
-    folder's auto_decisions/ (kernels/disk_cache.py; `root`: another folder for them). A corrupt entry is a
-    miss and is removed; one measured among other candidates, or with implausible timings, is measured again
+    """Decisions on disk: one entry per TuneKey, way of measuring, GPU identity, pack version and code digest, in
+    the cache folder's auto_decisions/ (kernels/disk_cache.py; `root`: another folder for them). A corrupt entry
+    is a miss and is removed; one measured among other candidates, or with implausible timings, is measured again
     and replaced."""
 
     LABEL = "autotune"
@@ -233,25 +221,27 @@ class DecisionStore:
             self._entries = EntryStore(AUTO_DECISIONS, self._root)
         return self._entries
 
-    def header(self, device: torch.device) -> Optional[dict]:
+    def header(self, device: torch.device, method: str = ALONE) -> Optional[dict]:
         identity = self._identity(device)
         if identity is None:
             return None
-        return {"format": FILE_FORMAT, "identity": identity, "pack": pack_version(), "code": code_digest()}
+        return {"format": FILE_FORMAT, "identity": identity, "pack": pack_version(), "code": code_digest(),
+                "method": method}
 
-    def _entry_key(self, device: torch.device, key: TuneKey) -> Tuple[Optional[str], Optional[dict]]:
+    def _entry_key(self, device: torch.device, key: TuneKey, method: str) -> Tuple[Optional[str], Optional[dict]]:
         """(entry key, header) of this device's decision for `key`; (None, None) when off or the GPU is unknown."""
         if not self.enabled:
             return None, None
-        header = self.header(device)
+        header = self.header(device, method)
         if header is None:
             return None, None
         return cache_key(kind="auto decision", tune_key=key.ident(), header=header), header
 
-    def load(self, device: torch.device, key: TuneKey, candidates: Sequence[str]) -> Optional[Decision]:
+    def load(self, device: torch.device, key: TuneKey, candidates: Sequence[str],
+             method: str = ALONE) -> Optional[Decision]:
         """The stored decision for key, if it was measured among exactly these candidates."""
         try:
-            entry_key, _ = self._entry_key(device, key)
+            entry_key, _ = self._entry_key(device, key, method)
             if entry_key is None:
                 return None
             entry = self.entries().load_json(entry_key, self.LABEL)
@@ -270,7 +260,7 @@ class DecisionStore:
     def save(self, device: torch.device, decision: Decision, candidates: Sequence[str]) -> Optional[str]:
         """Write the decision's entry; its path, or None when nothing was written."""
         try:
-            entry_key, header = self._entry_key(device, decision.key)
+            entry_key, header = self._entry_key(device, decision.key, decision.method)
             if entry_key is None:
                 return None
             return self.entries().store_json(entry_key, self.LABEL, decision.to_json(candidates),
@@ -300,13 +290,12 @@ class _DecideLater(Exception):
 
 
 class Autotuner:
-    """Measured decisions per (device, TuneKey); thread-safe. `timer`, `store` and `power_load` are injectable
-    for tests."""
+    """Measured decisions per (way of measuring, device, TuneKey); thread-safe. This class measures alone (the
+    public API); step_trials.InStepTuner adds the in-step way. `timer` and `store` are injectable for tests."""
 
     def __init__(self, timer: Optional[Timer] = None, store: Optional[DecisionStore] = None,
-                 enabled: Optional[bool] = None, require_cuda: bool = True, power_load: Optional[PowerLoad] = None):
+                 enabled: Optional[bool] = None, require_cuda: bool = True):
         self.timer = timer or cuda_event_ms
-        self.power_load = power_load or gemm_power_load
         self.store = store if store is not None else DecisionStore()
         self._enabled = enabled
         self.require_cuda = require_cuda  # tests with fake timers run the same logic on the CPU
@@ -321,8 +310,12 @@ class Autotuner:
         """Every decision made or loaded in this process (for reports and the benchmark)."""
         return [d for d in list(self._decisions.values()) if d is not None]
 
-    def decision_for(self, call) -> Optional[Decision]:
-        return self._decisions.get((call.device_type, call.device_index, tune_key(call)))
+    def decision_for(self, call, method: str = ALONE) -> Optional[Decision]:
+        return self._decisions.get(self._key(call, method))
+
+    @staticmethod
+    def _key(call, method: str) -> tuple:
+        return (method, call.device_type, call.device_index, tune_key(call))
 
     def clear(self) -> None:
         with self._lock:
@@ -335,20 +328,36 @@ class Autotuner:
         return call.device_type == "cuda" or not self.require_cuda
 
     def may_measure_now(self, call, attn_mask) -> bool:
-        if self.require_cuda and _capturing_or_compiling():
+        if _capturing_or_compiling():
             return False
         return call.mask == "none" or attn_mask is not None  # a masked call is timed with its mask only
 
+    def _accepted(self, call, candidates, sdpa):
+        """(candidates ready for `call`, refusals by name), or None where nothing can be weighed."""
+        if sdpa.why_not(call) is not None:
+            return None  # no yardstick (e.g. the LSE is asked for): the static order decides
+        accepted, refused = [], {}
+        for backend in candidates:
+            reason = backend.ready(call)  # runs the backend's first-use self-check
+            if reason is None:
+                accepted.append(backend)
+            elif backend.why_not(call) is None:  # refused, yet no verdict recorded: the check could not run
+                raise _DecideLater(reason)
+            else:
+                refused[backend.name] = reason
+        return (accepted, refused) if accepted else None  # nothing quantized to weigh: the static order says why
+
+    # -- alone (the public API, the benchmark) ------------------------------------------------------
     def choose(self, call, candidates: Sequence, sdpa, tensors, sm_scale: Optional[float] = None,
                attn_mask=None) -> Optional[Tuple[object, Dict[str, str], Decision]]:
-        """(backend, skipped, decision) from a measured decision, or None: use the static order.
+        """(backend, skipped, decision) from a decision measured alone, or None: use the static order.
 
         `candidates` are the quantized backends in the static order; `sdpa` is the exact yardstick. The
         backend returned is a candidate that accepts `call`, or `sdpa` when it is the fastest that does.
         A decision made earlier also serves calls that could not be measured now (a CUDA graph capture)."""
         if not self.applies(call, tensors):
             return None
-        key = (call.device_type, call.device_index, tune_key(call))
+        key = self._key(call, ALONE)
         decision = self._decisions.get(key, _NOT_DECIDED)
         judged_here = False
         if decision is _NOT_DECIDED:
@@ -359,7 +368,6 @@ class Autotuner:
             return None
         return self._pick(decision, call, candidates, sdpa, judged_here)
 
-    # -- one decision ------------------------------------------------------------------------------
     def _decide(self, key, call, candidates, sdpa, tensors, sm_scale, attn_mask) -> Tuple[Optional[Decision], bool]:
         """The decision for key, and whether this call's candidates were judged (`ready`) in making it."""
         with self._lock:
@@ -367,7 +375,7 @@ class Autotuner:
                 return self._decisions[key], False
             started = time.perf_counter()
             try:
-                decision = self._measure_or_load(key[2], call, candidates, sdpa, tensors, sm_scale, attn_mask)
+                decision = self._measure_or_load(key[3], call, candidates, sdpa, tensors, sm_scale, attn_mask)
             except _DecideLater as exc:  # nothing kept: the static order serves this call, a later one measures
                 log.info("auto measures %s on a later call: %s", call.short(), exc)
                 return None, True
@@ -381,22 +389,13 @@ class Autotuner:
         return decision, True
 
     def _measure_or_load(self, key: TuneKey, call, candidates, sdpa, tensors, sm_scale, attn_mask):
-        if sdpa.why_not(call) is not None:
-            return None  # no yardstick (e.g. the LSE is asked for): the static order decides
-        accepted, refused = [], {}
-        for backend in candidates:
-            reason = backend.ready(call)  # runs the backend's first-use self-check
-            if reason is None:
-                accepted.append(backend)
-            elif backend.why_not(call) is None:  # refused, yet no verdict recorded: the check could not run
-                raise _DecideLater(reason)
-            else:
-                refused[backend.name] = reason
-        if not accepted:
-            return None  # nothing quantized to weigh: the static order reports why
+        found = self._accepted(call, candidates, sdpa)
+        if found is None:
+            return None
+        accepted, refused = found
         names = [b.name for b in accepted]
         device = tensors[0].device
-        stored = self.store.load(device, key, names)
+        stored = self.store.load(device, key, names, ALONE)
         if stored is not None:
             stored.refused = refused
             return stored
@@ -405,7 +404,7 @@ class Autotuner:
         timings, failed, transient = self._measure([sdpa] + accepted, call, tensors, sm_scale, attn_mask)
         if SDPA not in timings:
             return None
-        decision = Decision(key, timings, failed, refused)
+        decision = Decision(key, timings, failed, refused, samples={n: TIMED_REPEATS for n in timings})
         if not transient:  # an out-of-memory is this moment's, not the shape's: measure again next process
             self.store.save(device, decision, names)
         return decision
@@ -414,71 +413,22 @@ class Autotuner:
         """Median ms per backend (SDPA first, the yardstick), failures by name, and whether one ran out of memory."""
         q, k, v = tensors
         device = q.device
-        samples: Dict[str, List[float]] = {}
-        runs: Dict[str, Callable[[], object]] = {}
+        timings: Dict[str, float] = {}
         failed: Dict[str, str] = {}
         transient = False
-        best = math.inf
         with torch.no_grad():
-            load = self.power_load(device, q.dtype)
             for backend in backends:
-                def run(backend=backend):  # judged ready above: timed as the override's calls run it
+                def run(backend=backend):  # judged ready above: timed as the public call runs it
                     return backend.launch(q, k, v, call, sm_scale, attn_mask)
                 try:
-                    times = self._timed_repeats(run, device, best, load)
+                    run()  # warm-up: compilation and caches, not timed
+                    timings[backend.name] = statistics.median(self.timer(run, device) for _ in range(TIMED_REPEATS))
                 except Exception as exc:
                     transient |= isinstance(exc, torch.cuda.OutOfMemoryError)
                     failed[backend.name] = f"failed while auto measured it: {type(exc).__name__}: {exc}"
                     if backend.name == SDPA:
                         break  # without the yardstick nothing can be judged
-                    continue
-                samples[backend.name], runs[backend.name] = times, run
-                best = min(best, statistics.median(times))
-            close = self._close_call(samples)
-            if close is not None:
-                try:
-                    for _ in range(CLOSE_CALL_TURNS):
-                        for name in (SDPA, close):
-                            self._settle(runs[name], device)
-                            samples[name].append(self._timed(runs[name], device, load))
-                except Exception as exc:  # it ran before: keep what was measured then, and say why it stopped
-                    transient |= isinstance(exc, torch.cuda.OutOfMemoryError)
-                    log.info("auto's second measurement of %s stopped: %s: %s", close, type(exc).__name__, exc)
-        timings = {name: statistics.median(times) for name, times in samples.items()}
         return timings, failed, transient
-
-    @staticmethod
-    def _close_call(samples: Dict[str, List[float]]) -> Optional[str]:
-        """The fastest quantized backend when its ratio to SDPA lies within CLOSE_CALL, else None."""
-        if SDPA not in samples:
-            return None
-        sdpa_ms = statistics.median(samples[SDPA])
-        quantized = [(statistics.median(times), name) for name, times in samples.items() if name != SDPA]
-        if not quantized or sdpa_ms <= 0:
-            return None
-        ms, name = min(quantized)
-        return name if CLOSE_CALL[0] <= ms / sdpa_ms <= CLOSE_CALL[1] else None
-
-    def _settle(self, run, device) -> None:
-        """Runs `run` until SETTLE_MS of its GPU time have passed (SETTLE_CALLS bounds the count)."""
-        elapsed, calls = 0.0, 0
-        while calls < SETTLE_CALLS[0] or (elapsed < SETTLE_MS and calls < SETTLE_CALLS[1]):
-            elapsed += self.timer(run, device)
-            calls += 1
-
-    def _timed(self, run, device, load) -> float:
-        """One timed call of `run`, right behind the power load where there is one (queued, not waited for)."""
-        if load is not None:
-            load()
-        return self.timer(run, device)
-
-    def _timed_repeats(self, run, device, best: float, load=None) -> List[float]:
-        run()  # warm-up: compilation and caches, not timed (its time says nothing of the steady state)
-        self._settle(run, device)
-        first = self._timed(run, device, load)
-        if first > DROP_FACTOR * best:
-            return [first]  # clearly slower: one repeat is enough to rank it
-        return [first] + [self._timed(run, device, load) for _ in range(TIMED_REPEATS - 1)]
 
     # -- one call ----------------------------------------------------------------------------------
     @staticmethod

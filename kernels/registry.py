@@ -241,23 +241,29 @@ class Selection:
     `exact_reason`: why exact attention was chosen instead of a quantized kernel (None: it was not);
     `measured` says it was auto's measurement (SDPA faster on this shape), not that nothing quantized takes
     the call. `refusal`: why an explicitly named backend cannot take this call (None: it can).
-    `decision`: auto's measured decision for this kind of call (kernels.autotune.Decision), if it measured."""
+    `decision`: auto's measured decision for this kind of call (kernels.autotune.Decision), if it measured.
+    `trial` (in the step only): the kernels.step_trials.StepTrial measuring this kind of call (then `backend` is
+    None and nothing is decided yet), or the Watch kept on a quantized decision."""
     backend: Optional[Backend]
     passed_over: Mapping[str, str] = field(default_factory=dict)
     exact_reason: Optional[str] = None
     measured: bool = False
     refusal: Optional[str] = None
     decision: Optional[object] = None
+    trial: Optional[object] = None
 
 
 def choose_backend(call: AttentionCall, kernel: str = "auto", quantized_only: bool = False, *,
-                   tensors=None, sm_scale: Optional[float] = None, attn_mask=None, tuner=None) -> Selection:
+                   tensors=None, sm_scale: Optional[float] = None, attn_mask=None, tuner=None,
+                   in_step: bool = False) -> Selection:
     """The backend that will run `call`, as a `Selection`.
 
     An explicit kernel is selected as is, with its refusal when it cannot take the call (its first-use
     verification runs here). `auto` given the call's `tensors` (q, k, v in HND) on a GPU takes the fastest
-    backend measured for this kind of call (kernels/autotune.py); otherwise, and on the CPU, it takes the
-    first backend in the device's preference list that is `ready` for the call.
+    backend measured for this kind of call: measured alone (kernels/autotune.py), or with `in_step` on the
+    model's own calls inside the sampling step (kernels/step_trials.py: until that decides, the selection
+    carries the `trial` and no backend). Otherwise, and on the CPU, it takes the first backend in the device's
+    preference list that is `ready` for the call.
     With `quantized_only` (the ComfyUI override, whose fallback is the call site's own exact attention)
     exact backends are not candidates: the selection's backend is None, with `exact_reason`, when nothing
     quantized takes the call or when SDPA measured fastest.
@@ -266,7 +272,8 @@ def choose_backend(call: AttentionCall, kernel: str = "auto", quantized_only: bo
         backend = get_backend(kernel)
         return Selection(backend, refusal=backend.ready(call))
     if tensors is not None:
-        measured = _measured_selection(call, quantized_only, tensors, sm_scale, attn_mask, tuner)
+        measured = (_in_step_selection(call, quantized_only, tensors, attn_mask, tuner) if in_step else
+                    _measured_selection(call, quantized_only, tensors, sm_scale, attn_mask, tuner))
         if measured is not None:
             return measured
     passed_over: Dict[str, str] = {}
@@ -307,6 +314,24 @@ def _measured_selection(call, quantized_only, tensors, sm_scale, attn_mask, tune
         return Selection(backend, passed_over, decision=decision)
     return Selection(None if quantized_only else sdpa, passed_over, exact_reason=decision.sdpa_reason(),
                      measured=True, decision=decision)
+
+
+def _in_step_selection(call, quantized_only, tensors, attn_mask, tuner) -> Optional[Selection]:
+    """choose_backend's answer in the step: a decision (with its watch), a trial still measuring, or None."""
+    names = [n for n in auto_candidates(call) if n != "sdpa"]
+    candidates = [b for b in (get_backend(n) for n in names) if b.quantized]
+    sdpa = get_backend("sdpa")
+    from . import step_trials  # imported on first use: it reads the disk cache and cache identity
+    tuner = tuner or step_trials.default_tuner()
+    answer = tuner.choose_in_step(call, candidates, sdpa, tensors, attn_mask, on_change=invalidate_decisions)
+    if answer is None:
+        return None
+    if answer.decision is None:  # measuring: the trial hands each call to a backend
+        return Selection(None, answer.skipped, trial=answer.trial)
+    if answer.backend is not None:
+        return Selection(answer.backend, answer.skipped, decision=answer.decision, trial=answer.trial)
+    return Selection(None if quantized_only else sdpa, answer.skipped, exact_reason=answer.decision.sdpa_reason(),
+                     measured=True, decision=answer.decision)
 
 
 def available_backends(device=None) -> Dict[str, Optional[str]]:

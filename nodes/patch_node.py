@@ -9,12 +9,12 @@ from ..sage_patch.install import patch_model
 DISPLAY_NAME = "Patch Sage Attention (RDNA4)"
 
 KERNEL_TOOLTIP = (
-    "Attention kernel for this model. 'auto' measures, on your GPU at first use of each kind of call, every "
-    "quantized kernel that accepts it (on RX 9070/9060: hip_int8_fp8, hip_int8_fp16, triton_int8_fp8, "
-    "triton_int8_fp16, comfy_kitchen, sageattention) against SDPA, and takes the fastest; where no quantized "
-    "kernel is measured faster than SDPA, 'auto' keeps exact attention (SDPA) for those calls, so it may bring "
-    "no speed-up there. A kernel that cannot take a call (not installed, wrong GPU, unsupported head size...) "
-    "sends it to ComfyUI's own attention and the reason is counted and logged once.")
+    "Attention kernel for this model. 'auto' measures, on your GPU inside the first sampling step, on the "
+    "model's own calls of each kind, every quantized kernel that accepts them (on RX 9070/9060: hip_int8_fp8, "
+    "hip_int8_fp16, triton_int8_fp8, triton_int8_fp16, comfy_kitchen, sageattention) against SDPA, and takes "
+    "the fastest; where no quantized kernel is measured faster than SDPA, 'auto' keeps exact attention (SDPA) "
+    "for those calls, so it may bring no speed-up there. A kernel that cannot take a call (not installed, wrong "
+    "GPU, unsupported head size...) sends it to ComfyUI's own attention and the reason is counted and logged once.")
 
 
 def config_from_inputs(kernel, smooth_k, prologue, on_unsupported, step_start=0.0, step_end=1.0,

@@ -214,6 +214,7 @@ def run_ab(model, positive, negative, latent: dict, seed: int, steps: int, cfg: 
         "sdpa_fallbacks": run_a.fallbacks,
         "notes": ab_override.stats.snapshot()["notes"],
         "auto_choices": ab_override.stats.snapshot()["auto_choices"],
+        "auto_decisions": ab_override.stats.snapshot()["auto_decisions"],
     }
     path = None
     try:

@@ -37,6 +37,7 @@ class CallPlan:
     generation: int                   # registry.decision_generation() before the decision was made
     routed: Optional[str] = None      # auto measured SDPA faster: the call site's own attention runs, this says why
     strided: Optional[tuple] = None   # layouts.strided_layout of the HND views, None: take view_shapes' path
+    trial: Optional[object] = None    # auto measuring in the step (a StepTrial) or watching its choice (a Watch)
 
     @property
     def ran(self) -> Optional[str]:
@@ -96,6 +97,12 @@ class PlanCache:
     def clear(self) -> None:
         with self._lock:
             self._plans.clear()
+
+    def trials(self) -> list:
+        """The distinct trials and watches of the plans kept (stale ones too: a finished trial ignores a boundary)."""
+        with self._lock:
+            found = {id(p.trial): p.trial for p in self._plans.values() if p.trial is not None}
+        return list(found.values())
 
     def __len__(self) -> int:
         return len(self._plans)

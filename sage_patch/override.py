@@ -21,6 +21,7 @@ What newer ComfyUI versions add, read from their source (2026, up to 0.38):
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -34,6 +35,7 @@ from .layouts import expand_mask, from_hnd, head_split_shapes, hnd_views, stride
 from .policies import CallPolicies
 from .stats import PatchStats
 
+log = logging.getLogger("sage_rdna4")
 _POSITIONAL = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
 _DEFAULTS = {"mask": None, "attn_precision": None, "skip_reshape": False, "skip_output_reshape": False}
 _REQUIRED = ("q", "k", "v", "heads")
@@ -102,13 +104,15 @@ class SageAttentionOverride:
         refusal = routed = None
         if selection.refusal is not None:  # the named kernel cannot take the call
             refusal = (f"{selection.backend.name}: {selection.refusal}", selection.backend.name)
+        elif selection.backend is None and selection.trial is not None:  # measuring: calls the trial leaves untimed
+            routed = selection.trial.SDPA_TURN
         elif selection.backend is None and selection.measured:  # SDPA measured fastest: exact attention by choice
             routed = selection.exact_reason
         elif selection.backend is None:  # nothing quantized takes the call
             refusal = (selection.exact_reason, "auto")
         return CallPlan(view_shapes=view_shapes, call=call, selection=selection, backend=selection.backend,
                         skipped=selection.passed_over, refusal=refusal, default_scale=default_sm_scale(call.head_dim),
-                        generation=generation, routed=routed, strided=strided)
+                        generation=generation, routed=routed, strided=strided, trial=selection.trial)
 
     def _plan_call(self, key, q, k, v, mask, view_shapes, scale):
         """Describe a call not seen before and decide its backend; the plan is stored for its signature. A str
@@ -121,17 +125,59 @@ class SageAttentionOverride:
             return f"malformed call: {exc}"
         generation = decision_generation()  # read before deciding: a change meanwhile leaves the plan stale
         sm_scale = float(scale) if scale is not None else default_sm_scale(call.head_dim)
-        # With the tensors, `auto` on a GPU takes the fastest backend measured for this kind of call. Not for an
-        # autograd call: nothing quantized takes it, and that empty decision would stick to its kind of call.
+        # With the tensors, `auto` on a GPU measures this kind of call on its own calls in the step (the plan's
+        # trial), then runs what measured fastest. Not for an autograd call: nothing quantized takes it, and that
+        # empty decision would stick to its kind of call.
         selection = choose_backend(call, self.config.kernel, quantized_only=True,
                                    tensors=None if call.requires_grad else (q, k, v), sm_scale=sm_scale,
-                                   attn_mask=mask)
-        if selection.decision is not None:
+                                   attn_mask=mask, in_step=True)
+        if selection.decision is not None:  # new, or changed (a watch reverted it): the stats show and log it
             self.stats.record_choice(selection.decision)
         plan = self._make_plan(call, view_shapes, generation, selection,
                                strided_layout(q, k, v) if view_shapes is not None else None)
         self.plans.store(key, plan)
         return plan
+
+    def _measured_call(self, plan: CallPlan, name: str, func, args, kwargs, q, k, v, mask, skip_output_reshape):
+        """One call `auto`'s trial (or watch) handed to `name`, bracketed by its device events. SDPA's turn is the
+        call site's own attention, as when SDPA is chosen; a candidate's turn includes its output reshape."""
+        trial, timer = plan.trial, self.attention_timer
+        if plan.skipped:
+            self.stats.record_skips(plan.skipped, name)
+        start = trial.begin()
+        if name == "sdpa":
+            out = self._pass_on(func, args, kwargs)
+            trial.record(name, start)
+            self.stats.record_routed(trial.SDPA_TURN)
+            return out
+        backend = trial.backend(name)
+        scale = kwargs.get("scale")
+        sm_scale = float(scale) if scale is not None else plan.default_scale
+        try:
+            if timer is not None:
+                with timer.measure():
+                    out, _ = backend.launch(q, k, v, plan.call, sm_scale, mask)
+            else:
+                out, _ = backend.launch(q, k, v, plan.call, sm_scale, mask)
+            out = from_hnd(out, skip_output_reshape)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as exc:  # the candidate is left out of the trial; this call gets the call site's answer
+            reason = f"{backend.name} failed: {type(exc).__name__}: {exc}"
+            trial.fail(name, reason)
+            return self._fallback(func, args, kwargs, reason, backend.name)
+        trial.record(name, start)
+        self.stats.record_call(backend.name)
+        return out
+
+    def step_boundary(self) -> None:
+        """The end of a model evaluation (sage_patch/timing.py): `auto`'s trials and watches read the step's
+        device events now, and may decide (which remakes the plans on their next call)."""
+        for trial in self.plans.trials():
+            try:
+                trial.end_step()
+            except Exception as exc:  # measuring must never take the sampling run down
+                log.warning("[sage_rdna4] auto's in-step measurement failed: %s: %s", type(exc).__name__, exc)
 
     def __call__(self, func, *args, **kwargs):
         try:
@@ -179,6 +225,10 @@ class SageAttentionOverride:
             plan = self._plan_call(key, q, k, v, mask, view_shapes, kwargs.get("scale"))
             if isinstance(plan, str):
                 return self._fallback(func, args, kwargs, plan, self.config.kernel)
+        if plan.trial is not None:  # auto measuring this kind of call in the step, or watching its choice
+            name = plan.trial.pick()
+            if name is not None:
+                return self._measured_call(plan, name, func, args, kwargs, q, k, v, mask, a["skip_output_reshape"])
         # Why each preferred backend did not take the call (not available, refused, failed its self-check).
         if plan.skipped:
             self.stats.record_skips(plan.skipped, plan.ran)

@@ -86,6 +86,21 @@ def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
+def format_decision_row(row: dict) -> str:
+    """One kind of call's decision (kernels.autotune.Decision.as_row) in a line."""
+    ratios = row.get("ratios") or {}
+    best = min(((r, n) for n, r in ratios.items() if n != "sdpa"), default=None)
+    if row.get("chosen") != "sdpa":
+        said = f"{row.get('chosen')} at {_fmt(row.get('ratio'), '.3f')}x SDPA"
+    elif best is not None:
+        said = f"sdpa (best quantized {best[1]} {best[0]:.3f}x)"
+    else:
+        said = "sdpa"
+    how = f"measured {row.get('method')}" + (", from disk" if row.get("source") == "disk" else "")
+    reverted = f"; {row['reverted']}" if row.get("reverted") else ""
+    return f"{row.get('kind')}: {said} ({how}){reverted}"
+
+
 def format_report_text(report: dict) -> str:
     """The report as a plain-text table (what the node's STRING output and the console show)."""
     t = report.get("totals", {})
@@ -145,9 +160,13 @@ def format_report_text(report: dict) -> str:
     if skipped:
         lines.append("kernels 'auto' passed over in the patched run, and why (calls per backend and reason):")
         lines.extend(format_skipped(skipped, indent="  "))
+    rows = report.get("auto_decisions", [])
+    if rows:
+        lines.append("what 'auto' chose per kind of call (ratio = its measured time / SDPA's):")
+        lines.extend(f"  {format_decision_row(row)}" for row in rows)
     choices = report.get("auto_choices", [])
     if choices:
-        lines.append("what 'auto' measured at first use of each kind of call (ratio = time / SDPA time):")
+        lines.append("what 'auto' measured for each kind of call (ratio = time / SDPA time):")
         lines.extend(f"  {c}" for c in choices)
     for policy, n in sorted(report.get("routed", {}).items()):
         lines.append(f"exact by policy ({policy}): {n}")

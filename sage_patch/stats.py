@@ -75,6 +75,7 @@ class PatchStats:
         self._logged = set()  # what was logged once: bounded (_first_time)
         self._notes = []
         self._choices: Dict[str, str] = {}  # auto's measured decision per kind of call -> its summary
+        self._choice_rows: Dict[str, dict] = {}  # the same, as Decision.as_row (chosen, ratio, method, reverted)
 
     def record_call(self, backend: str) -> None:
         with self._lock:  # once per call: dict.get skips Counter's Python-level __missing__ machinery
@@ -119,16 +120,15 @@ class PatchStats:
                     self.label, name, reason, then)
 
     def record_choice(self, decision) -> None:
-        """What a measuring `auto` chose for one kind of call (kernels.autotune.Decision): kept once per kind,
-        logged once, never cleared by `reset` (the decision outlives a sampling run)."""
-        label = decision.key.ident()
-        if label in self._choices:  # the common case: no lock taken
+        """What a measuring `auto` chose for one kind of call (kernels.autotune.Decision): kept per kind, logged
+        when new or changed (a watch that reverted it to SDPA), never cleared by `reset` (it outlives a run)."""
+        label, summary = decision.key.ident(), decision.summary
+        if self._choices.get(label) == summary:  # the common case: no lock taken
             return
         with self._lock:
-            first = label not in self._choices
-            self._choices[label] = decision.summary
-        if first:
-            log.info("[%s] %s", self.label, decision.summary)
+            self._choices[label] = summary
+            self._choice_rows[label] = decision.as_row()
+        log.log(logging.WARNING if decision.reverted else logging.INFO, "[%s] %s", self.label, summary)
 
     def record_routed(self, policy: str) -> None:
         """A policy sent this call to exact attention on purpose (not a failure)."""
@@ -149,7 +149,8 @@ class PatchStats:
             skipped = {name: dict(reasons.counts) for name, reasons in self._skipped.items()}
             return {"calls": dict(self._calls), "fallbacks": dict(self._fallbacks.counts),
                     "routed": dict(self._routed.counts), "skipped": skipped, "notes": list(self._notes),
-                    "auto_choices": list(self._choices.values())}
+                    "auto_choices": list(self._choices.values()),
+                    "auto_decisions": [dict(row) for row in self._choice_rows.values()]}
 
     def reset(self) -> None:
         with self._lock:

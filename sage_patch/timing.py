@@ -6,10 +6,12 @@ How it hooks in (ComfyUI's own extension points, nothing global):
     such as euler (a two-evaluation sampler such as heun records two entries per step).
 On a GPU each step is bracketed by two device events on the current stream, so the GPU work of the step
 is counted, not just its launches; events are read once, after the run, with a single synchronize: no
-sync inside the run. On the CPU the host clock is exact. Attention time per step is measured only when
-the patch asks for it (`PatchConfig.time_attention`): then `override.attention_timer` is set and the
-override brackets each kernel call with events. Otherwise `attention_timer` stays None and the override
-does no extra work at all.
+sync inside the run. On the CPU the host clock is exact. The end of each model evaluation is also the step
+boundary at which `auto`'s in-step measurement reads its events (`override.step_boundary`, kernels/step_trials.py):
+while it measures, that is one wait per evaluation, between two steps, never inside one. Attention time per
+step is measured only when the patch asks for it (`PatchConfig.time_attention`): then
+`override.attention_timer` is set and the override brackets each kernel call with events. Otherwise
+`attention_timer` stays None and the override does no extra work at all.
 Once per run, a short summary and the patch's stats go to the console through `logging` (logger
 "sage_rdna4", level INFO), so ComfyUI's log shows them in order with everything else.
 """
@@ -236,14 +238,17 @@ class StepTimer:
 
     def wrap_step(self, executor, x, timestep, *args, **kwargs):
         """PREDICT_NOISE wrapper: one model evaluation (one step of euler-like samplers)."""
-        if self._run is None:  # called outside a sampling run we bracket: time nothing
-            return executor(x, timestep, *args, **kwargs)
+        if self._run is None:  # called outside a sampling run we bracket: time nothing but auto's calls
+            out = executor(x, timestep, *args, **kwargs)
+            self.override.step_boundary()
+            return out
         timer = self.override.attention_timer
         if timer is not None:
             timer.drain()  # attention outside a step is not attributed to one
         watch = _Stopwatch(self.device).begin()
         out = executor(x, timestep, *args, **kwargs)
         watch.finish()
+        self.override.step_boundary()  # after the step's end mark: auto's one wait for its events is not counted
         # Keep sigma as a tensor: reading a GPU value now would synchronize inside the run.
         sigma = timestep.detach().flatten()[0] if torch.is_tensor(timestep) and timestep.numel() else timestep
         self._watches.append((sigma, watch, timer.drain() if timer is not None else []))

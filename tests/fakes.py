@@ -8,6 +8,7 @@ tests/test_package_layout.py's user run) has tests/ on sys.path already or puts 
   ComfyUI      FakePatcher (ModelPatcher), comfy_attention (attention_pytorch), wrap_attn (wrap_attn),
                marker_attention (a call site answering a marker)
   backends     FakeBackend (a registry Backend with no kernel)
+  auto         ScriptedEvents (step_trials.DeviceEvents on a simulated clock)
   HIP          FakeCompiler (RtcCompiler without a compiler library), FakeRuntime (GpuRuntime in Python),
                FakeHip (libamdhip64 with two devices, as ctypes callbacks) and fake_image (its code objects),
                write_prebuilt (a shipped object and its manifest in a folder), CompilerFactory (counts the
@@ -162,6 +163,30 @@ class FakeBackend(registry.Backend):
         if self.attention is not None:
             return self.attention(q, k, v, is_causal=call.is_causal), None
         return q.clone(), None
+
+
+class ScriptedEvents:
+    """kernels.step_trials.DeviceEvents on a simulated clock: a mark reads `now`, which the test's fake work moves
+    on (`advance`). Counts marks, and waits with the number of marks made before each (`waited_at`)."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.marks = 0
+        self.waited_at = []
+
+    def advance(self, ms: float) -> None:
+        self.now += ms
+
+    def mark(self, device):
+        self.marks += 1
+        return self.now
+
+    def wait(self, event) -> None:
+        self.waited_at.append(self.marks)
+
+    @staticmethod
+    def elapsed_ms(start, end) -> float:
+        return end - start
 
 
 # -- HIP: compiler and runtimes --------------------------------------------------------------------------------

@@ -16,9 +16,7 @@ import torch
 
 from comfyui_sage_rdna4.kernels import autotune, disk_cache, registry, settings
 from comfyui_sage_rdna4.kernels.call_spec import describe_call
-from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride
-from comfyui_sage_rdna4.sage_patch.report import format_report_text
-from fakes import FakeBackend, marker_attention
+from fakes import FakeBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 IDENTITY = {"gpu": "AMD Radeon RX 9070 XT", "arch": "gfx1201", "driver": 60342134, "torch": "2.9", "hip": "6.4",
@@ -59,12 +57,6 @@ def setup(times, refuse=None, raises=None):
     return backends, clock, tuner
 
 
-def settled(ms):
-    """How many calls auto's settling makes of a backend that takes `ms` per call."""
-    low, high = autotune.SETTLE_CALLS
-    return min(high, max(low, math.ceil(autotune.SETTLE_MS / ms)))
-
-
 def choose(tuner, backends, call, qkv):
     quantized = [b for n, b in backends.items() if n != "sdpa"]
     return tuner.choose(call, quantized, backends["sdpa"], qkv)
@@ -78,12 +70,11 @@ def test_the_fastest_is_chosen_and_ranked_against_sdpa():
     assert decision.ranking == ("triton_int8_fp16", "triton_int8_fp8", "sdpa")
     assert decision.ratio("triton_int8_fp16") == pytest.approx(0.5)
     assert decision.summary.startswith("auto chose triton_int8_fp16: 0.50x SDPA at (float16, D64, Nq<=4096")
-    # one warm-up, the settling calls and TIMED_REPEATS timed calls each, SDPA (the yardstick) first
-    per_backend = {name: settled(ms) + autotune.TIMED_REPEATS for name, ms in
-                   (("sdpa", 10.0), ("triton_int8_fp8", 8.0), ("triton_int8_fp16", 5.0))}
-    assert clock.timed == [name for name, n in per_backend.items() for _ in range(n)]
-    assert len(clock.ran) == sum(1 + n for n in per_backend.values())
-    assert settled(10.0) == 10 and settled(5.0) == autotune.SETTLE_CALLS[1]
+    assert decision.method == autotune.ALONE and "[measured alone: " in decision.summary
+    # one untimed warm-up and TIMED_REPEATS timed calls each, SDPA (the yardstick) first
+    names = ("sdpa", "triton_int8_fp8", "triton_int8_fp16")
+    assert clock.timed == [name for name in names for _ in range(autotune.TIMED_REPEATS)]
+    assert clock.ran == [name for name in names for _ in range(1 + autotune.TIMED_REPEATS)]
 
 
 def test_a_quantized_backend_slower_than_sdpa_is_never_chosen():
@@ -94,160 +85,7 @@ def test_a_quantized_backend_slower_than_sdpa_is_never_chosen():
     # a tie is no gain: exact attention keeps it (QUANTIZED_MUST_BEAT)
     assert decision.best_quantized == ("triton_int8_fp16", 1.0)
     assert decision.sdpa_reason() == ("auto: SDPA kept on this shape (best quantized: triton_int8_fp16 1.00x SDPA, "
-                                      "not under 0.97x)")
-
-
-def test_a_candidate_far_slower_is_timed_once_only():
-    backends, clock, tuner = setup({"sdpa": 10.0, "triton_int8_fp8": 31.0, "triton_int8_fp16": 8.0})
-    qkv = tensors()
-    choose(tuner, backends, gpu_call(qkv), qkv)
-    assert clock.timed.count("triton_int8_fp8") == settled(31.0) + 1  # 3.1x the fastest so far: not repeated
-    assert clock.timed.count("triton_int8_fp16") == settled(8.0) + autotune.TIMED_REPEATS
-
-
-def test_a_close_call_is_timed_again_in_settled_turns_with_sdpa():
-    times = {"sdpa": 10.0, "triton_int8_fp8": 9.5, "triton_int8_fp16": 12.0}
-    backends, clock, tuner = setup(times)
-    qkv = tensors()
-    backend, _, decision = choose(tuner, backends, gpu_call(qkv), qkv)
-    turn = ["sdpa"] * (settled(10.0) + 1) + ["triton_int8_fp8"] * (settled(9.5) + 1)
-    turns = autotune.CLOSE_CALL_TURNS
-    assert clock.timed[-turns * len(turn):] == turn * turns
-    first = sum(settled(ms) + autotune.TIMED_REPEATS for ms in times.values())
-    assert len(clock.timed) == first + turns * len(turn)
-    assert backend.name == "triton_int8_fp8" and decision.ratio("triton_int8_fp8") == pytest.approx(0.95)
-
-
-class DriftingClock(Clock):
-    """Each backend's times in turn (the last one repeats): a GPU whose state drifts while it is measured."""
-
-    def __call__(self, fn, device):
-        fn()
-        name = self.ran[-1]
-        self.timed.append(name)
-        seq = self.times[name]
-        return seq[min(self.timed.count(name), len(seq)) - 1]
-
-
-def test_a_drift_while_sdpa_was_measured_first_cannot_tip_a_close_call():
-    """SDPA's first three calls are 6 % slow (clocks still rising); timed at once, the candidate's 9.6 ms would
-    look like 0.92x, but against SDPA's settled 9.8 ms it is 0.98x: not under the bar, so SDPA stays."""
-    backends, _, tuner = setup({"sdpa": 9.8, "triton_int8_fp8": 9.6})
-    ran = backends["sdpa"].ran
-    clock = DriftingClock(ran, {"sdpa": [10.4, 10.4, 10.4, 9.8], "triton_int8_fp8": [9.6]})
-    tuner = autotune.Autotuner(timer=clock, store=autotune.DecisionStore(enabled=False), enabled=True)
-    qkv = tensors()
-    backend, _, decision = choose(tuner, backends, gpu_call(qkv), qkv)
-    assert backend.name == "sdpa", decision.summary
-    assert decision.timings["sdpa"] == pytest.approx(9.8)
-    assert decision.best_quantized == ("triton_int8_fp8", pytest.approx(9.6 / 9.8))
-
-
-class PowerStateClock(Clock):
-    """A GPU whose clocks follow the power drawn by the backend that ran before: the first two calls of a quantized
-    backend right after SDPA run 12 % slow, the first call of SDPA right after a quantized backend 8 % fast
-    (what an H200 did at Wan 480p: the FP8 kernel's 37.4 ms read as 41.9, SDPA's 38.9 as 35.8)."""
-
-    def __call__(self, fn, device):
-        fn()
-        name = self.ran[-1]
-        self.timed.append(name)
-        streak = 1
-        while streak < len(self.ran) and self.ran[-1 - streak] == name:
-            streak += 1
-        before = self.ran[-1 - streak] if streak < len(self.ran) else None
-        factor = 1.0
-        if before == "sdpa" and name != "sdpa" and streak <= 2:
-            factor = 1.12
-        elif before not in (None, "sdpa") and name == "sdpa" and streak <= 1:
-            factor = 0.92
-        return self.times[name] * factor
-
-
-def test_the_power_state_left_by_the_previous_backend_does_not_decide():
-    """The FP8 kernel runs at 0.96x SDPA once settled. Timed right after its warm-up and then call by call in turns
-    with SDPA, it would read 41.9 ms against SDPA's 35.8 (1.17x) and lose; settled before every timing it wins."""
-    times = {"sdpa": 38.9, "triton_int8_fp8": 37.4}
-    backends, _, _ = setup(times)
-    clock = PowerStateClock(backends["sdpa"].ran, times)
-    tuner = autotune.Autotuner(timer=clock, store=autotune.DecisionStore(enabled=False), enabled=True)
-    qkv = tensors()
-    backend, _, decision = choose(tuner, backends, gpu_call(qkv), qkv)
-    assert backend.name == "triton_int8_fp8", decision.summary
-    assert decision.timings == {"sdpa": pytest.approx(38.9), "triton_int8_fp8": pytest.approx(37.4)}
-
-
-LOAD = "power load"
-
-
-def loaded_setup(times, clock_class, with_load=True):
-    """setup() with a power load that marks itself in the backends' run log (no GPU: nothing is multiplied)."""
-    backends, _, _ = setup(times)
-    ran = backends["sdpa"].ran
-    clock = clock_class(ran, times)
-    power_load = (lambda device, dtype: (lambda: ran.append(LOAD))) if with_load else (lambda device, dtype: None)
-    tuner = autotune.Autotuner(timer=clock, store=autotune.DecisionStore(enabled=False), enabled=True,
-                               power_load=power_load)
-    return backends, clock, tuner
-
-
-def test_every_timed_call_runs_right_behind_the_power_load():
-    times = {"sdpa": 10.0, "triton_int8_fp8": 9.5}
-    backends, clock, tuner = loaded_setup(times, Clock)
-    qkv = tensors()
-    choose(tuner, backends, gpu_call(qkv), qkv)
-    ran = backends["sdpa"].ran
-    assert ran.count(LOAD) == 2 * autotune.TIMED_REPEATS + 2 * autotune.CLOSE_CALL_TURNS  # a close call: 2 turns more
-    # each load is followed by one timed call; warm-up and settling calls run without it
-    assert all(ran[i + 1] != LOAD for i, name in enumerate(ran) if name == LOAD)
-    sdpa_run = ran[:ran.index("triton_int8_fp8")]
-    assert sdpa_run == ["sdpa"] * (1 + settled(10.0)) + [LOAD, "sdpa"] * autotune.TIMED_REPEATS
-    assert autotune.gemm_power_load(torch.device("cpu"), torch.float16) is None  # no GPU, no load
-
-
-class PowerCapClock(Clock):
-    """A GPU at whose power cap the quantized kernel loses its edge: alone it runs at 0.95x SDPA, right behind the
-    GEMMs of a model step at 1.03x (what an H200 did at Wan 480p: 0.95x alone, 1.02-1.06x after 40 ms of GEMMs)."""
-
-    def __call__(self, fn, device):
-        fn()
-        name = self.ran[-1]
-        self.timed.append(name)
-        behind_load = len(self.ran) > 1 and self.ran[-2] == LOAD
-        if name == "sdpa":
-            return self.times[name]
-        return self.times[name] * (1.03 if behind_load else 0.95)
-
-
-@pytest.mark.parametrize("with_load", [True, False], ids=["behind the load", "alone"])
-def test_a_kernel_that_wins_only_alone_is_not_chosen(with_load):
-    times = {"sdpa": 38.0, "triton_int8_fp8": 38.0}
-    backends, _, tuner = loaded_setup(times, PowerCapClock, with_load)
-    qkv = tensors()
-    backend, _, decision = choose(tuner, backends, gpu_call(qkv), qkv)
-    if with_load:
-        assert backend.name == "sdpa" and decision.ratio("triton_int8_fp8") == pytest.approx(1.03)
-    else:  # what auto did before it timed behind the load
-        assert backend.name == "triton_int8_fp8" and decision.ratio("triton_int8_fp8") == pytest.approx(0.95)
-
-
-def test_a_candidate_that_fails_when_timed_again_keeps_its_first_measurement():
-    backends, clock, tuner = setup({"sdpa": 10.0, "triton_int8_fp8": 9.0})
-    fp8 = backends["triton_int8_fp8"]
-    calls = []
-
-    def flaky(q, k, v, call, sm_scale, attn_mask):
-        calls.append(1)
-        if len(calls) > 1 + settled(9.0) + autotune.TIMED_REPEATS:  # the warm-up, settling and first repeats pass
-            raise RuntimeError("out of luck")
-        fp8.ran.append(fp8.name)
-        return q.clone(), None
-
-    fp8.launch = flaky
-    qkv = tensors()
-    backend, _, decision = choose(tuner, backends, gpu_call(qkv), qkv)
-    assert backend.name == "triton_int8_fp8" and decision.ratio("triton_int8_fp8") == pytest.approx(0.9)
-    assert decision.failed == {}
+                                      "not at or under 0.97x)")
 
 
 def test_a_candidate_that_raises_or_refuses_is_left_out_with_its_reason():
@@ -596,57 +434,7 @@ def test_the_cache_env_switch_keeps_decisions_in_memory(tmp_path, monkeypatch):
     assert clock.timed and entries(tmp_path) == []
 
 
-# -- the ComfyUI override, its stats and the A/B report ------------------------------------------------------
-
-def patched(registered, monkeypatch, times):
-    backends, _, tuner = registered(times)
-    tuner.require_cuda = False  # the override's own tensors are on the CPU here; the decision logic is the same
-    monkeypatch.setattr(autotune, "_DEFAULT", tuner)
-    return SageAttentionOverride(PatchConfig(kernel="auto")), backends
-
-
-def test_override_passes_the_call_on_when_sdpa_measured_faster(registered, monkeypatch):
-    ov, _ = patched(registered, monkeypatch, {"sdpa": 5.0, "triton_int8_fp8": 6.0})
-    q, k, v = (t.transpose(1, 2).reshape(1, 4000, 128) for t in tensors())
-    marker_attention.calls = 0
-    assert ov(marker_attention, q, k, v, 2) == "call site"
-    assert ov(marker_attention, q, k, v, 2) == "call site"
-    snap = ov.stats.snapshot()
-    reason = "auto: SDPA measured faster on this shape (best quantized: triton_int8_fp8 1.20x SDPA)"
-    assert marker_attention.calls == 2 and snap["routed"] == {reason: 2}
-    assert snap["fallbacks"] == {} and snap["skipped"] == {} and snap["calls"] == {}
-    assert snap["auto_choices"] == ["auto chose sdpa: SDPA measured faster on this shape (best quantized: "
-                                    "triton_int8_fp8 1.20x SDPA) at (float16, D64, Nq<=4096, Nk<=4096) "
-                                    "[measured: sdpa 1.00x, triton_int8_fp8 1.20x]"]
-
-
-def test_override_runs_the_measured_choice_and_the_report_shows_it(registered, monkeypatch):
-    ov, backends = patched(registered, monkeypatch, {"sdpa": 5.0, "triton_int8_fp8": 6.0, "triton_int8_fp16": 4.0})
-    qkv = tensors()
-    q, k, v = (t.transpose(1, 2).reshape(1, 4000, 128) for t in qkv)
-    out = ov(marker_attention, q, k, v, 2)
-    assert torch.equal(out, q)  # the fake returns q: the chosen backend's output, untouched by measuring
-    snap = ov.stats.snapshot()
-    assert snap["calls"] == {"triton_int8_fp16": 1}
-    assert snap["auto_choices"][0].startswith("auto chose triton_int8_fp16: 0.80x SDPA at (float16, D64")
-    assert snap["auto_choices"][0] in ov.stats.summary()
-    text = format_report_text({"auto_choices": snap["auto_choices"]})
-    assert "what 'auto' measured" in text and "auto chose triton_int8_fp16: 0.80x SDPA" in text
-
-
-def test_an_autograd_call_first_does_not_keep_auto_from_measuring_that_kind(registered, monkeypatch):
-    """No quantized kernel takes an autograd call, so it is not measured: a "nothing to weigh" decision made on it
-    would stay with its kind of call for the whole process, and the inference calls after it would go unmeasured."""
-    ov, _ = patched(registered, monkeypatch, {"sdpa": 5.0, "triton_int8_fp8": 6.0, "triton_int8_fp16": 4.0})
-    q, k, v = (t.transpose(1, 2).reshape(1, 4000, 128).requires_grad_(True) for t in tensors())
-    assert ov(marker_attention, q, k, v, 2) == "call site"  # under grad mode: the call site's attention
-    with torch.no_grad():
-        out = ov(marker_attention, q, k, v, 2)
-    assert torch.equal(out, q)  # the fake returns q
-    snap = ov.stats.snapshot()
-    assert snap["calls"] == {"triton_int8_fp16": 1}, snap  # measured fastest, not the static order's first
-    assert snap["auto_choices"][0].startswith("auto chose triton_int8_fp16")
-
+# -- the benchmark (the ComfyUI override's in-step measurement: tests/test_step_trials.py) -----------------
 
 def test_the_benchmark_has_a_row_for_what_auto_takes(registered, monkeypatch):
     from comfyui_sage_rdna4.kernels import benchmark
@@ -682,24 +470,6 @@ def test_on_a_gpu_auto_measures_real_backends_and_is_never_slower_than_sdpa():
         # measuring does not change the result: the chosen backend's output, as when named explicitly
         torch.testing.assert_close(sage_attention(q, k, v, kernel=backend.name),
                                    backend(q, k, v, call, q.shape[-1] ** -0.5)[0], rtol=0, atol=0)
-
-
-@pytest.mark.gpu
-def test_on_a_gpu_the_power_load_queues_about_load_ms_without_waiting():
-    device = torch.device("cuda", torch.cuda.current_device())
-    load = autotune.gemm_power_load(device, torch.bfloat16)
-    assert load is not None
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    start.record()
-    load()
-    issued_ms = (time.perf_counter() - t0) * 1e3
-    end.record()
-    end.synchronize()
-    ms = start.elapsed_time(end)
-    assert 0.5 * autotune.LOAD_MS <= ms <= 3 * autotune.LOAD_MS, ms
-    assert issued_ms < ms  # queued: the host did not wait for the GEMMs
 
 
 def test_a_first_call_asks_each_candidate_once(registered):

@@ -1,0 +1,348 @@
+"""`auto` measured on the model's own calls inside the sampling step (the ComfyUI override's way).
+
+A transformer step calls attention with one shape once per block (Flux 57 times per model call, Wan 40). While a
+kind of call (autotune.TuneKey) is undecided, a `StepTrial` hands its calls in turn to SDPA (the call site's own
+attention) and to each candidate that accepts it and passed its self-check, so every call still returns a
+correct output: the one of the backend that ran it. Each call is bracketed by two device events on the model's
+current stream; nothing waits for them inside the step. At the step boundary (sage_patch/timing.py) the events
+are read, after one wait for the last of them. Once every backend has SAMPLES timed calls, their trimmed means
+decide (autotune.Decision: SDPA unless a quantized backend measured at most 1 - MARGIN times SDPA). Deciding only
+at a boundary means each backend's calls cover the whole step, every kind of block in it.
+
+A quantized choice is then kept under a `Watch`: every WATCH_EVERY steps, WATCH_CALLS calls of that kind run on
+SDPA and as many on the chosen backend, in adjacent pairs spread over the step, timed the same way. When the
+newest of them show the choice over
+1 + MARGIN times SDPA, the kind of call reverts to SDPA, and the stored decision says so.
+
+Nothing here depends on a GPU model: `events` is injectable (tests script the elapsed times). Never imports
+ComfyUI or the registry.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from .autotune import _NOT_DECIDED, IN_STEP, MARGIN, SDPA, Autotuner, Decision, TuneKey, _DecideLater
+
+log = logging.getLogger(__name__)
+
+SAMPLES = 12         # timed calls per backend before deciding (why: docs/MEASUREMENTS.md, "auto in the step")
+# What a backend's timings come to: their mean with the top and bottom TRIM of them left out. Calls of one kind
+# take different times in different blocks (Flux: about 4 % apart between its double and single blocks), so a
+# median jumps between those groups; a trimmed mean does not, and a stray slow call does not move it either.
+TRIM = 0.2
+WARMUP_CALLS = 1     # a backend's first calls of a trial carry compilation and caches: not kept
+MAX_PENDING = 4096   # timed calls waiting for a step boundary; past it calls run on SDPA, untimed, until one
+WATCH_EVERY = 4      # after a quantized choice: one step in this many is a watch step
+WATCH_CALLS = 3      # calls of each (SDPA, the choice) timed in a watch step, spread over the step
+WATCH_KEEP = 6       # newest watch timings kept per side; the revert reads their medians
+WATCH_MIN = 3        # timings per side before a revert can be judged
+
+
+def trimmed_mean(values: Sequence[float], trim: float = TRIM) -> float:
+    """The mean of `values` without the lowest and highest `trim` share of them."""
+    ordered = sorted(values)
+    cut = int(len(ordered) * trim)
+    kept = ordered[cut:len(ordered) - cut] or ordered
+    return sum(kept) / len(kept)
+
+
+class DeviceEvents:
+    """Marks on the device's current stream; read only after `wait` (at a step boundary)."""
+
+    @staticmethod
+    def mark(device):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    @staticmethod
+    def wait(event) -> None:
+        event.synchronize()
+
+    @staticmethod
+    def elapsed_ms(start, end) -> float:
+        return float(start.elapsed_time(end))
+
+
+class _Timed:
+    """What a trial and a watch share: timed calls pending until the step boundary."""
+
+    def __init__(self, device, events):
+        self.device = device
+        self.events = events
+        self._pending: List[tuple] = []  # (backend name, start mark, end mark)
+        self._lock = threading.Lock()
+
+    def begin(self):
+        return self.events.mark(self.device)
+
+    def record(self, name: str, start) -> None:
+        end = self.events.mark(self.device)
+        with self._lock:
+            self._pending.append((name, start, end))
+
+    def _read(self) -> List[tuple]:
+        """(name, ms) of the calls timed since the last boundary, in call order; one wait, for the last mark."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if not pending:
+            return []
+        self.events.wait(pending[-1][2])
+        out = []
+        for name, start, end in pending:
+            ms = self.events.elapsed_ms(start, end)
+            if math.isfinite(ms) and ms > 0:
+                out.append((name, ms))
+        return out
+
+
+class StepTrial(_Timed):
+    """Measures one kind of call on the model's own calls; decides through `on_decided(decision, device)`."""
+
+    SDPA_TURN = "auto: measuring this kind of call in the step (exact attention's turn)"
+
+    def __init__(self, key: TuneKey, device, candidates: Sequence, refused: Dict[str, str], events, on_decided):
+        super().__init__(device, events)
+        self.key = key
+        self.refused = dict(refused)
+        self.backends = {b.name: b for b in candidates}
+        self.names = [SDPA] + [b.name for b in candidates]
+        self.failed: Dict[str, str] = {}
+        self.samples: Dict[str, List[float]] = {name: [] for name in self.names}
+        self._seen: Dict[str, int] = {name: 0 for name in self.names}
+        self._on_decided = on_decided
+        self._turn = 0
+        self._steps = 0
+        self.done = False
+
+    def backend(self, name: str):
+        return self.backends[name]
+
+    def pick(self) -> Optional[str]:
+        """The backend that runs (and times) this call; None: run SDPA untimed (decided, or too much pending)."""
+        if self.done or len(self._pending) >= MAX_PENDING:
+            return None
+        active = [n for n in self.names if n not in self.failed]
+        # The turn starts one backend later each step: no backend always gets the same blocks of the model.
+        name = active[(self._turn + self._steps) % len(active)]
+        self._turn += 1
+        return name
+
+    def fail(self, name: str, reason: str) -> None:
+        """A candidate raised while measured: left out of the trial (and of the decision) with its reason."""
+        self.failed[name] = reason
+
+    def end_step(self) -> Optional[Decision]:
+        """At a step boundary: read this step's timings; decide once each backend has SAMPLES of them."""
+        timed = self._read()
+        if self.done or (not timed and self._turn == 0):
+            return None
+        self._turn = 0
+        self._steps += 1
+        for name, ms in timed:
+            self._seen[name] += 1
+            if self._seen[name] > WARMUP_CALLS and name not in self.failed:
+                self.samples[name].append(ms)
+        if log.isEnabledFor(logging.DEBUG):  # the raw per-call times, in call order (docs/MEASUREMENTS.md)
+            log.debug("auto trial (%s) step %d: %s", self.key.label(), self._steps,
+                      "; ".join(f"{name} {ms:.4f}" for name, ms in timed))
+        active = [n for n in self.names if n not in self.failed]
+        if any(len(self.samples[n]) < SAMPLES for n in active):
+            return None
+        timings = {n: trimmed_mean(self.samples[n]) for n in active}
+        decision = Decision(self.key, timings, dict(self.failed), dict(self.refused), method=IN_STEP,
+                            samples={n: len(self.samples[n]) for n in active},
+                            candidates=tuple(n for n in self.names if n != SDPA))
+        self.done = True
+        transient = any("OutOfMemoryError" in reason for reason in self.failed.values())
+        self._on_decided(decision, None if transient else self.device)
+        return decision
+
+
+class Watch(_Timed):
+    """Keeps checking a quantized choice; reverts it through `on_revert(decision, device)`."""
+
+    SDPA_TURN = "auto: watching its choice (exact attention's turn, timed against it)"
+
+    def __init__(self, decision: Decision, backend, device, events, on_revert):
+        super().__init__(device, events)
+        self.decision = decision
+        self.backend_name = backend.name
+        self._backend = backend
+        self.refused = dict(decision.refused)
+        self.samples: Dict[str, List[float]] = {SDPA: [], backend.name: []}
+        self.last_ratio: Optional[float] = None
+        self._on_revert = on_revert
+        self._steps = 0          # steps seen since the choice
+        self._calls = 0          # calls of this kind in the current step
+        self._calls_per_step = 0  # in the last step: spreads a watch step's timed calls over it
+        self.done = False
+
+    def backend(self, name: str):
+        return self._backend
+
+    def fail(self, name: str, reason: str) -> None:
+        """The choice raised on a watched call: that call falls back, as any call of it would (nothing to weigh)."""
+
+    def watching(self) -> bool:
+        return not self.done and self._steps % WATCH_EVERY == WATCH_EVERY - 1
+
+    def pick(self) -> Optional[str]:
+        """SDPA or the choice for a timed call of a watch step; None (the common case): the choice, untimed.
+
+        The timed calls come in adjacent pairs (same kind of block), WATCH_CALLS pairs spread over the step, the
+        pair's first call alternating between SDPA and the choice."""
+        n = self._calls
+        self._calls += 1
+        if not self.watching():
+            return None
+        stride = max(2, self._calls_per_step // WATCH_CALLS)
+        pair, offset = divmod(n, stride)
+        if pair >= WATCH_CALLS or offset > 1:
+            return None
+        first_sdpa = (pair % 2 == 0) == (offset == 0)
+        return SDPA if first_sdpa else self.backend_name
+
+    def end_step(self) -> Optional[Decision]:
+        if self._calls == 0:  # this kind of call did not run in that step
+            self._read()
+            return None
+        self._steps += 1
+        self._calls_per_step, self._calls = self._calls, 0
+        for name, ms in self._read():
+            kept = self.samples[name]
+            kept.append(ms)
+            del kept[:-WATCH_KEEP]
+        sdpa, chosen = self.samples[SDPA], self.samples[self.backend_name]
+        if self.done or len(sdpa) < WATCH_MIN or len(chosen) < WATCH_MIN:
+            return None
+        sdpa_ms, chosen_ms = trimmed_mean(sdpa), trimmed_mean(chosen)
+        self.last_ratio = chosen_ms / sdpa_ms
+        if self.last_ratio <= 1.0 + MARGIN:
+            return None
+        self.done = True
+        old = self.decision
+        reason = (f"reverted to SDPA: in later steps {self.backend_name} measured {self.last_ratio:.2f}x SDPA "
+                  f"(over {len(chosen)} and {len(sdpa)} watched calls), slower than SDPA by more than "
+                  f"{MARGIN:.0%}; it had measured {old.ratio(self.backend_name):.2f}x")
+        decision = Decision(old.key, {SDPA: sdpa_ms, self.backend_name: chosen_ms}, dict(old.failed),
+                            dict(old.refused), method=IN_STEP,
+                            samples={SDPA: len(sdpa), self.backend_name: len(chosen)}, reverted=reason,
+                            candidates=old.candidates)
+        self._on_revert(decision, self.device)
+        return decision
+
+
+@dataclass
+class InStepAnswer:
+    """`InStepTuner.choose_in_step`'s answer: a decided backend (None with `decision`: SDPA) and what it passed
+    over, or a `trial` that measures (no decision yet). `trial` is also set with a quantized decision: its watch."""
+    backend: Optional[object]
+    skipped: Dict[str, str]
+    decision: Optional[Decision]
+    trial: Optional[object] = None
+
+
+class InStepTuner(Autotuner):
+    """`Autotuner` that also decides in the step: trials and watches per (device, TuneKey), decisions kept in
+    memory and on disk (autotune.DecisionStore, entries marked as measured in the step). `events` is injectable."""
+
+    def __init__(self, *args, events=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.events = events if events is not None else DeviceEvents()
+        self._trials: Dict[tuple, object] = {}  # a trial measuring, or the watch of a quantized choice
+
+    def clear(self) -> None:
+        super().clear()
+        with self._lock:
+            self._trials.clear()
+
+    def choose_in_step(self, call, candidates: Sequence, sdpa, tensors, attn_mask=None,
+                       on_change: Optional[Callable[[], None]] = None) -> Optional[InStepAnswer]:
+        """A decided backend (with its watch), a trial to measure this kind of call with, or None: the static
+        order. `on_change` is called when a trial decides or a watch reverts (the caller's plans are stale)."""
+        if not self.applies(call, tensors):
+            return None
+        key = self._key(call, IN_STEP)
+        decision = self._decisions.get(key, _NOT_DECIDED)
+        judged_here = False
+        if decision is _NOT_DECIDED:
+            trial = self._trials.get(key)
+            if trial is None:
+                if not self.may_measure_now(call, attn_mask):
+                    return None
+                decision, trial = self._start(key, call, candidates, sdpa, tensors, on_change)
+                judged_here = True
+            if trial is not None:
+                return InStepAnswer(None, dict(trial.refused), None, trial)
+        if decision is None:
+            return None
+        backend, skipped, decision = self._pick(decision, call, candidates, sdpa, judged_here)
+        watch = None
+        if backend is not sdpa:
+            watch = self._watch(key, decision, backend, tensors[0].device, on_change)
+        return InStepAnswer(None if backend is sdpa else backend, skipped, decision, watch)
+
+    def _start(self, key, call, candidates, sdpa, tensors, on_change):
+        """(decision, None) from memory or disk, or (None, a new trial); (None, None): the static order."""
+        with self._lock:
+            if key in self._decisions or key in self._trials:  # another thread got here first
+                return self._decisions.get(key), self._trials.get(key)
+            try:
+                found = self._accepted(call, candidates, sdpa)
+            except _DecideLater as exc:  # nothing kept: the static order serves this call, a later one measures
+                log.info("auto measures %s on a later call: %s", call.short(), exc)
+                return None, None
+            if found is None:
+                self._decisions[key] = None
+                return None, None
+            accepted, refused = found
+            names = tuple(b.name for b in accepted)
+            device = tensors[0].device
+            decision = self.store.load(device, key[3], names, IN_STEP)
+            if decision is None:
+                trial = StepTrial(key[3], device, accepted, refused, self.events,
+                                  lambda d, where: self._decided(key, d, on_change, where))
+                self._trials[key] = trial
+                return None, trial
+            decision.refused, decision.candidates = refused, names
+            self._decisions[key] = decision
+        log.info("%s", decision.summary)
+        return decision, None
+
+    def _watch(self, key, decision: Decision, backend, device, on_change) -> "Watch":
+        """The watch of a quantized choice: made once per choice, kept with the key."""
+        with self._lock:
+            watch = self._trials.get(key)
+            if watch is None or watch.backend_name != backend.name:
+                watch = Watch(decision, backend, device, self.events,
+                              lambda d, where: self._decided(key, d, on_change, where))
+                self._trials[key] = watch
+            return watch
+
+    def _decided(self, key, decision: Decision, on_change, device) -> None:
+        """A trial decided, or a watch reverted: kept in memory and on disk; the caller's plans are remade."""
+        with self._lock:
+            self._decisions[key] = decision
+            self._trials.pop(key, None)
+        if device is not None:  # None: not stored (a candidate ran out of memory: this moment's, not the shape's)
+            self.store.save(device, decision, decision.candidates)
+        log.log(logging.WARNING if decision.reverted else logging.INFO, "%s", decision.summary)
+        if on_change is not None:
+            on_change()
+
+
+_DEFAULT: Optional[InStepTuner] = None
+
+
+def default_tuner() -> InStepTuner:
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = InStepTuner()
+    return _DEFAULT
