@@ -5,7 +5,8 @@ q_scale). For FP8 P.V the running row max is lowered by P_SHIFT = log2(447.797),
 lands in [0, 447.8] and goes to e4m3 without a multiply; the row sum carries the same factor, so it
 cancels in acc / l. `row_max - P_SHIFT` rounds in FP32 (at |s| = 1e7 its ulp is 1), so the shifted max is
 rounded up by 2**-22 of itself (`_shifted_max`): then s - m <= P_SHIFT for every score of the row, also
-where s * q_scale - m is one FMA (exact product), and P <= 448 holds for every finite input. Head dims are padded to a power of two inside the kernel (masked loads).
+where s * q_scale - m is one FMA (exact product), and P <= 448 holds for every finite input.
+Head dims are padded to a power of two inside the kernel (masked loads).
 Each program owns BLOCK_M query rows of one (batch, head); key tiles run in two stages: full tiles
 without masks, then the tail / causal-diagonal tiles with masks.
 
