@@ -393,7 +393,7 @@ def test_pv_single_chain_build_matches_reference_when_exact():
 def test_prologue_small_v_fp16_scale(dtype, magnitude, smooth_v):
     """Bit-exact with the spec, V's amax lands in [2**14, 2**15], and the spec's attention from this QuantizedQKV
     keeps the FP16 path's accuracy (before the fix, bf16 V at 1e-7 gave rel L1 0.17 and at 1e-9 all zeros)."""
-    from comfyui_sage_rdna4.kernels import metrics, quant, reference
+    from comfyui_sage_rdna4.kernels import metrics, reference
     q, k, v = hip_checks.make_qkv(1, 1, 1, 40, 70, 64, torch.float32, CPU)
     q, k, v = q.to(dtype), k.to(dtype), (v * magnitude).to(dtype)
     qq = hip_checks.prologue(run, q, k, v, sm_scale=0.125, pv="fp16", smooth_v=smooth_v)
