@@ -26,6 +26,9 @@ reference and the kernel see the same numbers and only the kernel's own arithmet
         EXACT_MAX_REL; a 1 % scale exceeds them), except where fp16/bf16 cannot hold the scores (counted);
         quantized kernels rel L1 per value kind (QUANT_REL_L1), and with smooth_v, V's constant channels to
         the output's rounding (SMOOTH_V_CONST_ERR: there a 1 % or 3 % scale is far above the noise);
+      - quantized kernels, on the same calls, against their own quantization recomputed in FP64
+        (check_against_oracle): the spec to its output rounding (ORACLE_REL_L1), other kernels on their output's
+        scale (KERNEL_ALPHA and the rounding spread): a 1 % scale shows on ordinary random calls too;
       - with return_lse, the LSE against FP64 logsumexp of the same scaled, masked scores (natural log; LSE_BIAS
         on the mean error, LSE_MAX_ERR on the worst), for finite inputs INT8 can resolve.
     The calls vary sm_scale (API) / scale (the override's keyword), return_lse, smooth_v and prologue;
@@ -542,14 +545,18 @@ def check_magnitude(tally, case, o, q, k, v, mask, is_causal, sm_scale, quantize
 #    running max), so it is held to the scale of its output instead: alpha = <o, e> / <e, e> against the oracle with
 #    P unrounded, within KERNEL_ALPHA + ALPHA_SIGMAS standard deviations of what independent roundings of P and of
 #    the output (half a step each) can move alpha by, plus the mass of P that rounds to zero.
-ORACLE_REL_L1 = {torch.float16: 1e-3,    # measured 4.9e-4 (fp16 output rounding: <= 2^-11 relative)
-                 torch.bfloat16: 4e-3,   # measured 2.2e-3 (bf16 output rounding: <= 2^-8 relative)
-                 torch.float32: 5e-4}    # measured 1.6e-4 (an e4m3 rounding of P flipped at a near-tie)
+# Measured in the slow run (11,570 calls): the worst of every spec result the oracle judged.
+ORACLE_REL_L1 = {torch.float16: 1e-3,    # measured 3.5e-4 (fp16 output rounding: <= 2^-11 relative)
+                 torch.bfloat16: 4e-3,   # measured 2.7e-3 (bf16 output rounding: <= 2^-8 relative)
+                 torch.float32: 1e-4}    # measured 4.5e-6 (FP32 scores and exp2 against FP64)
 KERNEL_ALPHA = 2e-3        # FP32 rounding, summation order; a 1 % scale moves alpha by 1e-2
 ALPHA_SIGMAS = 6.0
 P_HALF_STEP = {"fp8": 2.0 ** -4, "fp16": 2.0 ** -11}   # relative rounding of P (half an e4m3 / fp16 step)
 P_SMALLEST = {"fp8": 2.0 ** -10 / 448, "fp16": 2.0 ** -25}  # below this P rounds to zero (p units)
 OUT_HALF_STEP = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}
+# Triton's interpreter casts FP32 to bf16 by truncation (1 + 2^-8 + 2^-10 comes out 1.0): a bias of up to one bf16
+# step, measured -2.8e-3 on alpha (triton_int8_fp16, bf16 inputs; the same call with fp32 inputs: -6.7e-6).
+INTERPRETER_BF16_BIAS = 2.0 ** -7
 ORACLE_SCORES = 1 << 23    # scores per call the FP64 oracle holds at once (the long calls beyond it are skipped)
 
 
@@ -625,6 +632,9 @@ def check_against_oracle(tally, case, o, q, k, v, mask, is_causal, sm_scale, bac
         return
     dev = abs(float((oc * exact_p).sum()) / ee - 1.0)
     allowed = KERNEL_ALPHA + alpha_allowance(pv, q.dtype, exact_p, pieces)
+    if q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        allowed += INTERPRETER_BF16_BIAS
+    # Reported as "rel L1": the worst |alpha - 1|; as "max abs err": the worst where a 1 % scale shows (allowed < 0.01).
     w = tally.worst.setdefault("oracle alpha", [0.0, 0.0, 0.0, 0])
     w[0], w[1], w[3] = max(w[0], dev), max(w[1], dev if allowed < 0.01 else 0.0), w[3] + 1
     if dev > allowed:
