@@ -549,7 +549,9 @@ def check_magnitude(tally, case, o, q, k, v, mask, is_causal, sm_scale, quantize
 ORACLE_REL_L1 = {torch.float16: 1e-3,    # measured 3.5e-4 (fp16 output rounding: <= 2^-11 relative)
                  torch.bfloat16: 4e-3,   # measured 2.7e-3 (bf16 output rounding: <= 2^-8 relative)
                  torch.float32: 1e-4}    # measured 4.5e-6 (FP32 scores and exp2 against FP64)
-KERNEL_ALPHA = 2e-3        # FP32 rounding, summation order; a 1 % scale moves alpha by 1e-2
+# FP32 rounding, summation order, MMA accumulators: not yet measured on a GPU (the interpreter's worst within its
+# allowance was 6.9e-3 on a 2-key call); at 4e-3 a 1 % scale still shows on calls whose rounding spread is small.
+KERNEL_ALPHA = 4e-3
 ALPHA_SIGMAS = 6.0
 P_HALF_STEP = {"fp8": 2.0 ** -4, "fp16": 2.0 ** -11}   # relative rounding of P (half an e4m3 / fp16 step)
 P_SMALLEST = {"fp8": 2.0 ** -10 / 448, "fp16": 2.0 ** -25}  # below this P rounds to zero (p units)
@@ -1134,7 +1136,7 @@ def test_fuzz_reports_planted_faults(monkeypatch, fault):
 def test_kernel_oracle_accepts_another_p_grid_and_reports_a_1_percent_scale():
     """The kernels' half of the oracle on the CPU: an output whose P is rounded on the Triton kernel's grid
     (e4m3(p * 447.797), not the spec's p * 448) passes on ordinary random calls; the same output x1.01 or x0.99 is
-    reported where the call has enough keys and rows to average P's rounding out (measured: 5 and 5 of these 30
+    reported where the call has enough keys and rows to average P's rounding out (measured: 4 and 4 of these 30
     tiny calls; unscaled, alpha moved by up to 0.014 on a call of 2 keys, within that call's allowance), so a fuzz
     run of hundreds of calls reports it. The spec itself is held far tighter (ORACLE_REL_L1)."""
     rng = random.Random(SEED + 5)
