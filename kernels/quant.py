@@ -11,8 +11,11 @@ All math is FP32 unless stated. Tensors are HND: (B, H, N, D).
   scale = amax / 127. Groups are single tokens ("token") or blocks of 32/64/128 tokens.
 * V for FP8 P.V: per (batch, head, channel) scale = amax_over_tokens / 448 (clamped to tiny);
   v8 = e4m3(clamp(v / scale, +-448)); nothing can overflow e4m3.
-* V for FP16 P.V: per channel power-of-two scale, 1 unless amax > 32768 (bf16/fp32 inputs beyond
-  fp16 range), so FP16 inputs pass unchanged and nothing overflows.
+* V for FP16 P.V: per channel the power of two 2**e that brings amax/2**e into (2**14, 2**15]
+  (`fp16_v_scale`), up or down, so small V keeps FP16's full precision instead of sinking into its
+  subnormals; a power of two is exact for FP16 inputs. The top leaves 2x below FP16's max for the
+  rounding of V and of the output. The scale never goes below FP32's smallest normal (2**-126, also an
+  all-zero channel's scale); NaN/Inf amax give a NaN/Inf scale.
 * P for FP8: p in [0, 1] stored as e4m3(p * 448); the 448 is divided out with the row sum.
 """
 from __future__ import annotations
@@ -25,7 +28,8 @@ import torch
 LOG2E = 1.4426950408889634
 FP8_MAX = 448.0
 INT8_MAX = 127.0
-FP16_SAFE = 32768.0
+FP16_SAFE = 32768.0         # top of FP16 V's range after scaling: amax / scale lies in (2**14, 2**15]
+FP16_V_SCALE_MIN = 2.0 ** -126  # FP32's smallest normal: the scale, and 1 / scale, stay normal
 _TINY = torch.finfo(torch.float32).tiny
 
 
@@ -82,12 +86,22 @@ def quantize_v_fp8(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return v8, scale
 
 
+def fp16_v_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The power of two 2**e with amax / 2**e in (2**14, 2**15], at least 2**-126; NaN/Inf amax stay.
+
+    Built from the bits (x = amax * 2**-15 rounded up to a power of two), not from log2, which rounds
+    to the integer just above a power of two: the prologues do the same in bits."""
+    x = torch.clamp_min(amax.float() * (1.0 / FP16_SAFE), FP16_V_SCALE_MIN)  # exact above the floor; keeps NaN
+    bits = x.view(torch.int32)
+    up = ((bits & 0x7FFFFF) != 0) & torch.isfinite(x)
+    return torch.where(up, (bits & 0x7F800000) + 0x800000, bits).view(torch.float32)
+
+
 def quantize_v_fp16(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """FP16 V with a per-channel power-of-two scale (B, H, 1, Dv) that is 1 unless |v| > 32768."""
+    """FP16 V with a per-channel power-of-two scale (B, H, 1, Dv) from `fp16_v_scale`: |v16| <= 32768."""
     vf = v.float()
     amax = vf.abs().amax(dim=2, keepdim=True) if v.shape[2] else vf.new_zeros((*v.shape[:2], 1, v.shape[3]))
-    over = torch.clamp(amax / FP16_SAFE, min=1.0)
-    scale = torch.exp2(torch.ceil(torch.log2(over)))
+    scale = fp16_v_scale(amax)
     return (vf / scale).to(torch.float16), scale
 
 

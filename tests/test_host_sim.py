@@ -379,3 +379,27 @@ def test_pv_single_chain_build_matches_reference_when_exact():
                                         q=q, sm_scale=sm)
         rep = hip_checks.attention_report(out, lse, qq, q, k, v, pv=pv, is_causal=True, sm_scale=sm)
         hip_checks.assert_attention_ok(rep, pv)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Small V through FP16 P.V: the HIP prologue scales each channel up into FP16's normal range (quant.fp16_v_scale)
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,magnitude,smooth_v", [
+    (torch.bfloat16, 1e-7, False),
+    pytest.param(torch.bfloat16, 1e-9, True, marks=SLOW),
+    pytest.param(torch.bfloat16, 1e-4, False, marks=SLOW),
+    pytest.param(torch.float16, 1e-4, True, marks=SLOW),
+])
+def test_prologue_small_v_fp16_scale(dtype, magnitude, smooth_v):
+    """Bit-exact with the spec, V's amax lands in [2**14, 2**15], and the spec's attention from this QuantizedQKV
+    keeps the FP16 path's accuracy (before the fix, bf16 V at 1e-7 gave rel L1 0.17 and at 1e-9 all zeros)."""
+    from comfyui_sage_rdna4.kernels import metrics, reference
+    q, k, v = hip_checks.make_qkv(1, 1, 1, 40, 70, 64, torch.float32, CPU)
+    q, k, v = q.to(dtype), k.to(dtype), (v * magnitude).to(dtype)
+    qq = hip_checks.prologue(run, q, k, v, sm_scale=0.125, pv="fp16", smooth_v=smooth_v)
+    assert hip_checks.prologue_mismatches(qq, q, k, v, sm_scale=0.125, pv="fp16", smooth_v=smooth_v) == {}
+    amax = qq.v.float().abs().amax(dim=2)
+    assert bool(((amax >= 2 ** 14) & (amax <= 2 ** 15)).all()), amax  # (2**14, 2**15] before FP16 rounding
+    out, _ = reference.attention_from_quantized(qq, pv="fp16", out_dtype=dtype)
+    exact, _ = reference.exact_attention(q.double(), k.double(), v.double())
+    assert metrics.rel_l1(out.double(), exact) <= 0.02

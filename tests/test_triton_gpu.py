@@ -262,3 +262,52 @@ def test_regional_v_offsets_catch_fp8_mma_accumulation_even_with_smooth_v():
     assert errors["regional_voffset", True, "mma"] > bound  # smooth_v does not rescue it here...
     assert errors["diffuse_voffset", False, "mma"] > bound
     assert errors["diffuse_voffset", True, "mma"] <= bound  # ...though it does for one global offset
+
+
+# ---- small V through FP16 P.V (quant.fp16_v_scale), the Triton prologue and, emulated, the HIP one
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("prologue", ["triton", "hip"])
+def test_small_v_keeps_fp16_pv_accurate_on_gpu(dtype, prologue, monkeypatch):
+    """rel L1 against exact attention at V ~ 1e-4 .. 1e-9 within 0.02 and 1.25x the error at V ~ 1 (before:
+    0.17 at 1e-7, zeros at 1e-8). prologue="hip" runs the HIP prologue through the gfx12 emulation (bf16 only)."""
+    monkeypatch.setenv("SAGE_RDNA4_HIP_EMULATE", "1")
+    if prologue == "hip" and dtype != torch.bfloat16:
+        pytest.skip("the HIP prologue takes fp16/bf16")
+    q, k, v = inputs(1, 4, 4, 512, 640, 128, dtype=torch.float32)
+    errors = {}
+    for m in (1.0, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8, 1e-9):
+        qq, kk, vv = q.to(dtype), k.to(dtype), (v * m).to(dtype)
+        try:
+            out = sage_attention(qq, kk, vv, kernel="triton_int8_fp16", prologue=prologue)
+        except Exception as exc:  # noqa: BLE001
+            if prologue == "hip":
+                pytest.skip(f"HIP prologue not available here: {exc}")
+            raise
+        exact, _ = reference.exact_attention(qq.double(), kk.double(), vv.double())
+        errors[m] = metrics.rel_l1(out.double(), exact)
+    print(f"small V {prologue} {dtype}: " + ", ".join(f"{m:g}: {e:.4f}" for m, e in errors.items()))
+    for m, e in errors.items():
+        assert e <= min(0.02, 1.25 * errors[1.0]), (m, errors)
+
+
+@pytest.mark.parametrize("logit", [1e2, 1e5, 1e6, 1e7])
+def test_huge_logits_keep_p_at_most_448_on_gpu(logit, monkeypatch):
+    """One dominant key, V = 1: the output is 1 to half an e4m3 step (before: 0.50 at 1e7). With CHECK_P_RANGE a P
+    above 448 at the conversion makes its row NaN, so a finite output shows none reached it."""
+    from comfyui_sage_rdna4.kernels.backends.triton import attention as ta
+    monkeypatch.setattr(ta, "CHECK_P_RANGE", True)
+    ta.attention_launch.cache_clear()
+    try:
+        q = torch.zeros(1, 2, 256, 128, device="cuda")
+        k = torch.zeros(1, 2, 1000, 128, device="cuda")
+        q[..., 0] = logit
+        k[:, :, 637, 0] = 1.0
+        v = torch.ones(1, 2, 1000, 128, device="cuda")
+        for dtype in (torch.float32, torch.bfloat16):
+            out = sage_attention(q.to(dtype), k.to(dtype), v.to(dtype), kernel="triton_int8_fp8", sm_scale=1.0,
+                                 smooth_k=False)
+            err = float((out.float() - 1).abs().max())
+            print(f"fp8 dominant key at logit {logit:g} ({dtype}): max |out - 1| {err:.4g}")
+            assert torch.isfinite(out).all() and err <= 2.0 ** -4
+    finally:
+        ta.attention_launch.cache_clear()

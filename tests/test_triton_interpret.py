@@ -101,6 +101,14 @@ if not CHILD:
 else:
     import dataclasses
 
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _unrounded_shift(row_max):
+        """The FP8 shift as it was: fl(row_max - P_SHIFT), which can land below the exact value."""
+        return row_max - tl.constexpr(8.8067)
+
     from comfyui_sage_rdna4.kernels.backends.triton.attention import attention_from_quantized_triton
     from comfyui_sage_rdna4.kernels.backends.triton.configs import PV_ACCUMULATE, attention_config
     from comfyui_sage_rdna4.kernels.backends.triton.prologue import triton_quantize_qkv
@@ -412,3 +420,97 @@ else:
         assert reason is None or "HIP" in reason
         with pytest.raises(KernelRefused):
             sage_attention(q, q, q, kernel="triton_int8_fp8", attn_mask=mask)
+
+    # ---- small V through FP16 P.V: the V scale goes up as well as down (quant.fp16_v_scale)
+    @pytest.mark.parametrize("dtype,magnitude", [
+        (torch.float32, 1e-7), (torch.float32, 1e-9),
+        pytest.param(torch.float32, 1e-4, marks=SLOW), pytest.param(torch.float32, 1e-5, marks=SLOW),
+        pytest.param(torch.float32, 1e-6, marks=SLOW), pytest.param(torch.float32, 1e-8, marks=SLOW),
+        pytest.param(torch.float16, 1e-4, marks=SLOW)])
+    def test_small_v_keeps_fp16_pv_accurate(dtype, magnitude):
+        """The prologue's V scale equals the spec's bit for bit (with and without smooth_v), and triton_int8_fp16
+        stays within the FP16 path's bound at every V magnitude (before: rel L1 0.17 at 1e-7, 1.0 at 1e-9)."""
+        q, k, v = make_qkv(1, 2, 2, 48, 80, 64, seed=4)
+        errors = []
+        for m in (1.0, magnitude):
+            qq, kk, vv = q.to(dtype), k.to(dtype), (v * m).to(dtype)
+            for smooth_v in (False, True):
+                got = triton_quantize_qkv(qq, kk, vv, sm_scale=0.125, pv="fp16", smooth_v=smooth_v)
+                want = quant.quantize_qkv_torch(qq, kk, vv, sm_scale=0.125, pv="fp16", smooth_v=smooth_v)
+                assert_same_quantization(got, want)
+            out = sage_attention(qq, kk, vv, kernel="triton_int8_fp16")
+            exact, _ = reference.exact_attention(qq.double(), kk.double(), vv.double())
+            errors.append(metrics.rel_l1(out.double(), exact))
+        assert errors[1] <= min(0.02, 1.25 * errors[0]), errors
+
+    # ---- huge logits: P <= 448 before the FP8 conversion (under the interpreter a larger P turns into NaN)
+    def dominant_key(logit, nk=80):
+        """One key scores `logit` (natural-log units), the others 0; V = 1 everywhere, so the output is 1."""
+        q = torch.zeros(1, 1, 8, 64)
+        k = torch.zeros(1, 1, nk, 64)
+        q[..., 0] = logit
+        k[0, 0, 37, 0] = 1.0
+        return q, k, torch.ones(1, 1, nk, 64)
+
+    @pytest.mark.parametrize("logit", [1e2, 1e5, 1e6, 1e7])
+    def test_huge_logits_keep_p_at_most_448(logit):
+        """Before: 0.9964 at 1e5, 0.966 at 1e6, 0.50 at 1e7 (P = 512 saturated). Under the interpreter the kernel
+        turns any P above 448 at the conversion into NaN (CHECK_P_RANGE), so a finite output shows there was none. The
+        dominant key's P is e4m3-rounded on the kernel's grid (not the spec's p * 448), so its output is 1 to half
+        an e4m3 step (2**-4 relative); FP16 P is exact to 2**-11."""
+        from comfyui_sage_rdna4.kernels.backends.triton import attention as ta
+        assert ta.CHECK_P_RANGE
+        q, k, v = dominant_key(logit)
+        for kernel in ("triton_int8_fp8", "triton_int8_fp16"):
+            out, lse = sage_attention(q, k, v, kernel=kernel, sm_scale=1.0, smooth_k=False, return_lse=True)
+            print(f"{kernel} logit {logit:g}: out {float(out.min()):.6f}..{float(out.max()):.6f} "
+                  f"lse - logit {float((lse - logit).abs().max()):.3g}")
+            assert float((out - 1).abs().max()) <= (2.0 ** -4 if kernel.endswith("fp8") else 2.0 ** -11)
+            # The LSE carries the same shift as the row sum: logit + log(1 + 79 e^-logit), to FP32's grid.
+            assert float((lse.double() - logit).abs().max()) <= max(1e-3, 4 * logit * 2.0 ** -24)
+
+    def test_p_range_assertion_fires_on_the_old_shift(monkeypatch):
+        """The check can fail: with the unrounded shift (the code before) P = 449.6 at logit 1e5 and 512 at 1e7
+        make the output NaN (at 1e6 that rounding happens to go up: P = 430.5)."""
+        from comfyui_sage_rdna4.kernels.backends.triton import attention as ta
+
+        monkeypatch.setattr(ta, "_shifted_max", _unrounded_shift)
+        for logit in (1e5, 1e7):
+            q, k, v = dominant_key(logit)
+            out = sage_attention(q, k, v, kernel="triton_int8_fp8", sm_scale=1.0, smooth_k=False)
+            assert torch.isnan(out).all(), logit
+
+    # ---- the inline-asm FP8 conversion: a failing compile falls back to the software conversion, once
+    def test_asm_conversion_failure_falls_back_once(monkeypatch, caplog):
+        """The interpreter has no inline asm: it refuses `_to_e4m3_gfx12` as a Triton that rejects the asm would.
+        The launch falls back to the software conversion, says why once, and never tries the asm again."""
+        import logging
+
+        from comfyui_sage_rdna4.kernels.backends.triton import attention as ta
+        monkeypatch.setattr(ta, "ASM_CONVERSION", True)
+        monkeypatch.setattr(ta, "asm_conversion_failure", None)
+        ta.attention_launch.cache_clear()
+        tried = []
+        real_launch = ta.launch
+
+        def counting(fn, grid, args, meta, key):
+            tried.append(meta["FP8_CVT_ASM"])
+            return real_launch(fn, grid, args, meta, key)
+
+        monkeypatch.setattr(ta, "launch", counting)
+        q, k, v = make_qkv(1, 2, 2, 40, 70, 64, seed=6)
+        qq = quant.quantize_qkv_torch(q, k, v, sm_scale=0.125, pv="fp8")
+        soft_cfg = attention_config("cpu", 64, "fp8")
+        asm_cfg = dataclasses.replace(soft_cfg, fp8_cvt_asm=True)
+        try:
+            with caplog.at_level(logging.WARNING, logger=ta.log.name):
+                first, _ = attention_from_quantized_triton(qq, pv="fp8", config=asm_cfg, out_dtype=torch.float32)
+                second, _ = attention_from_quantized_triton(qq, pv="fp8", config=asm_cfg, out_dtype=torch.float32)
+            soft, _ = attention_from_quantized_triton(qq, pv="fp8", config=soft_cfg, out_dtype=torch.float32)
+        finally:
+            ta.attention_launch.cache_clear()
+        assert tried == [True, False, False, False]  # the asm once; then the software conversion every time
+        assert "inline_asm" in ta.asm_conversion_failure, ta.asm_conversion_failure
+        warnings = [r for r in caplog.records if "inline-asm" in r.getMessage()]
+        assert len(warnings) == 1 and ta.asm_conversion_failure in warnings[0].getMessage()
+        assert torch.equal(first, soft) and torch.equal(second, soft)

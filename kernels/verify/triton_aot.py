@@ -183,7 +183,7 @@ def _compile_attention(arch, head_dim, pv, config, *, is_causal=False, return_ls
               "PV_FP8": pv == "fp8", "STORE_LSE": return_lse, "V_T": config.v_transposed, "EXACT_P_ROUND": False,
               "PV_ACC": ACC_MODES[config.pv_accumulate], "HAS_VMEAN": smooth_v,
               "FOLD_Q_SCALE": config.fold_q_scale, "FP8_CVT_ASM": config.fp8_cvt_asm and pv == "fp8",
-              "INTERPRETER": False}
+              "CHECK_P": False, "INTERPRETER": False}
     for k in consts:
         sig[k] = "constexpr"
     kernel = _compile(_sage_attn_fwd, sig, consts, arch, config.num_warps, config.num_stages)

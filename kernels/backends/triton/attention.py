@@ -3,7 +3,10 @@
 Input is a `quant.QuantizedQKV` (any prologue's). Scores are base 2 already (sm_scale*log2e lives in
 q_scale). For FP8 P.V the running row max is lowered by P_SHIFT = log2(447.797), so P = exp2(s - m)
 lands in [0, 447.8] and goes to e4m3 without a multiply; the row sum carries the same factor, so it
-cancels in acc / l. Head dims are padded to a power of two inside the kernel (masked loads).
+cancels in acc / l. `row_max - P_SHIFT` rounds in FP32 (at |s| = 1e7 its ulp is 1), so the shifted max is
+rounded up by 2**-22 of itself (`_shifted_max`): then s - m <= P_SHIFT for every score of the row, also
+where s * q_scale - m is one FMA (exact product), and P <= 448 holds for every finite input.
+Head dims are padded to a power of two inside the kernel (masked loads).
 Each program owns BLOCK_M query rows of one (batch, head); key tiles run in two stages: full tiles
 without masks, then the tail / causal-diagonal tiles with masks.
 
@@ -24,7 +27,9 @@ after normalising, on every row that saw a key.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 from typing import Optional
 
 import torch
@@ -38,9 +43,21 @@ from .prologue import INTERPRETED, round_to_e4m3
 
 # exp2(P_SHIFT) stays below 448 even with an approximate exp2, so P never saturates e4m3.
 P_SHIFT = tl.constexpr(8.8067)  # log2(447.797)
+# Verification: a P above 448 at the FP8 conversion makes its row NaN (as gfx12's non-saturating conversion may),
+# so it reaches the output instead of saturating unseen. Always under the interpreter; compiled only where a test
+# sets it (and clears attention_launch's cache).
+CHECK_P_RANGE = INTERPRETED
 
 # PV_ACC values (the config's `pv_accumulate` names them).
 ACC_MODES = {"mma": 0, "imprecise_k": 1, "split": 2}
+
+log = logging.getLogger(__name__)
+# Whether a config's inline-asm FP8 conversion is compiled at all: never under the interpreter (it has no inline
+# asm and rounds exactly instead). A test sets it to reach the fallback below through the interpreter's refusal.
+ASM_CONVERSION = not INTERPRETED
+# Why the inline-asm conversion is off in this process (None while it is not known to fail): set by the first
+# launch whose asm version raised while the software version of the same launch ran.
+asm_conversion_failure: Optional[str] = None
 
 
 @triton.jit
@@ -48,10 +65,21 @@ def _to_e4m3_gfx12(x):
     """FP32 -> e4m3fn with gfx12's v_cvt_pk_fp8_f32 (round to nearest even): Triton 3.6 converts in software
     there (about 10 VALU instructions a value). One value per instruction, in the low byte of a 32-bit
     register (the inline-asm outputs must be full registers); Triton packs the bytes for the WMMA.
-    P is below 448 here, so no saturation is needed (the HIP kernels use the same instruction)."""
+    P <= 448 here by construction (`_shifted_max`), so no saturation is needed; on gfx12 this conversion does
+    not saturate (the HIP kernels use the same instruction)."""
     bits = tl.inline_asm_elementwise("v_cvt_pk_fp8_f32 $0, $1, $1", "=v,v", [x], dtype=tl.int32, is_pure=True,
                                      pack=1)
     return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _shifted_max(row_max):
+    """fl(row_max - P_SHIFT) raised by 2**-22 of itself: at least the exact row_max - P_SHIFT plus the half ulp
+    an FMA's unrounded s * q_scale can exceed the rounded row max by (|c| * 2**-22 is >= 2 ulp of c). The top P
+    then sits up to 2**-22 |c| binades below 447.8: nothing at ordinary scores, 3.4 binades at |s| = 1.4e7, where
+    the scores' own FP32 step is 1. A row with no key stays -inf."""
+    c = row_max - P_SHIFT
+    return tl.where(c == float("-inf"), c, c + tl.abs(c) * 2.384185791015625e-07)
 
 
 @triton.jit
@@ -60,7 +88,7 @@ def _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
               PV_FP8: tl.constexpr, V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr, PV_ACC: tl.constexpr,
-              FOLD_Q_SCALE: tl.constexpr, FP8_CVT_ASM: tl.constexpr):
+              FOLD_Q_SCALE: tl.constexpr, FP8_CVT_ASM: tl.constexpr, CHECK_P: tl.constexpr):
     cols = start_n + offs_n
     k_ptrs = k_base + cols[:, None] * skn + offs_d[None, :]
     if MASKED:
@@ -87,7 +115,7 @@ def _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
     if FOLD_Q_SCALE:
         row_max = row_max * q_scale
     if PV_FP8:
-        m_new = tl.maximum(m_i, row_max - P_SHIFT)
+        m_new = tl.maximum(m_i, _shifted_max(row_max))
     else:
         m_new = tl.maximum(m_i, row_max)
     if FOLD_Q_SCALE:
@@ -110,6 +138,8 @@ def _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
         else:
             v = tl.load(v_ptrs)
     if PV_FP8:
+        if CHECK_P:  # through the row sum: the interpreter's own FP8 cast turns a NaN P into a number
+            l_i = tl.where(tl.max((p > 448.0).to(tl.int32), 1) > 0, float("nan"), l_i)
         if EXACT_P_ROUND:
             p = round_to_e4m3(p)
         if FP8_CVT_ASM:
@@ -135,7 +165,7 @@ def _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, lo, hi,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
                PV_FP8: tl.constexpr, V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr,
                PV_ACC: tl.constexpr, FOLD_Q_SCALE: tl.constexpr, FP8_CVT_ASM: tl.constexpr,
-               WHILE_LOOP: tl.constexpr):
+               CHECK_P: tl.constexpr, WHILE_LOOP: tl.constexpr):
     if WHILE_LOOP:
         # Interpreter only: Triton 3.6's interpreter cannot take runtime range() bounds with numpy 2.
         start_n = lo
@@ -143,7 +173,7 @@ def _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, lo, hi,
             acc, l_i, m_i = _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
                                       offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
                                       HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, MASKED, IS_CAUSAL, PV_FP8, V_T,
-                                      EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM)
+                                      EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P)
             start_n += BLOCK_N
     else:
         # A for loop, so the software pipeliner can overlap loads with compute (num_stages > 1).
@@ -151,7 +181,7 @@ def _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, lo, hi,
             acc, l_i, m_i = _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
                                       offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
                                       HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, MASKED, IS_CAUSAL, PV_FP8, V_T,
-                                      EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM)
+                                      EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P)
     return acc, l_i, m_i
 
 
@@ -164,7 +194,7 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE,
                    IS_CAUSAL: tl.constexpr, PV_FP8: tl.constexpr, STORE_LSE: tl.constexpr,
                    V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr, PV_ACC: tl.constexpr,
                    HAS_VMEAN: tl.constexpr, FOLD_Q_SCALE: tl.constexpr, FP8_CVT_ASM: tl.constexpr,
-                   INTERPRETER: tl.constexpr):
+                   CHECK_P: tl.constexpr, INTERPRETER: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
@@ -203,15 +233,16 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE,
     acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, 0, full_end,
                                offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
                                HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, False, IS_CAUSAL, PV_FP8, V_T,
-                               EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, INTERPRETER)
+                               EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P, INTERPRETER)
     acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, full_end, hi,
                                offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
                                HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, True, IS_CAUSAL, PV_FP8, V_T,
-                               EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, INTERPRETER)
+                               EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P, INTERPRETER)
 
     v_scale = tl.load(VS + (b64 * Hkv + hk64) * DV + offs_dv, mask=offs_dv < DV, other=0.0)
     inv_l = 1.0 / l_i
-    out = acc * (inv_l[:, None] * v_scale[None, :])
+    # acc / l first, as the spec: inv_l * v_scale underflows FP32 for tiny V scales (down to 2**-126).
+    out = (acc * inv_l[:, None]) * v_scale[None, :]
     if HAS_VMEAN:
         # smooth_v: each row of P sums to 1, so V's mean comes back whole. A row that saw no key (m_i -inf)
         # stays zero; a NaN row (m_i NaN) stays NaN.
@@ -239,10 +270,31 @@ def attention_launch(b: int, hq: int, nq: int, d: int, hkv: int, dv: int, config
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_CAUSAL=is_causal, PV_FP8=pv == "fp8",
                 STORE_LSE=return_lse, V_T=v_t, EXACT_P_ROUND=INTERPRETED, PV_ACC=ACC_MODES[config.pv_accumulate],
                 HAS_VMEAN=has_vmean, FOLD_Q_SCALE=config.fold_q_scale,
-                FP8_CVT_ASM=config.fp8_cvt_asm and pv == "fp8" and not INTERPRETED, INTERPRETER=INTERPRETED,
-                num_warps=config.num_warps,
-                num_stages=config.num_stages)
+                FP8_CVT_ASM=config.fp8_cvt_asm and pv == "fp8" and ASM_CONVERSION, CHECK_P=CHECK_P_RANGE,
+                INTERPRETER=INTERPRETED, num_warps=config.num_warps, num_stages=config.num_stages)
     return grid, meta
+
+
+def _launch_attention(grid, args, meta, key, software_meta):
+    """Launch; where the inline-asm FP8 conversion fails (a Triton or LLVM that rejects the asm), launch the
+    software conversion instead and keep it for the rest of the process, saying why once."""
+    global asm_conversion_failure
+    if not meta["FP8_CVT_ASM"]:
+        return launch(_sage_attn_fwd, grid, args, meta, key)
+    if asm_conversion_failure is not None:
+        return launch(_sage_attn_fwd, grid, args, software_meta(), key)
+    try:
+        return launch(_sage_attn_fwd, grid, args, meta, key)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (compile errors come as many types; the retry below decides)
+        soft = software_meta()
+        result = launch(_sage_attn_fwd, grid, args, soft, key)  # raises if the asm was not the problem
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        asm_conversion_failure = f"{type(exc).__name__}: {first}"
+        log.warning("sage_rdna4: Triton FP8 attention: the inline-asm v_cvt_pk_fp8_f32 conversion failed (%s); "
+                    "using Triton's software conversion from now on in this process", asm_conversion_failure)
+        return result
 
 
 def _scale_row_stride(scales: torch.Tensor) -> Optional[int]:
@@ -294,6 +346,9 @@ def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: 
                lse if return_lse else qq.q_scale)
     # Triton specializes on each tensor's dtype and alignment and on the strides (the sizes are in the plan).
     key = (tuple(tensor_key(t) for t in tensors), q_strides, k_strides, v_strides, o_strides, ks_row)
-    launch(_sage_attn_fwd, grid, (*tensors, *q_strides[:3], *k_strides[:3], *v_strides, *o_strides[:3],
-                                  ks_row, hq, hkv, nq, nk), meta, key)
+    args = (*tensors, *q_strides[:3], *k_strides[:3], *v_strides, *o_strides[:3], ks_row, hq, hkv, nq, nk)
+    signature = (b, hq, nq, d, hkv, dv)
+    flags = (pv, bool(is_causal), bool(return_lse), v_t, has_vmean)
+    _launch_attention(grid, args, meta, key, lambda: attention_launch(
+        *signature, dataclasses.replace(config, fp8_cvt_asm=False), *flags)[1])
     return out, lse

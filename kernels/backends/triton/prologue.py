@@ -205,8 +205,9 @@ def _head_stats(KSUM, VMAX, VSUM, VMIN, pid_bh, n_chunks, Nk,
     if PV_FP8:
         scale = _floor_tiny(tl.math.div_rn(vamax, 448.0))
     else:
-        # Power of two >= amax / 32768 (1 for anything FP16 holds): round the ratio up to 2**k in bits.
-        over = tl.maximum(vamax * (1.0 / 32768.0), 1.0)  # exact: a power of two
+        # quant.fp16_v_scale: the power of two >= amax / 32768, at least 2**-126, rounded up to 2**k in bits.
+        over = vamax * (1.0 / 32768.0)  # exact above the floor: a power of two
+        over = tl.where(over < 1.1754943508222875e-38, 1.1754943508222875e-38, over)  # keeps NaN
         bits = over.to(tl.int32, bitcast=True)
         bits = tl.where((bits & 0x7FFFFF) != 0, (bits & 0x7F800000) + 0x800000, bits)
         scale = tl.where(vamax != vamax, float("nan"), bits.to(tl.float32, bitcast=True))

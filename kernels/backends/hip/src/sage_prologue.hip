@@ -45,7 +45,7 @@ SG_INLINE void colstats(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int
 // Combine the chunks, in chunk order, and finish one statistic per (b, h, channel):
 //   mode 0: key/value mean = float(sum / N)                     (torch: x.double().mean().float())
 //   mode 1: fp8 scale  = max(amax / 448, tiny)                  (quant.quantize_v_fp8)
-//   mode 2: fp16 scale = smallest power of two >= max(amax / 32768, 1)   (quant.quantize_v_fp16)
+//   mode 2: fp16 scale = smallest power of two >= max(amax / 32768, 2^-126)   (quant.fp16_v_scale)
 // A NaN amax gives a NaN scale and an Inf amax an Inf scale (torch's clamp_min keeps both).
 SG_INLINE void colstats_finalize(const double* ws, int chunks, i64 rows, int D, int N, int mode, float* out) {
   const i64 i = (i64)bid_x() * PRO_THREADS + tid_x();
@@ -63,10 +63,11 @@ SG_INLINE void colstats_finalize(const double* ws, int chunks, i64 rows, int D, 
   } else if (mode == 1) {
     res = abs_max((float)s / 448.0f, F32_TINY);
   } else {
-    float over = abs_max((float)s / 32768.0f, 1.0f);
+    // Up or down, so small V is not lost in FP16's subnormals; the floor keeps the scale normal.
+    float over = abs_max((float)s / 32768.0f, F32_TINY);
     u32 bits = bit_cast<u32>(over);
     // exp2(ceil(log2(over))) without transcendental rounding: exact powers of two stay; Inf and NaN
-    // (bits at or above 0x7f800000, over being >= 1 or NaN) pass unchanged.
+    // (bits at or above 0x7f800000, over being >= 2^-126 or NaN) pass unchanged.
     if ((bits & 0x7fffffu) && bits < 0x7f800000u) bits = (bits & 0x7f800000u) + 0x800000u;
     res = bit_cast<float>(bits);
   }
