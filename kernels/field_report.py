@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from . import benchmark as bench
-from . import settings
+from . import launch_split, settings
 from .call_spec import describe_call
 from .registry import choose_backend, get_backend
 from .self_check import DEFAULT_CASES, Variant, _case_call, backend_attention, run_self_check
@@ -98,6 +98,8 @@ def environment_section(device: torch.device) -> Dict:
                     compute_units=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1),
                     arch=describe_call(*[torch.zeros(1, 1, 1, 8, device=device)] * 3).arch)
     info["driver"] = _driver_versions()
+    info["launch_work_bound"] = (f"{launch_split.work_bound(device):.3g} operations per attention launch "
+                                 f"(kernels/launch_split.py)")
     return info
 
 

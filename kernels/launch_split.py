@@ -14,8 +14,7 @@ piece, whatever its work).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, NamedTuple, Optional
 
 import torch
 
@@ -30,8 +29,7 @@ _override: Optional[float] = None
 _device_bounds: Dict[int, float] = {}
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):  # a NamedTuple: every call makes one, and a frozen dataclass costs 1 µs more
     """Batches [b0, b1), q heads [h0, h1), query rows [n0, n1) of one call: one launch."""
     b0: int
     b1: int
@@ -90,7 +88,7 @@ def _even(units: int, parts: int) -> List[int]:
 def split_attention(b: int, hq: int, hkv: int, nq: int, nk: int, d: int, dv: int, *, pv: str, causal: bool,
                     bound: float, row_block: int) -> List[Piece]:
     """The pieces of one call, each within `bound` where a cut allows it (see the module docstring)."""
-    head = call_work(visible_keys(0, nq, nk, causal), d, dv, pv)
+    head = call_work(visible_keys(0, nq, nk, causal) if causal else nq * nk, d, dv, pv)
     if b * hq * head <= bound:
         return [Piece(0, b, 0, hq, 0, nq)]
     if hq * head <= bound:

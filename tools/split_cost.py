@@ -33,11 +33,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     shape = {s.name: s for s in bench.GPU_SHAPES + bench.CPU_SHAPES}[args.shape]
     dev = torch.device("cuda")
-    q, k, v = bench.make_inputs(shape, dev)
-    b, h, n, d = q.shape
+    names = [x for x in args.backends.split(",") if x]  # none (--backends ''): the host cost only
+    q, k, v = bench.make_inputs(shape, dev) if names else (None,) * 3
+    b, h, n, d = shape.batch, shape.heads, shape.seq, shape.head_dim
     bounds = {"one launch": float("inf"), "this device": None, "RX 9060 XT (32 CU)": ls.WORK_PER_CU * 32}
     result = {"device": torch.cuda.get_device_name(), "shape": shape.name, "reps": args.reps, "backends": {}}
-    for name in [x for x in args.backends.split(",") if x]:
+    for name in names:
         pv = name.rsplit("_", 1)[1]
         outs, times = {}, {label: [] for label in bounds}
         for rep in range(args.reps + 2):  # two untimed warm-up rounds (compiles, autotune-free: explicit kernel)
