@@ -94,9 +94,11 @@ def environment_section(device: torch.device) -> Dict:
         info["triton"] = f"not importable: {type(exc).__name__}: {exc}"
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info.update(gpu=props.name, gcn_arch_name=getattr(props, "gcnArchName", None),
-                    compute_units=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1),
+        info.update(gpu=props.name, compute_units=props.multi_processor_count,  # SMs on NVIDIA
+                    memory_gib=round(props.total_memory / 2**30, 1),
                     arch=describe_call(*[torch.zeros(1, 1, 1, 8, device=device)] * 3).arch)
+        if info["hip"]:  # the full name with target features ('gfx1201:sramecc+:xnack-' style); ROCm only
+            info["gcn_arch_name"] = getattr(props, "gcnArchName", None)
     info["driver"] = _driver_versions()
     info["launch_work_bound"] = (f"{launch_split.work_bound(device):.3g} operations per attention launch "
                                  f"(kernels/launch_split.py)")
@@ -128,8 +130,10 @@ def libraries_section(device: torch.device) -> Dict:
         out["compiler"] = {"kind": ckind, "found": True, "path": getattr(comp, "library", None),
                            "version": comp.version()}
     if kind == "hip":
-        from .backends.hip.platform import loaded_library_paths
-        out["loaded_in_process"] = loaded_library_paths("amdhip64") + loaded_library_paths("hiprtc")
+        from .backends.hip.platform import loaded_library_paths, windows_loaded_module
+        out["loaded_in_process"] = (loaded_library_paths("amdhip64") + loaded_library_paths("hiprtc")
+                                    + windows_loaded_module(["amdhip64_7.dll", "amdhip64_6.dll"]))
+        out["hiprtc_on_disk"] = [p for p in compiler.hiprtc_candidates() if os.path.isfile(p)]
     return out
 
 
@@ -326,12 +330,12 @@ def summary(report: Dict) -> List[str]:
     """A few lines a maintainer reads first: the GPU, the self-check verdicts, accuracy problems, errors."""
     sec = report["sections"]
     env = sec["environment"].get("data") or {}
-    gpu = (f"GPU: {env['gpu']} ({env.get('gcn_arch_name') or env.get('arch')}, {env.get('compute_units')} CUs)"
-           if "gpu" in env else f"device: {report['device']} (no GPU)")
+    gpu = (f"GPU: {env['gpu']} ({env.get('gcn_arch_name') or env.get('arch')}, {env.get('compute_units')} compute "
+           f"units)" if "gpu" in env else f"device: {report['device']} (no GPU)")
     lines = [f"{gpu}; torch {env.get('torch', '-')}, HIP {env.get('hip') or '-'}, CUDA {env.get('cuda') or '-'}"]
     checks = sec["self_check"].get("data") or []
     for status in ("passed", "failed", "error", "not available"):
-        names = [f"{t['kernel']} ({t['variant']})" if status != "not available" else t["kernel"]
+        names = [t["kernel"] if t["variant"] == "any" else f"{t['kernel']} ({t['variant']})"
                  for t in checks if t["status"] == status]
         if names:
             lines.append(f"self-check {status}: {', '.join(names)}")
@@ -388,21 +392,29 @@ def to_markdown(report: Dict) -> str:
     lines += ["## Self-check", ""] + body("self_check", checks)
 
     def bench_rows(data):
-        rows = [f"Timed on standard inputs ({data['reps']} repeats, medians); the other input kinds are run once "
-                "for accuracy. /sdpa: time over PyTorch SDPA's on the same shape (below 1 is faster).", "",
-                "| shape | inputs | backend | ms | /sdpa | cosine | rel L1 | note |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        kinds = list(dict.fromkeys(run["inputs"] for run in data["runs"]))
+        rows = [f"Time: median of {data['reps']} repeats on standard inputs; /sdpa: over PyTorch SDPA's time on the "
+                "same shape (below 1 is faster). Accuracy against exact FP32 attention: cosine on standard inputs, "
+                "rel L1 per input kind (each run once).", "",
+                "| shape | backend | ms | /sdpa | cosine | " + " | ".join(f"rel L1 {k}" for k in kinds) + " | note |",
+                "| --- " * (5 + len(kinds)) + "| --- |"]
+        table: Dict[tuple, Dict] = {}
         for run in data["runs"]:
             if "error" in run:
-                rows.append(f"| {run['shape']} | {run['inputs']} | - | - | - | - | - | error: {run['error']} |")
+                table.setdefault((run["shape"], "-"), {})[run["inputs"]] = {"error": run["error"]}
                 continue
             for r in run["rows"]:
-                ok = r["status"] == "ok"
-                ms = _fmt(r["ms"]) if ok and run["timed"] else "-"
-                ratio = _fmt(r.get("vs_sdpa")) if ok and run["timed"] else "-"
-                note = r["accuracy_problem"] or ("" if ok else r["status"])
-                rows.append(f"| {run['shape']} | {run['inputs']} | {r['backend']} | {ms} | {ratio} | "
-                            f"{_fmt(r.get('cos'), '.5f')} | {_fmt(r.get('rel_l1'), '.4f')} | {note} |")
+                table.setdefault((run["shape"], r["backend"]), {})[run["inputs"]] = r
+        for (shape, backend), by_kind in table.items():
+            std = by_kind.get("standard", {})
+            ok = std.get("status") == "ok"
+            notes = [f"{k}: {r.get('error') or r.get('accuracy_problem') or r.get('status')}"
+                     for k, r in by_kind.items() if r.get("error") or r.get("accuracy_problem") or
+                     r.get("status", "ok") != "ok"]
+            rel = [_fmt(by_kind.get(k, {}).get("rel_l1"), ".4f") for k in kinds]
+            rows.append(f"| {shape} | {backend} | {_fmt(std.get('ms')) if ok else '-'} | "
+                        f"{_fmt(std.get('vs_sdpa')) if ok else '-'} | {_fmt(std.get('cos'), '.5f')} | "
+                        + " | ".join(rel) + f" | {'; '.join(notes)} |")
         return rows
     lines += ["## Kernel time and accuracy against SDPA", ""] + body("benchmark", bench_rows)
 

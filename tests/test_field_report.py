@@ -84,7 +84,7 @@ def test_root_script_on_the_cpu_end_to_end(tmp_path):
     assert auto["shape"] == "tiny" and "no quantized kernel" in auto["exact_reason"]
     positions = [md.index(h) for h in HEADINGS]
     assert positions == sorted(positions), "every section, in order"
-    assert fr.PROBES_NOTE in md and fr.CPU_NOTE in md and "| tiny | standard | reference |" in md
+    assert fr.PROBES_NOTE in md and fr.CPU_NOTE in md and "| tiny | reference |" in md
 
 
 def test_planted_failure_and_errors_show_in_both_files(tmp_path, monkeypatch, capsys):
@@ -139,6 +139,7 @@ def test_planted_failure_and_errors_show_in_both_files(tmp_path, monkeypatch, ca
     assert "planted library lookup failure" in errors and "planted benchmark failure" in errors
     assert errors.count("Traceback (most recent call last)") == 2
     assert "errors: 2" in md
+    assert "| tiny | - | - | - | - |" in md and "diffuse: ValueError: planted benchmark failure" in md
 
 
 def test_hip_code_path_read_through_one_function(monkeypatch):
@@ -155,3 +156,24 @@ def test_out_must_be_a_folder(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         fr.main(["--out", str(tmp_path / "missing")])
     assert exc.value.code == 2 and "is not a folder" in capsys.readouterr().err
+
+
+def test_libraries_on_rocm_name_what_was_found_and_what_was_not(monkeypatch):
+    """Under ROCm PyTorch: the HIP runtime's path and version as the loader opened it, and hiprtc's refusal
+    (with what was tried) when it is missing."""
+    from types import SimpleNamespace
+
+    from comfyui_sage_rdna4.kernels.backends.hip import compiler, runtime
+    rt = SimpleNamespace(library="/opt/rocm/lib/libamdhip64.so.7", version=lambda: "hip-70051")
+    monkeypatch.setattr(runtime, "runtime_kind", lambda: "hip")
+    monkeypatch.setattr(runtime, "runtime_unavailable_reason", lambda kind=None: None)
+    monkeypatch.setattr(runtime, "get_runtime", lambda kind=None: rt)
+    monkeypatch.setattr(compiler, "compiler_unavailable_reason",
+                        lambda kind: f"{kind}: hiprtc not found; tried: libhiprtc.so.7")
+    monkeypatch.setattr(compiler, "hiprtc_candidates", lambda: [__file__, "libhiprtc.so.7"])
+    got = fr.libraries_section(torch.device("cpu"))
+    assert got["runtime_kind"] == "hip"
+    assert got["runtime"] == {"found": True, "path": "/opt/rocm/lib/libamdhip64.so.7", "version": "hip-70051"}
+    assert got["compiler"] == {"kind": "hiprtc", "found": False,
+                               "reason": "hiprtc: hiprtc not found; tried: libhiprtc.so.7"}
+    assert got["hiprtc_on_disk"] == [__file__]  # only candidates that exist as files
