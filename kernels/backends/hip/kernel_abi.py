@@ -24,7 +24,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ... import quant
+from ... import launch_split, quant
 
 SRC_DIR = Path(__file__).resolve().parent / "src"
 # Concatenated in this order into one translation unit (the .hip files include nothing).
@@ -258,7 +258,8 @@ def attention_plan(qq: quant.QuantizedQKV, *, pv: str, is_causal: bool, out_dtyp
     """Return (out (B,Hq,Nq,Dv) in out_dtype, lse (B,Hq,Nq) fp32 or None, launches).
 
     `out` may be passed as any view whose last dim is contiguous with rows 16-byte aligned (e.g. an
-    HND view of an NHD buffer). `q` (the raw fp16/bf16 query) is needed for the LSE's smooth_k term."""
+    HND view of an NHD buffer). `q` (the raw fp16/bf16 query) is needed for the LSE's smooth_k term.
+    A call above the device's work bound becomes several launches (kernels/launch_split.py)."""
     reason = quantized_refusal(qq, pv)
     if reason:
         raise ValueError(reason)
@@ -275,15 +276,38 @@ def attention_plan(qq: quant.QuantizedQKV, *, pv: str, is_causal: bool, out_dtyp
     use_q = return_lse and qq.k_mean is not None
     if use_q and (q is None or q.dtype != out_dtype):
         raise ValueError("the LSE with smooth_k needs the raw q (same dtype as the output)")
+    pieces = launch_split.split_attention(b, hq, hkv, nq, nk, d, d, pv=pv, causal=is_causal, row_block=ATT_BLOCK_M,
+                                          bound=launch_split.work_bound(dev))
+    kernel, group = attention_kernel(pv, d, out_dtype), hq // hkv
     qs = _strides(q) if use_q else (_i64(0),) * 4
-    launch = Launch(attention_kernel(pv, d, out_dtype), (math.ceil(nq / ATT_BLOCK_M), hq, b), (ATT_THREADS, 1, 1),
-                    (_ptr(qq.q8), _ptr(qq.q_scale), _ptr(qq.k8), _ptr(qq.k_scale), _ptr(qq.v), _ptr(qq.v_scale),
-                     _ptr(getattr(qq, "v_mean", None)), _i32(hq), _i32(hkv), _i32(nq), _i32(nk),
-                     _i32(1 if is_causal else 0),
-                     _ptr(out), _i64(out.stride(0)), _i64(out.stride(1)), _i64(out.stride(2)),
-                     _ptr(lse), _ptr(q if use_q else None), *qs,
-                     _ptr(qq.k_mean if use_q else None), _f32(sm_scale)))
-    return out, lse, [launch]
+    tail = (_i64(out.stride(0)), _i64(out.stride(1)), _i64(out.stride(2)))
+    v_mean = getattr(qq, "v_mean", None)
+    k_mean = qq.k_mean if use_q else None
+    q = q if use_q else None
+    launches = []
+    for pc in pieces:
+        # A piece of whole kv-head groups keeps the call's Hq/Hkv/Nq (the kernel's strides); any other piece is
+        # one q head, launched as a call of one head over its query rows.
+        whole = pc.n0 == 0 and pc.n1 == nq and pc.h0 % group == 0 and pc.h1 % group == 0
+        if whole:
+            heads, kv_heads, rows, grid_y, grid_z = hq, hkv, nq, pc.h1 - pc.h0, pc.b1 - pc.b0
+        else:
+            heads, kv_heads, rows, grid_y, grid_z = 1, 1, pc.n1 - pc.n0, 1, 1
+        bh, hk, n0 = (pc.b0, pc.h0), (pc.b0, pc.h0 // group), pc.n0
+        launches.append(Launch(
+            kernel, (math.ceil(rows / ATT_BLOCK_M), grid_y, grid_z), (ATT_THREADS, 1, 1),
+            (_at(qq.q8, *bh, n0), _at(qq.q_scale, *bh, n0), _at(qq.k8, *hk), _at(qq.k_scale, *hk), _at(qq.v, *hk),
+             _at(qq.v_scale, *hk), _at(v_mean, *hk), _i32(heads), _i32(kv_heads), _i32(rows), _i32(nk),
+             _i32(1 if is_causal else 0), _at(out, *bh, n0), *tail, _at(lse, *bh, n0), _at(q, *bh, n0), *qs,
+             _at(k_mean, *hk), _f32(sm_scale))))
+    return out, lse, launches
+
+
+def _at(t: Optional[torch.Tensor], *index: int) -> Tuple[str, int]:
+    """The device address of t[index] (leading dims; NULL stays NULL)."""
+    if t is None:
+        return ("ptr", 0)
+    return ("ptr", int(t.data_ptr()) + t.element_size() * sum(i * s for i, s in zip(index, t.stride())))
 
 
 def qk_scores_plan(q8: torch.Tensor, k8: torch.Tensor):

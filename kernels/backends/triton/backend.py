@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from ... import launch_split
 from ...registry import Backend
 from ...self_check import SelfCheck
 from .configs import MAX_HEAD_DIM, attention_config
@@ -139,11 +140,33 @@ class TritonBackend(Backend):
             # q is an NHD tensor seen as HND: write the output NHD too, so the caller's reshape is free.
             b, hq, nq, _ = q.shape
             out = torch.empty((b, nq, hq, call.v_head_dim), dtype=q.dtype, device=q.device).transpose(1, 2)
-        out, lse = attention.attention_from_quantized_triton(qq, pv=self.pv, config=cfg, is_causal=call.is_causal,
-                                                             return_lse=call.return_lse, out_dtype=q.dtype, out=out)
+        out, lse = split_launches(attention.attention_from_quantized_triton, qq, pv=self.pv, config=cfg,
+                                  is_causal=call.is_causal, return_lse=call.return_lse, out_dtype=q.dtype, out=out)
         if lse is not None and qq.k_mean is not None:
             lse += lse_smooth_term(q, qq.k_mean, sm_scale)
         return out, lse
+
+
+def split_launches(attend, qq, *, pv, config, is_causal, return_lse, out_dtype, out):
+    """`attend` (attention_from_quantized_triton) as one launch, or, above the device's work bound, once per
+    piece of kernels/launch_split.py on views of the same tensors (each output element computed as in one launch;
+    the LSE pieces are copied into one tensor)."""
+    b, hq, nq, d = qq.q8.shape
+    _, hkv, nk, dv = qq.v.shape
+    pieces = launch_split.split_attention(b, hq, hkv, nq, nk, d, dv, pv=pv, causal=is_causal,
+                                          bound=launch_split.work_bound(qq.q8.device), row_block=config.block_m)
+    kw = dict(pv=pv, config=config, is_causal=is_causal, return_lse=return_lse, out_dtype=out_dtype)
+    if len(pieces) == 1:
+        return attend(qq, out=out, **kw)
+    if out is None:
+        out = torch.empty((b, hq, nq, dv), dtype=out_dtype, device=qq.q8.device)
+    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=qq.q8.device) if return_lse else None
+    for pc in pieces:
+        rows = (slice(pc.b0, pc.b1), slice(pc.h0, pc.h1), slice(pc.n0, pc.n1))
+        _, part_lse = attend(launch_split.quantized_piece(qq, pc, hq // hkv), out=out[rows], **kw)
+        if lse is not None:
+            lse[rows] = part_lse
+    return out, lse
 
 
 _modules = None

@@ -1,0 +1,458 @@
+"""The field report: what a volunteer's run on their GPU shows, as one JSON file and one Markdown summary.
+
+    python field_report.py [--out FOLDER]      (the root script; no arguments needed)
+
+Sections, each run on its own (an error is recorded with its traceback and the next section runs):
+environment (OS, Python, torch, HIP/ROCm, driver, GPU, CUs), libraries (which libamdhip64 and hiprtc were
+found, where), hardware probes (not in this version), the first-use self-check of every quantized kernel and
+variant (per case: time, verdict), the HIP code path (prebuilt object or hiprtc), kernel time against SDPA
+and accuracy on every input kind of kernels/benchmark.py, and what `auto` chooses per shape and why.
+On the CPU it is short: no GPU kernel runs there (the torch reference, the spec, takes the self-check), and the
+benchmark uses one tiny shape, since the real shapes take minutes per call there.
+Never imports ComfyUI or kernels/verify/.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from . import benchmark as bench
+from . import launch_split, settings
+from .call_spec import describe_call
+from .registry import choose_backend, get_backend
+from .self_check import DEFAULT_CASES, Variant, _case_call, backend_attention, run_self_check
+
+SCHEMA = 1
+QUANTIZED = ("hip_int8_fp8", "hip_int8_fp16", "triton_int8_fp8", "triton_int8_fp16")
+GPU_SHAPES = ("flux_1mp", "flux_2mp", "sdxl_1mp_d64", "wan_480p")
+CPU_SHAPES = ("tiny",)
+CPU_NOTE = ("CPU run: no GPU kernel can run here. The self-check runs on the torch reference (the spec), the "
+            "benchmark on the tiny shape only (the real shapes take minutes per call on the CPU), and the "
+            "timings are no speed claims.")
+GPU_REPS, CPU_REPS = 10, 3  # timed repeats on standard inputs; the other input kinds are timed once (accuracy)
+PROBES_NOTE = "hardware probes: not in this version"
+TITLE = "SageAttention RDNA4 field report"
+
+
+# ------------------------------------------------------------------------------------------ sections
+def _error(exc: BaseException) -> Dict[str, str]:
+    return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _driver_versions() -> Dict[str, Optional[str]]:
+    """What the machine says about its GPU driver: amdgpu's module version (Linux DKMS driver), and the version
+    number the HIP or CUDA driver API reports."""
+    found: Dict[str, Optional[str]] = {}
+    try:
+        with open("/sys/module/amdgpu/version", encoding="utf-8") as fh:
+            found["amdgpu_module"] = fh.read().strip()
+    except OSError:
+        found["amdgpu_module"] = None
+    if getattr(torch.version, "hip", None):
+        from .backends.hip.runtime import hip_library_candidates, open_first
+        lib, _ = open_first(hip_library_candidates(), "the HIP runtime")
+        version = ctypes.c_int(0)
+        fn = lib.hipDriverGetVersion
+        fn.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        found["hip_driver"] = str(version.value) if fn(ctypes.byref(version)) == 0 else None
+    elif torch.version.cuda and torch.cuda.is_available():
+        for name in ("libcuda.so.1", "nvcuda.dll", "libcuda.so"):
+            try:
+                lib = ctypes.CDLL(name)
+            except OSError:
+                continue
+            version = ctypes.c_int(0)
+            if lib.cuDriverGetVersion(ctypes.byref(version)) == 0:
+                found["cuda_driver"] = f"{version.value // 1000}.{version.value % 1000 // 10}"
+            break
+    return found
+
+
+def environment_section(device: torch.device) -> Dict:
+    from .cache_identity import pack_version
+    info = {"os": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
+            "hip": getattr(torch.version, "hip", None), "cuda": torch.version.cuda, "pack_version": pack_version(),
+            "device": str(device), "settings": {s.name: settings.raw(s) for s in settings.SETTINGS if settings.raw(s)}}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except Exception as exc:  # absent, or broken: both worth knowing
+        info["triton"] = f"not importable: {type(exc).__name__}: {exc}"
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, compute_units=props.multi_processor_count,  # SMs on NVIDIA
+                    memory_gib=round(props.total_memory / 2**30, 1),
+                    arch=describe_call(*[torch.zeros(1, 1, 1, 8, device=device)] * 3).arch)
+        if info["hip"]:  # the full name with target features ('gfx1201:sramecc+:xnack-' style); ROCm only
+            info["gcn_arch_name"] = getattr(props, "gcnArchName", None)
+    info["driver"] = _driver_versions()
+    info["launch_work_bound"] = (f"{launch_split.work_bound(device):.3g} operations per attention launch "
+                                 f"(kernels/launch_split.py)")
+    return info
+
+
+def libraries_section(device: torch.device) -> Dict:
+    """The HIP runtime and runtime compiler the HIP kernels would use, and where they were found."""
+    from .backends.hip import compiler, runtime
+    kind = runtime.runtime_kind()
+    out: Dict[str, object] = {"runtime_kind": kind}
+    if kind != "hip" and not settings.hip_emulation_requested():
+        out["note"] = (f"not a ROCm build of PyTorch: the HIP kernels run here only as the gfx12 emulation, with "
+                       f"{settings.HIP_EMULATE.name}=1")
+        out["libamdhip64_on_disk"] = [p for p in runtime.hip_library_candidates() if os.path.isfile(p)]
+        return out
+    reason = runtime.runtime_unavailable_reason(kind)
+    if reason:
+        out["runtime"] = {"found": False, "reason": reason}
+    else:
+        rt = runtime.get_runtime(kind)
+        out["runtime"] = {"found": True, "path": getattr(rt, "library", None), "version": rt.version()}
+    ckind = runtime.compiler_kind(kind)
+    reason = compiler.compiler_unavailable_reason(ckind)
+    if reason:
+        out["compiler"] = {"kind": ckind, "found": False, "reason": reason}
+    else:
+        comp = compiler.get_compiler(ckind)
+        out["compiler"] = {"kind": ckind, "found": True, "path": getattr(comp, "library", None),
+                           "version": comp.version()}
+    if kind == "hip":
+        from .backends.hip.platform import loaded_library_paths, windows_loaded_module
+        out["loaded_in_process"] = (loaded_library_paths("amdhip64") + loaded_library_paths("hiprtc")
+                                    + windows_loaded_module(["amdhip64_7.dll", "amdhip64_6.dll"]))
+        out["hiprtc_on_disk"] = [p for p in compiler.hiprtc_candidates() if os.path.isfile(p)]
+    return out
+
+
+def hip_code_path_section(device: torch.device) -> Dict:
+    """Which path serves the HIP kernels (a prebuilt code object or hiprtc), read after the self-check loaded
+    them; 'unknown' where this version of the loader does not say."""
+    from .backends.hip import runtime
+    line_of: Optional[Callable[[], Optional[str]]] = getattr(runtime, "code_path_line", None)
+    if line_of is None:
+        return {"path": "unknown", "note": "this version of the HIP loader does not report it"}
+    return {"path": line_of() or "none: no HIP kernel was loaded in this run"}
+
+
+def probes_section(device: torch.device) -> Dict:
+    return {"status": "not in this version", "note": PROBES_NOTE}
+
+
+def self_check_targets(device: torch.device) -> List[Dict]:
+    """What the self-check section runs: every quantized kernel that can run here with each prologue (the accurate
+    options: per-token INT8, smooth_k on) and with smooth_v; on the CPU also the torch reference (the spec). Each
+    target: kernel, variant (text), and either `attention` + `refuse` (case -> reason or None) or `unavailable`."""
+    targets = []
+    like = (describe_call(*[torch.zeros(1, 1, 1, 64, device=device, dtype=torch.float16)] * 3)
+            if device.type == "cuda" else None)
+    for name in QUANTIZED:
+        backend = get_backend(name)
+        reason = backend.unavailable(device.type, device.index)
+        if reason:  # one line per kernel: no variant of it can run here
+            targets.append({"kernel": name, "variant": "any", "unavailable": reason})
+            continue
+        own, other = backend.own_prologue, "triton" if backend.own_prologue == "hip" else "hip"
+        for variant in (Variant(own, "token", True, False), Variant(other, "token", True, False),
+                        Variant(own, "token", True, True)):
+            targets.append({"kernel": name, "variant": variant.describe(),
+                            "attention": backend_attention(backend, variant),
+                            "refuse": lambda case, b=backend, v=variant: b.refuse(_case_call(case, like, v))})
+    if device.type != "cuda":
+        targets.append({"kernel": "reference (the spec, CPU)", "variant": "torch prologue, per-token INT8, smooth_k on",
+                        "attention": backend_attention(get_backend("reference"), Variant("auto", "token", True, False)),
+                        "refuse": lambda case: None})
+    return targets
+
+
+CASES = DEFAULT_CASES  # the self-check's cases (kernels/self_check.py); tests run fewer
+
+
+def self_check_section(device: torch.device, say: Callable[[str], None]) -> List[Dict]:
+    results = []
+    for target in self_check_targets(device):
+        entry = {"kernel": target["kernel"], "variant": target["variant"]}
+        results.append(entry)
+        try:
+            refusals = [None] if "unavailable" in target else [target["refuse"](c) for c in CASES]
+            if "unavailable" in target or all(refusals):
+                entry.update(status="not available", reason=target.get("unavailable") or refusals[0])
+                continue
+            say(f"  self-check {target['kernel']} ({target['variant']})")
+            refuse = target["refuse"]
+            res = run_self_check(target["attention"], device, CASES, lambda c, refuse=refuse: refuse(c) is None,
+                                 stop_at_first=False)
+        except Exception as exc:
+            entry.update(status="error", **_error(exc))
+            say(f"    error: {entry['error']}")
+            continue
+        entry.update(status="passed" if res.passed else "failed", reason=res.reason, seconds=round(res.seconds, 3),
+                     cases=[{"case": r.case.label(), "verdict": "passed" if r.reason is None else "failed",
+                             "reason": r.reason, "worst_rel_l1": _num(r.worst_rel_l1),
+                             "worst_cosine": _num(r.worst_cosine), "lse_error": _num(r.lse_error),
+                             "seconds": round(r.seconds, 3)} for r in res.results],
+                     skipped_cases=[c.label() for c in res.skipped])
+        say(f"    {entry['status']} in {res.seconds:.1f} s" + (f": {res.reason}" if res.reason else ""))
+    return results
+
+
+def _num(x) -> Optional[float]:
+    return None if x is None or x != x else float(x)  # NaN (not measured) as null
+
+
+def _shapes(device: torch.device):
+    names = GPU_SHAPES if device.type == "cuda" else CPU_SHAPES
+    catalogue = {s.name: s for s in bench.GPU_SHAPES + bench.CPU_SHAPES + bench.SMOKE_SHAPES}
+    return [catalogue[n] for n in names]
+
+
+def _benchmark_backends(device: torch.device) -> List[str]:
+    """SDPA and every other backend that can run here (on a GPU not the slow reference)."""
+    index = device.index if device.type == "cuda" else None
+    return [n for n in bench.BACKEND_NAMES if n != "sdpa" and not (device.type == "cuda" and n == "reference")
+            and get_backend(n).unavailable(device.type, index) is None]
+
+
+ROW_KEYS = ("backend", "status", "ms", "ms_min", "ms_max", "reps", "vs_sdpa", "vs_best_sdpa", "cos", "rel_l1",
+            "finite", "quantized")
+
+
+def benchmark_section(device: torch.device, say: Callable[[str], None]) -> Dict:
+    backends = _benchmark_backends(device)
+    reps = GPU_REPS if device.type == "cuda" else CPU_REPS
+    runs = []
+    for shape in _shapes(device):
+        for kind in bench.INPUT_KINDS:
+            say(f"  {shape.name} ({kind} inputs): sdpa, {', '.join(backends) or 'no other backend'}")
+            entry = {"shape": shape.name, "inputs": kind, "batch": shape.batch, "heads": shape.heads,
+                     "seq": shape.seq, "head_dim": shape.head_dim, "dtype": shape.dtype}
+            try:
+                timed = kind == "standard"
+                rows = bench.bench_shape(shape, device, backends, reps if timed else 1, 1 if timed else 0, kind)
+                entry["rows"] = [dict({k: r.get(k) for k in ROW_KEYS}, accuracy_problem=bench.accuracy_problem(r))
+                                 for r in rows]
+                entry["timed"] = timed
+            except Exception as exc:
+                entry.update(_error(exc))
+                say(f"    error: {type(exc).__name__}: {exc}")
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            runs.append(entry)
+    return {"backends": backends, "reps": reps, "runs": runs}
+
+
+def auto_section(device: torch.device, say: Callable[[str], None]) -> List[Dict]:
+    """What the ComfyUI override's `auto` (quantized kernels only, the call site's attention otherwise) takes
+    per shape, and why; on a GPU that is its first-use measurement."""
+    out = []
+    for shape in _shapes(device):
+        entry = {"shape": shape.name}
+        try:
+            q, k, v = bench.make_inputs(shape, device)
+            sel = choose_backend(describe_call(q, k, v), "auto", quantized_only=True, tensors=(q, k, v))
+            decision = getattr(sel.decision, "summary", None)
+            entry.update(chosen=sel.backend.name if sel.backend else "exact attention (the call site's own)",
+                         exact_reason=sel.exact_reason, measured=sel.measured, passed_over=dict(sel.passed_over),
+                         decision=decision)
+            del q, k, v
+        except Exception as exc:
+            entry.update(_error(exc))
+        say(f"  {shape.name}: {entry.get('chosen', entry.get('error'))}")
+        out.append(entry)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the run
+SECTIONS = ("environment", "libraries", "hardware_probes", "self_check", "hip_code_path", "benchmark", "auto")
+
+
+def collect(device: Optional[torch.device] = None, say: Callable[[str], None] = print) -> Dict:
+    """Run every section (in SECTIONS order) and return the report as a dict (what the JSON file holds)."""
+    device = device or _device()
+    t0 = time.perf_counter()
+    report = {"schema": SCHEMA, "title": TITLE, "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "device": str(device), "cpu_note": CPU_NOTE if device.type != "cuda" else None,
+              "rdna4_note": "Nothing in this pack had run on an RDNA4 card before these reports.", "sections": {}}
+    runners = {"environment": lambda: environment_section(device),
+               "libraries": lambda: libraries_section(device),
+               "hardware_probes": lambda: probes_section(device),
+               "self_check": lambda: self_check_section(device, say),
+               "hip_code_path": lambda: hip_code_path_section(device),
+               "benchmark": lambda: benchmark_section(device, say),
+               "auto": lambda: auto_section(device, say)}
+    for name in SECTIONS:
+        say(f"[{time.perf_counter() - t0:6.1f} s] {name} ...")
+        start = time.perf_counter()
+        try:
+            entry = {"status": "ok", "data": runners[name]()}
+        except Exception as exc:
+            entry = {"status": "error", **_error(exc)}
+            say(f"  error: {entry['error']} (the report goes on)")
+        entry["seconds"] = round(time.perf_counter() - start, 2)
+        report["sections"][name] = entry
+    report["errors"] = errors_of(report)
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    return report
+
+
+def errors_of(report: Dict) -> List[Dict]:
+    """Every error in the report, with where it happened: a section's, a self-check target's, a benchmark run's,
+    an auto choice's."""
+    found = []
+    for name, sec in report["sections"].items():
+        if sec["status"] == "error":
+            found.append({"where": name, "error": sec["error"], "traceback": sec["traceback"]})
+            continue
+        data = sec.get("data")
+        items = data.get("runs", []) if isinstance(data, dict) else data if isinstance(data, list) else []
+        for item in items:
+            if isinstance(item, dict) and "error" in item:
+                where = " / ".join(str(item[k]) for k in ("kernel", "variant", "shape", "inputs") if k in item)
+                found.append({"where": f"{name}: {where}", "error": item["error"], "traceback": item["traceback"]})
+    return found
+
+
+# ------------------------------------------------------------------------------------------ Markdown
+def summary(report: Dict) -> List[str]:
+    """A few lines a maintainer reads first: the GPU, the self-check verdicts, accuracy problems, errors."""
+    sec = report["sections"]
+    env = sec["environment"].get("data") or {}
+    gpu = (f"GPU: {env['gpu']} ({env.get('gcn_arch_name') or env.get('arch')}, {env.get('compute_units')} compute "
+           f"units)" if "gpu" in env else f"device: {report['device']} (no GPU)")
+    lines = [f"{gpu}; torch {env.get('torch', '-')}, HIP {env.get('hip') or '-'}, CUDA {env.get('cuda') or '-'}"]
+    checks = sec["self_check"].get("data") or []
+    for status in ("passed", "failed", "error", "not available"):
+        names = [t["kernel"] if t["variant"] == "any" else f"{t['kernel']} ({t['variant']})"
+                 for t in checks if t["status"] == status]
+        if names:
+            lines.append(f"self-check {status}: {', '.join(names)}")
+    bench_data = sec["benchmark"].get("data") or {}
+    problems = [f"{run['shape']}/{run['inputs']}/{r['backend']}: {r['accuracy_problem']}"
+                for run in bench_data.get("runs", []) for r in run.get("rows", []) if r.get("accuracy_problem")]
+    lines.append("accuracy problems: " + ("; ".join(problems) if problems else "none"))
+    lines.append(PROBES_NOTE)
+    lines.append(f"errors: {len(report['errors'])}" + (" (under Errors, with tracebacks)" if report["errors"] else ""))
+    return lines
+
+
+def _fmt(x, spec=".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def to_markdown(report: Dict) -> str:
+    sec = report["sections"]
+    lines = [f"# {TITLE}", "", f"Created {report['created_utc']} on `{report['device']}` in {report['seconds']} s. "
+             f"{report['rdna4_note']}", ""]
+    if report.get("cpu_note"):
+        lines += [f"> {report['cpu_note']}", ""]
+    lines += ["## Summary", ""] + [f"- {line}" for line in summary(report)] + [""]
+
+    def body(name, render):
+        s = sec.get(name)
+        if s is None:
+            return ["(not run)", ""]
+        if s["status"] == "error":
+            return [f"**Error:** `{s['error']}` (traceback under Errors)", ""]
+        return render(s["data"]) + [""]
+
+    def kv(data):
+        rows = ["| item | value |", "| --- | --- |"]
+        for key, value in data.items():
+            rows.append(f"| {key} | `{json.dumps(value) if isinstance(value, (dict, list)) else value}` |")
+        return rows
+
+    lines += ["## Environment", ""] + body("environment", kv)
+    lines += ["## Libraries", ""] + body("libraries", kv)
+    lines += ["## HIP code path", ""] + body("hip_code_path", kv)
+    lines += ["## Hardware probes", ""] + body("hardware_probes", lambda d: [d["note"]])
+
+    def checks(data):
+        rows = ["| kernel | variant | verdict | time (s) | reason |", "| --- | --- | --- | --- | --- |"]
+        for t in data:
+            rows.append(f"| {t['kernel']} | {t['variant']} | {t['status']} | {_fmt(t.get('seconds'), '.1f')} | "
+                        f"{t.get('reason') or t.get('error') or ''} |")
+        for t in data:
+            for c in t.get("cases", []):
+                if c["verdict"] != "passed":
+                    rows.append(f"| {t['kernel']} | {c['case']} | failed | {c['seconds']} | {c['reason']} |")
+        return rows
+    lines += ["## Self-check", ""] + body("self_check", checks)
+
+    def bench_rows(data):
+        kinds = list(dict.fromkeys(run["inputs"] for run in data["runs"]))
+        rows = [f"Time: median of {data['reps']} repeats on standard inputs; /sdpa: over PyTorch SDPA's time on the "
+                "same shape (below 1 is faster). Accuracy against exact FP32 attention: cosine on standard inputs, "
+                "rel L1 per input kind (each run once).", "",
+                "| shape | backend | ms | /sdpa | cosine | " + " | ".join(f"rel L1 {k}" for k in kinds) + " | note |",
+                "| --- " * (5 + len(kinds)) + "| --- |"]
+        table: Dict[tuple, Dict] = {}
+        for run in data["runs"]:
+            if "error" in run:
+                table.setdefault((run["shape"], "-"), {})[run["inputs"]] = {"error": run["error"]}
+                continue
+            for r in run["rows"]:
+                table.setdefault((run["shape"], r["backend"]), {})[run["inputs"]] = r
+        for (shape, backend), by_kind in table.items():
+            std = by_kind.get("standard", {})
+            ok = std.get("status") == "ok"
+            notes = [f"{k}: {r.get('error') or r.get('accuracy_problem') or r.get('status')}"
+                     for k, r in by_kind.items() if r.get("error") or r.get("accuracy_problem") or
+                     r.get("status", "ok") != "ok"]
+            rel = [_fmt(by_kind.get(k, {}).get("rel_l1"), ".4f") for k in kinds]
+            rows.append(f"| {shape} | {backend} | {_fmt(std.get('ms')) if ok else '-'} | "
+                        f"{_fmt(std.get('vs_sdpa')) if ok else '-'} | {_fmt(std.get('cos'), '.5f')} | "
+                        + " | ".join(rel) + f" | {'; '.join(notes)} |")
+        return rows
+    lines += ["## Kernel time and accuracy against SDPA", ""] + body("benchmark", bench_rows)
+
+    def autos(data):
+        rows = ["| shape | auto takes | why |", "| --- | --- | --- |"]
+        for a in data:
+            why = a.get("error") or a.get("decision") or a.get("exact_reason") or "first in the fixed order"
+            rows.append(f"| {a['shape']} | {a.get('chosen', '-')} | {why} |")
+        return rows
+    lines += ["## What auto chose", ""] + body("auto", autos)
+    lines += ["## Errors", ""]
+    if not report["errors"]:
+        lines += ["None.", ""]
+    for e in report["errors"]:
+        lines += [f"### {e['where']}", "", f"`{e['error']}`", "", "```", e["traceback"].rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ command line
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="field_report.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=".", help="folder for the two files (default: the current folder)")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.out):
+        parser.error(f"--out {args.out!r} is not a folder")
+    stem = os.path.join(args.out, f"sage_rdna4_field_report_{datetime.now():%Y%m%d_%H%M%S}")
+    print(f"{TITLE}: writes {stem}.json and {stem}.md; about 5-15 minutes on a GPU, under a minute on the CPU.",
+          flush=True)
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+    report = collect(say=say)
+    with open(stem + ".json", "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=1, default=str)
+    with open(stem + ".md", "w", encoding="utf-8") as fh:
+        fh.write(to_markdown(report))
+    print(f"done in {report['seconds']} s, {len(report['errors'])} error(s).")
+    print(f"JSON:     {stem}.json")
+    print(f"Markdown: {stem}.md")
+    print("Please open an issue on the project's tracker with the Markdown summary and attach the JSON file.")
+    return 0

@@ -1,0 +1,179 @@
+"""The field report (kernels/field_report.py, the root field_report.py) end to end on the CPU: its JSON schema,
+the Markdown sections, a planted self-check failure shown with its reason in both files, and errors (a whole
+section's, one benchmark run's) recorded with their tracebacks while the rest of the report still runs.
+The self-check runs a few small cases here (the real ones take 5-15 s of CPU on the reference)."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from comfyui_sage_rdna4.kernels import field_report as fr
+from comfyui_sage_rdna4.kernels.self_check import Case
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL_CASES = (Case("small-peaked", "peaked", torch.float16, 64, 1, 2, 1, 130, 200),
+               Case("small-lse", "peaked", torch.bfloat16, 64, 1, 2, 2, 70, 90, is_causal=True, return_lse=True))
+HEADINGS = ("## Summary", "## Environment", "## Libraries", "## HIP code path", "## Hardware probes",
+            "## Self-check", "## Kernel time and accuracy against SDPA", "## What auto chose", "## Errors")
+
+
+def _written(out: str, folder: Path):
+    """The JSON and Markdown paths the run printed, read back."""
+    paths = {line.split(":", 1)[0]: line.split(":", 1)[1].strip() for line in out.splitlines()
+             if line.startswith(("JSON:", "Markdown:"))}
+    assert set(paths) == {"JSON", "Markdown"}, out
+    for p in paths.values():
+        assert Path(p).parent == folder and Path(p).is_file()
+    return json.loads(Path(paths["JSON"]).read_text()), Path(paths["Markdown"]).read_text()
+
+
+def test_root_script_on_the_cpu_end_to_end(tmp_path):
+    """The root script, with traps for ComfyUI on the path: it runs every section, imports neither ComfyUI nor
+    kernels/verify, and writes both files where --out says."""
+    traps = tmp_path / "traps"
+    for name in ("comfy", "comfy_api"):
+        (traps / name).mkdir(parents=True)
+        (traps / name / "__init__.py").write_text(f"raise SystemExit('the field report imported {name}')\n")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    driver = textwrap.dedent(f"""
+        import runpy, sys
+        sys.argv = ["field_report.py", "--out", {str(out_dir)!r}]
+        entry = runpy.run_path({str(ROOT / "field_report.py")!r}, run_name="field_report_entry")
+        fr = entry["field_report_module"]()
+        from comfyui_sage_rdna4.kernels.self_check import Case
+        import torch
+        fr.CASES = (Case("small-peaked", "peaked", torch.float16, 64, 1, 2, 1, 130, 200),)
+        fr.main()
+        bad = [m for m in sys.modules if m in ("comfy", "comfy_api") or m.startswith(("comfy.", "comfy_api."))
+               or m.startswith(("comfyui_sage_rdna4.kernels.verify", "comfyui_sage_rdna4.nodes"))]
+        assert not bad, bad
+    """)
+    env = dict(os.environ, PYTHONPATH=str(traps))
+    r = subprocess.run([sys.executable, "-c", driver], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report, md = _written(r.stdout, out_dir)
+    for line in ("[", "environment ...", "self_check ...", "benchmark ...", "auto ..."):
+        assert line in r.stdout  # progress lines
+    assert report["schema"] == fr.SCHEMA and report["device"] == "cpu" and report["errors"] == []
+    assert list(report["sections"]) == list(fr.SECTIONS)
+    for name, sec in report["sections"].items():
+        assert sec["status"] == "ok" and isinstance(sec["seconds"], float), name
+    env_data = report["sections"]["environment"]["data"]
+    assert env_data["torch"] == torch.__version__ and env_data["python"] == sys.version.split()[0]
+    assert report["sections"]["hardware_probes"]["data"]["status"] == "not in this version"
+    checks = {t["kernel"]: t for t in report["sections"]["self_check"]["data"]}
+    for name in fr.QUANTIZED:
+        assert checks[name]["status"] == "not available" and checks[name]["reason"]
+    spec = checks["reference (the spec, CPU)"]
+    assert spec["status"] == "passed" and [c["verdict"] for c in spec["cases"]] == ["passed"]
+    assert 0.99 < spec["cases"][0]["worst_cosine"] <= 1.0
+    runs = report["sections"]["benchmark"]["data"]["runs"]
+    assert [r_["inputs"] for r_ in runs] == list(fr.bench.INPUT_KINDS)
+    for run in runs:
+        rows = {row["backend"]: row for row in run["rows"]}
+        assert rows["sdpa"]["cos"] > 0.9999 and 0.99 < rows["reference"]["cos"] < 1.0
+    assert runs[0]["timed"] and rows["reference"]["ms"] is not None
+    auto = report["sections"]["auto"]["data"][0]
+    assert auto["shape"] == "tiny" and "no quantized kernel" in auto["exact_reason"]
+    positions = [md.index(h) for h in HEADINGS]
+    assert positions == sorted(positions), "every section, in order"
+    assert fr.PROBES_NOTE in md and fr.CPU_NOTE in md and "| tiny | reference |" in md
+
+
+def test_planted_failure_and_errors_show_in_both_files(tmp_path, monkeypatch, capsys):
+    """A kernel whose output is 10 % low fails its self-check, with the reason, in the JSON and the Markdown;
+    a section that raises and one benchmark run that raises are recorded with tracebacks, and every other
+    section and run still happens."""
+    monkeypatch.setattr(fr, "CASES", SMALL_CASES)
+    real_targets = fr.self_check_targets
+
+    def with_a_broken_kernel(device):
+        targets = real_targets(device)
+        good = targets[-1]["attention"]
+
+        def low(q, k, v, is_causal=False, return_lse=False):
+            res = good(q, k, v, is_causal=is_causal, return_lse=return_lse)
+            return (res[0] * 0.9, res[1]) if return_lse else res * 0.9
+        return targets + [{"kernel": "planted_low_kernel", "variant": "x0.9", "attention": low,
+                           "refuse": lambda case: None}]
+    monkeypatch.setattr(fr, "self_check_targets", with_a_broken_kernel)
+
+    def broken_libraries(device):
+        raise RuntimeError("planted library lookup failure")
+    monkeypatch.setattr(fr, "libraries_section", broken_libraries)
+    real_bench = fr.bench.bench_shape
+
+    def bench(shape, device, backends, reps, warmup, kind):
+        if kind == "diffuse":
+            raise ValueError("planted benchmark failure")
+        return real_bench(shape, device, backends, reps, warmup, kind)
+    monkeypatch.setattr(fr.bench, "bench_shape", bench)
+
+    assert fr.main(["--out", str(tmp_path)]) == 0
+    report, md = _written(capsys.readouterr().out, tmp_path)
+    sec = report["sections"]
+    assert sec["libraries"]["status"] == "error" and "planted library lookup failure" in sec["libraries"]["error"]
+    assert "Traceback" in sec["libraries"]["traceback"] and "broken_libraries" in sec["libraries"]["traceback"]
+    for name in ("hardware_probes", "self_check", "hip_code_path", "benchmark", "auto"):
+        assert sec[name]["status"] == "ok", name  # the sections after the failed one ran
+    planted = next(t for t in sec["self_check"]["data"] if t["kernel"] == "planted_low_kernel")
+    assert planted["status"] == "failed" and "rel L1" in planted["reason"]
+    assert next(t for t in sec["self_check"]["data"] if t["kernel"].startswith("reference"))["status"] == "passed"
+    runs = {r["inputs"]: r for r in sec["benchmark"]["data"]["runs"]}
+    assert "planted benchmark failure" in runs["diffuse"]["error"] and "rows" in runs["diffuse_voffset"]
+    where = {e["where"] for e in report["errors"]}
+    assert where == {"libraries", "benchmark: tiny / diffuse"}, where
+    assert all("Traceback" in e["traceback"] for e in report["errors"])
+    # The Markdown: the failure with its reason, both errors with their tracebacks.
+    row = next(line for line in md.splitlines() if line.startswith("| planted_low_kernel | x0.9 |"))
+    assert "| failed |" in row and planted["reason"] in row
+    assert "self-check failed: planted_low_kernel (x0.9)" in md
+    errors = md[md.index("## Errors"):]
+    assert "planted library lookup failure" in errors and "planted benchmark failure" in errors
+    assert errors.count("Traceback (most recent call last)") == 2
+    assert "errors: 2" in md
+    assert "| tiny | - | - | - | - |" in md and "diffuse: ValueError: planted benchmark failure" in md
+
+
+def test_hip_code_path_read_through_one_function(monkeypatch):
+    from comfyui_sage_rdna4.kernels.backends.hip import runtime
+    monkeypatch.setattr(runtime, "code_path_line", lambda: "prebuilt gfx1201 1a2b3c4d", raising=False)
+    assert fr.hip_code_path_section(torch.device("cpu")) == {"path": "prebuilt gfx1201 1a2b3c4d"}
+    monkeypatch.setattr(runtime, "code_path_line", lambda: None)
+    assert fr.hip_code_path_section(torch.device("cpu"))["path"].startswith("none")
+    monkeypatch.delattr(runtime, "code_path_line")
+    assert fr.hip_code_path_section(torch.device("cpu"))["path"] == "unknown"
+
+
+def test_out_must_be_a_folder(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        fr.main(["--out", str(tmp_path / "missing")])
+    assert exc.value.code == 2 and "is not a folder" in capsys.readouterr().err
+
+
+def test_libraries_on_rocm_name_what_was_found_and_what_was_not(monkeypatch):
+    """Under ROCm PyTorch: the HIP runtime's path and version as the loader opened it, and hiprtc's refusal
+    (with what was tried) when it is missing."""
+    from types import SimpleNamespace
+
+    from comfyui_sage_rdna4.kernels.backends.hip import compiler, runtime
+    rt = SimpleNamespace(library="/opt/rocm/lib/libamdhip64.so.7", version=lambda: "hip-70051")
+    monkeypatch.setattr(runtime, "runtime_kind", lambda: "hip")
+    monkeypatch.setattr(runtime, "runtime_unavailable_reason", lambda kind=None: None)
+    monkeypatch.setattr(runtime, "get_runtime", lambda kind=None: rt)
+    monkeypatch.setattr(compiler, "compiler_unavailable_reason",
+                        lambda kind: f"{kind}: hiprtc not found; tried: libhiprtc.so.7")
+    monkeypatch.setattr(compiler, "hiprtc_candidates", lambda: [__file__, "libhiprtc.so.7"])
+    got = fr.libraries_section(torch.device("cpu"))
+    assert got["runtime_kind"] == "hip"
+    assert got["runtime"] == {"found": True, "path": "/opt/rocm/lib/libamdhip64.so.7", "version": "hip-70051"}
+    assert got["compiler"] == {"kind": "hiprtc", "found": False,
+                               "reason": "hiprtc: hiprtc not found; tried: libhiprtc.so.7"}
+    assert got["hiprtc_on_disk"] == [__file__]  # only candidates that exist as files
