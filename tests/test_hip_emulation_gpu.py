@@ -34,3 +34,17 @@ def test_emulated_wmma_truncation_matches_model(hip_emulated_run, kind):
         got, want, exact = hip_checks.run_trunc_wmma(run, kind, torch.device("cuda"), 13, seed)
         assert torch.equal(got, want), (kind, seed, (got.double() - want.double()).abs().max())
         assert (want != exact).sum() > 16
+
+
+@pytest.mark.parametrize("nonsat", [0, 1])
+def test_emulated_e4m3_conversion(hip_emulated_run, nonsat):
+    """The CUDA emulation's e4m3 conversion (pack_e4m3x4, the probe kernel): round to nearest even, saturating above
+    448 by default, NaN (0x7f / 0xff) above 448 with fp8_nonsat; the same bytes as the CPU simulator's."""
+    from comfyui_sage_rdna4.kernels.verify import cupy_runner
+    launch = cupy_runner.runner(torch.cuda.current_device(), fp8_nonsat=nonsat)
+
+    def run(launches):
+        launch(launches)
+        torch.cuda.synchronize()
+    x = hip_checks.e4m3_probe_values()
+    assert torch.equal(hip_checks.run_e4m3(run, x, torch.device("cuda")), hip_checks.e4m3_expected(x, bool(nonsat)))

@@ -260,3 +260,35 @@ def test_smooth_v_does_not_rescue_single_chain_pv_from_regional_v_offsets(emulat
     err = _precision_case(run_, "fp8", True, "regional_voffset")
     print(f"single chain fp8 smooth_v regional, 13-bit acc: rel L1 per (b, h) {err.tolist()}")
     assert (err > TARGET_REL_L1).all(), err
+
+
+# ------------------------------------------------------------------------------------------------------
+# FP8 P within e4m3's range: the non-saturating reading of gfx12's v_cvt_pk_fp8_f32
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("d,dtype,causal", [(128, torch.bfloat16, False), (64, torch.float16, True)])
+def test_fp8_p_stays_within_e4m3_range_without_saturation(emulated_runner, d, dtype, causal):
+    """Built with the non-saturating e4m3 conversion (fp8_nonsat: NaN above 448, as gfx12's conversion without a
+    clamp bit may give): peaked attention (hip_checks.peaked_qkv, base-2 row maxima in the hundreds) stays finite
+    and within the spec's tolerances, and a dominant key at logits 1e2 .. 1e7 (V = 1) comes out as the spec's 1
+    within half an e4m3 step of its P (1/16). Fails on a kernel that feeds P above 448 to the conversion."""
+    from comfyui_sage_rdna4.kernels import reference
+    run_ = emulated_runner(fp8_nonsat=1)
+    q, k, v = hip_checks.peaked_qkv(2, 4, 333, 517, d, dtype, DEV)
+    sm = 1 / math.sqrt(d)
+    qq = hip_checks.prologue(run_, q, k, v, sm_scale=sm, pv="fp8")
+    out, lse = hip_checks.attention(run_, qq, pv="fp8", is_causal=causal, out_dtype=dtype, return_lse=True, q=q,
+                                    sm_scale=sm)
+    rep = hip_checks.attention_report(out, lse, qq, q, k, v, pv="fp8", is_causal=causal, sm_scale=sm)
+    print("peaked nonsat", d, dtype, causal, {k_: round(v_, 6) for k_, v_ in rep.items()})
+    hip_checks.assert_attention_ok(rep, "fp8")
+    for logit in (1e2, 1e5, 1e6, 1e7):
+        qq = hip_checks.dominant_key_qq(logit, nq=200, d=d)
+        qq_dev = quant.QuantizedQKV(*(None if getattr(qq, f) is None else getattr(qq, f).to(DEV)
+                                      for f in hip_checks.QQ_FIELDS))
+        out, lse = hip_checks.attention(run_, qq_dev, pv="fp8", is_causal=False, out_dtype=dtype, return_lse=True)
+        ref, ref_lse = reference.attention_from_quantized(qq, pv="fp8", return_lse=True, out_dtype=dtype)
+        o = out.float().cpu()
+        print("dominant key nonsat", logit, "out", float(o.min()), float(o.max()), "spec", float(ref.float().max()))
+        assert torch.isfinite(o).all(), f"{int((~torch.isfinite(o)).sum())} non-finite outputs at logit {logit}"
+        assert float((o - 1).abs().max()) <= 1 / 16, (logit, float(o.min()), float(o.max()))
+        assert float((lse.cpu() - ref_lse).abs().max()) <= 2e-3 + 4e-7 * logit

@@ -28,6 +28,37 @@ def test_emulated_wmma_matches_matrix_product(kind):
         assert torch.equal(got, want.to(got.dtype)), (kind, (got - want).abs().max())
 
 
+@pytest.mark.parametrize("nonsat", [0, 1])
+def test_e4m3_conversion_rounds_and_overflows_as_specified(nonsat):
+    """The kernels' e4m3 conversion (pack_e4m3x4, the probe kernel): round to nearest even everywhere; above 448
+    saturating to +-448 by default, NaN (0x7f / 0xff) in the non-saturating verification mode (fp8_nonsat), the
+    reading of gfx12's v_cvt_pk_fp8_f32 without a clamp bit. Byte order: element i in byte i of the dword."""
+    x = hip_checks.e4m3_probe_values()
+    got = hip_checks.run_e4m3(host_sim.runner(fp8_nonsat=nonsat), x, CPU)
+    assert torch.equal(got, hip_checks.e4m3_expected(x, bool(nonsat)))
+
+
+def _dominant_key_outputs(run_, logit):
+    from comfyui_sage_rdna4.kernels import reference
+    qq = hip_checks.dominant_key_qq(logit)
+    out, lse = hip_checks.attention(run_, qq, pv="fp8", is_causal=False, out_dtype=torch.float16, return_lse=True)
+    ref, ref_lse = reference.attention_from_quantized(qq, pv="fp8", return_lse=True, out_dtype=torch.float16)
+    return out.float(), lse, ref.float(), ref_lse
+
+
+@pytest.mark.parametrize("logit", [100.0, pytest.param(1e5, marks=SLOW), pytest.param(1e6, marks=SLOW), 1e7])
+def test_fp8_p_stays_within_e4m3_range_without_saturation(logit):
+    """FP8 P.V with one dominant key at natural-log logit 1e2 .. 1e7 (V = 1 there), built with the non-saturating
+    e4m3 conversion: no P may reach the conversion above 448 (it would give NaN), and the output is the spec's 1
+    to within e4m3's rounding of the dominant P (half a step: 1/16), the LSE the spec's (FP32 rounding of the
+    logit). Fails on the kernel whose softmax shift was rounded without a guard (P up to ~630 at 1e7)."""
+    out, lse, ref, ref_lse = _dominant_key_outputs(host_sim.runner(fp8_nonsat=1), logit)
+    assert torch.isfinite(out).all(), f"{int((~torch.isfinite(out)).sum())} non-finite outputs at logit {logit}"
+    assert float((ref - 1).abs().max()) == 0.0
+    assert float((out - 1).abs().max()) <= 1 / 16, (logit, float(out.min()), float(out.max()))
+    assert float((lse - ref_lse).abs().max()) <= 2e-3 + 4e-7 * logit, (logit, lse, ref_lse)
+
+
 @pytest.mark.parametrize("dtype,d,pv,group,layout", [
     pytest.param(torch.float16, 128, "fp8", "token", "hnd", marks=SLOW),
     (torch.bfloat16, 64, "fp16", "block32", "nhd"),

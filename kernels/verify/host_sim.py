@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from ..backends.hip import kernel_abi
+from .emulation_env import with_env
 
 SIM_RUNTIME = Path(__file__).resolve().parent / "sim_runtime.h"
 _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
@@ -65,8 +66,9 @@ def _key(options) -> tuple:
 
 
 def library(**options) -> ctypes.CDLL:
-    """The simulator build of the kernels with these verification options (one shared library each)."""
-    key = _key(options)
+    """The simulator build of the kernels with these verification options (one shared library each), over the
+    environment's (kernels/verify/emulation_env.py)."""
+    key = _key(with_env(options))
     with _LOCK:
         if key not in _LIBS:
             _LIBS[key] = _build(dict(key))

@@ -49,8 +49,10 @@ PROBE_THREADS = 32
 #   f16_acc_trunc_bits  SG_EMU_F16_ACC_TRUNC_BITS: the same for the emulated f16 WMMA
 #   pv_single_chain     SG_PV_SINGLE_CHAIN: P.V accumulated in one WMMA chain over all key tiles (the former
 #                       kernel), instead of one chain per tile folded into the FP32 accumulator
+#   fp8_nonsat          SG_EMU_FP8_NONSAT: the emulated e4m3 conversion (CUDA, host simulator) gives NaN for
+#                       |x| > 448, the non-saturating reading of gfx12's v_cvt_pk_fp8_f32 (no clamp bit)
 VERIFY_OPTIONS = {"acc_trunc_bits": "SG_EMU_ACC_TRUNC_BITS", "f16_acc_trunc_bits": "SG_EMU_F16_ACC_TRUNC_BITS",
-                  "pv_single_chain": "SG_PV_SINGLE_CHAIN"}
+                  "pv_single_chain": "SG_PV_SINGLE_CHAIN", "fp8_nonsat": "SG_EMU_FP8_NONSAT"}
 
 
 def option_defines(**options) -> str:
@@ -104,7 +106,8 @@ def all_kernel_names() -> List[str]:
         for d in HEAD_DIMS:
             for g in QK_GROUP_SIZES.values():
                 names.append(quant_qk_kernel(d, g, dt))
-    names += ["sage_colstats_finalize", "sage_qk_scores_d64", "sage_qk_scores_d128", "sage_wmma_probe"]
+    names += ["sage_colstats_finalize", "sage_qk_scores_d64", "sage_qk_scores_d128", "sage_wmma_probe",
+              "sage_e4m3_probe"]
     return names
 
 
@@ -305,6 +308,18 @@ def wmma_probe_plan(kind: str, a_lanes: torch.Tensor, b_lanes: torch.Tensor, c_l
     launch = Launch("sage_wmma_probe", (1, 1, 1), (PROBE_THREADS, 1, 1),
                     (_i32(WMMA_KINDS[kind]), _ptr(a_lanes), _ptr(b_lanes), _ptr(c_lanes), _ptr(d)))
     return d, [launch]
+
+
+def e4m3_probe_plan(x: torch.Tensor):
+    """Verification only: fp32 x (n, a multiple of 4) to e4m3 bytes through the kernels' conversion. Returns
+    (bytes as uint8 (n,), launches)."""
+    n = x.numel()
+    if n % 4 or x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError("e4m3 probe takes a contiguous fp32 tensor of a multiple of 4 elements")
+    out = torch.zeros(n // 4, dtype=torch.int32, device=x.device)
+    launch = Launch("sage_e4m3_probe", (math.ceil(n // 4 / PROBE_THREADS), 1, 1), (PROBE_THREADS, 1, 1),
+                    (_ptr(x), _ptr(out), _i32(n)))
+    return out.view(torch.uint8), [launch]
 
 
 # ------------------------------------------------------------------------------------------ layouts

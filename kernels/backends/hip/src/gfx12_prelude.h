@@ -329,6 +329,18 @@ SG_INLINE u32 f32_to_e4m3_soft(float x) {
   if (code > 0x7eu) code = 0x7eu;  // saturate to 448
   return code | sign;
 }
+// Verification option SG_EMU_FP8_NONSAT (emulation targets only; kernel_abi.VERIFY_OPTIONS fp8_nonsat): the
+// non-saturating reading of gfx12's v_cvt_pk_fp8_f32, which has no clamp bit: |x| > 448 (Inf included) gives NaN
+// (0x7f, 0xff when negative), as HIP's software e4m3 conversion does when not saturating. Default 0: saturate to
+// +-448 (CUDA's satfinite). Lets the emulation show any P or V that reaches the conversion above 448.
+#if !defined(SG_AMD)
+#ifndef SG_EMU_FP8_NONSAT
+#define SG_EMU_FP8_NONSAT 0
+#endif
+SG_INLINE u32 emu_e4m3_overflow(float x, u32 code) {
+  return SG_EMU_FP8_NONSAT && fabs_(x) > 448.0f ? 0x7fu | ((bit_cast<u32>(x) >> 24) & 0x80u) : code;
+}
+#endif
 // Two floats to two e4m3 bytes in the low 16 bits (lo in byte 0).
 #if defined(SG_AMD)
 SG_INLINE u32 pack_e4m3x2(float lo, float hi) { return (u32)__builtin_amdgcn_cvt_pk_fp8_f32(lo, hi, 0, false) & 0xffffu; }
@@ -343,11 +355,13 @@ SG_INLINE u32 pack_e4m3x4(float a, float b, float c, float d) {
 SG_INLINE u32 pack_e4m3x2(float lo, float hi) {
   u16 r;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-  return (u32)r;
+  return emu_e4m3_overflow(lo, r & 0xffu) | (emu_e4m3_overflow(hi, (u32)r >> 8) << 8);
 }
 SG_INLINE u32 pack_e4m3x4(float a, float b, float c, float d) { return pack_e4m3x2(a, b) | (pack_e4m3x2(c, d) << 16); }
 #else
-SG_INLINE u32 pack_e4m3x2(float lo, float hi) { return f32_to_e4m3_soft(lo) | (f32_to_e4m3_soft(hi) << 8); }
+SG_INLINE u32 pack_e4m3x2(float lo, float hi) {
+  return emu_e4m3_overflow(lo, f32_to_e4m3_soft(lo)) | (emu_e4m3_overflow(hi, f32_to_e4m3_soft(hi)) << 8);
+}
 SG_INLINE u32 pack_e4m3x4(float a, float b, float c, float d) { return pack_e4m3x2(a, b) | (pack_e4m3x2(c, d) << 16); }
 #endif
 

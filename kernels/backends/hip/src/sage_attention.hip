@@ -599,6 +599,13 @@ SG_INLINE void wmma_probe(int kind, const u32* a, const u32* b, const u32* c, u3
   }
 }
 
+// Debug/verification kernel: n floats (n a multiple of 4) to e4m3 bytes through pack_e4m3x4, the conversion P
+// and V go through (one dword of 4 bytes per thread), so tests can read its rounding, byte order and overflow.
+SG_INLINE void e4m3_probe(const float* x, u32* out, int n) {
+  const int i = bid_x() * WAVE + tid_x();
+  if (4 * i < n) out[i] = pack_e4m3x4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
+}
+
 }  // namespace sg
 
 // ---------------------------------------------------------------- entry points
@@ -631,4 +638,8 @@ SG_QK_SCORES(128)
 extern "C" __global__ SG_LAUNCH_BOUNDS(32) void sage_wmma_probe(int kind, const sg::u32* a, const sg::u32* b,
                                                                 const sg::u32* c, sg::u32* d) {
   sg::wmma_probe(kind, a, b, c, d);
+}
+
+extern "C" __global__ SG_LAUNCH_BOUNDS(32) void sage_e4m3_probe(const float* x, sg::u32* out, int n) {
+  sg::e4m3_probe(x, out, n);
 }
