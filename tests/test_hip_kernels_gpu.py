@@ -281,14 +281,16 @@ def test_fp8_p_stays_within_e4m3_range_without_saturation(emulated_runner, d, dt
     rep = hip_checks.attention_report(out, lse, qq, q, k, v, pv="fp8", is_causal=causal, sm_scale=sm)
     print("peaked nonsat", d, dtype, causal, {k_: round(v_, 6) for k_, v_ in rep.items()})
     hip_checks.assert_attention_ok(rep, "fp8")
-    for logit in (1e2, 1e5, 1e6, 1e7):
-        qq = hip_checks.dominant_key_qq(logit, nq=200, d=d)
-        qq_dev = quant.QuantizedQKV(*(None if getattr(qq, f) is None else getattr(qq, f).to(DEV)
-                                      for f in hip_checks.QQ_FIELDS))
-        out, lse = hip_checks.attention(run_, qq_dev, pv="fp8", is_causal=False, out_dtype=dtype, return_lse=True)
-        ref, ref_lse = reference.attention_from_quantized(qq, pv="fp8", return_lse=True, out_dtype=dtype)
-        o = out.float().cpu()
-        print("dominant key nonsat", logit, "out", float(o.min()), float(o.max()), "spec", float(ref.float().max()))
-        assert torch.isfinite(o).all(), f"{int((~torch.isfinite(o)).sum())} non-finite outputs at logit {logit}"
-        assert float((o - 1).abs().max()) <= 1 / 16, (logit, float(o.min()), float(o.max()))
-        assert float((lse.cpu() - ref_lse).abs().max()) <= 2e-3 + 4e-7 * logit
+    logits = hip_checks.dominant_key_logits(512)
+    qq = hip_checks.dominant_key_qq(logits, d=d)
+    qq_dev = quant.QuantizedQKV(*(None if getattr(qq, f) is None else getattr(qq, f).to(DEV)
+                                  for f in hip_checks.QQ_FIELDS))
+    out, lse = hip_checks.attention(run_, qq_dev, pv="fp8", is_causal=False, out_dtype=dtype, return_lse=True)
+    ref, ref_lse = reference.attention_from_quantized(qq, pv="fp8", return_lse=True, out_dtype=dtype)
+    o, r = out.float().cpu()[0, 0], ref.float()[0, 0]
+    print("dominant key nonsat, out at logits 1e2 1e5 1e6 1e7:", o[:4, 0].tolist(), "spec", r[:4, 0].tolist())
+    bad = (~torch.isfinite(o)).any(dim=-1)
+    assert not bad.any(), f"non-finite rows at logits {[logits[i] for i in bad.nonzero().flatten().tolist()][:8]}"
+    assert float((o - r).abs().max()) <= 1 / 16, float((o - r).abs().max())
+    lg = torch.tensor(logits, dtype=torch.float32)
+    assert ((lse.cpu() - ref_lse).abs()[0, 0] <= 2e-3 + 4e-7 * lg).all()

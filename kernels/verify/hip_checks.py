@@ -210,21 +210,27 @@ def peaked_qkv(b, h, nq, nk, d, dtype, device, q_gain: float = 30.0, seed: int =
 DOMINANT_KEY, DOMINANT_NK = 70, 130
 
 
-def dominant_key_qq(logit: float, nq: int = 16, d: int = 64) -> quant.QuantizedQKV:
-    """A crafted FP8 QuantizedQKV (CPU) in which every query row sees one dominant key (DOMINANT_KEY, in the second
-    key tile of DOMINANT_NK) at natural-log logit `logit`, the others at logit / 2; V = 1 for the dominant key and
-    0.5 for the others, in every channel. The spec's output is 1 to within exp(-logit / 2)."""
+def dominant_key_qq(logits, d: int = 64) -> quant.QuantizedQKV:
+    """A crafted FP8 QuantizedQKV (CPU): query row i sees one dominant key (DOMINANT_KEY, in the second key tile of
+    DOMINANT_NK) at natural-log logit logits[i], the others at logits[i] / 2; V = 1 for the dominant key and 0.5 for
+    the others, in every channel. The spec's output is 1 to within exp(-logit / 2)."""
+    nq = len(logits)
     q8 = torch.zeros(1, 1, nq, d, dtype=torch.int8)
     q8[..., 0] = 127
     k8 = torch.zeros(1, 1, DOMINANT_NK, d, dtype=torch.int8)
     k8[..., 0] = 64
     k8[0, 0, DOMINANT_KEY, 0] = 127
-    q_scale = torch.full((1, 1, nq), logit * quant.LOG2E / (127 * 127), dtype=torch.float32)
+    q_scale = (torch.tensor(logits, dtype=torch.float64) * (quant.LOG2E / (127 * 127))).float().view(1, 1, nq)
     k_scale = torch.ones(1, 1, DOMINANT_NK, dtype=torch.float32)
     v = torch.full((1, 1, DOMINANT_NK, d), 224.0).to(torch.float8_e4m3fn)
     v[0, 0, DOMINANT_KEY] = 448.0
     v_scale = torch.full((1, 1, d), 1 / 448, dtype=torch.float32)
     return quant.QuantizedQKV(q8, q_scale, k8, k_scale, v, v_scale, None)
+
+
+def dominant_key_logits(n: int = 128):
+    """1e2, 1e5, 1e6, 1e7 and logits log-spaced over 1e-2 .. 1e7 (the softmax shift negative, small and huge)."""
+    return [1e2, 1e5, 1e6, 1e7] + torch.logspace(-2, 7, n - 4, dtype=torch.float64).tolist()
 
 
 def per_head_rel_l1(out: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:

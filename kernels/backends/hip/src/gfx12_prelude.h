@@ -79,7 +79,6 @@ typedef unsigned long long u64;
 
 constexpr int WAVE = 32;
 constexpr float F32_TINY = 1.17549435e-38f;  // torch.finfo(float32).tiny, the quantizers' clamp
-constexpr float LOG2_FP8_MAX = 8.807354922057604f;  // log2(448)
 constexpr float LN2 = 0.6931471805599453f;
 
 // ---------------------------------------------------------------- vector types
