@@ -5,7 +5,8 @@
 // Three targets:
 //   SG_AMD   clang AMDGPU device compile (__AMDGCN__): real gfx12 builtins (v_wmma_*, v_permlanex16,
 //            ds_swizzle, v_perm_b32, v_cvt_pk_fp8_f32, v_exp_f32, v_dot2_f32_f16) and a few instructions
-//            as inline asm (v_fma_mixlo/mixhi_f16, v_fma_f32, v_cvt_pk_fp8_f32, v_permlanex16).
+//            as inline asm where clang-19's builtin or plain C costs instructions in the key loop
+//            (v_fma_mixlo/mixhi_f16, v_fma_f32, v_permlanex16, s_barrier_signal/wait; docs/MEASUREMENTS.md).
 //   SG_CUDA  a CUDA compiler: a wave32 is one CUDA warp; every gfx12 WMMA builtin is EMULATED lane by
 //            lane: each lane stores the fragment it holds in the gfx12 layout to shared memory, the
 //            warp syncs, and each lane computes exactly the 8 accumulator elements gfx12 gives it.
@@ -344,10 +345,11 @@ SG_INLINE u32 emu_e4m3_overflow(float x, u32 code) {
 #if defined(SG_AMD)
 SG_INLINE u32 pack_e4m3x2(float lo, float hi) { return (u32)__builtin_amdgcn_cvt_pk_fp8_f32(lo, hi, 0, false) & 0xffffu; }
 SG_INLINE u32 pack_e4m3x4(float a, float b, float c, float d) {
-  // The first conversion fills the low word; the high word it keeps is overwritten by the second, so it
-  // needs no defined input (the builtin's "old" operand, even undefined, costs a v_mov of 0 per dword).
-  int w;
-  asm("v_cvt_pk_fp8_f32 %0, %1, %2" : "=v"(w) : "v"(a), "v"(b));
+  // Builtins only: inline asm on v_cvt_pk_fp8_f32 is not supported where LLVM's gfx12 real-true16 mode gives it a
+  // 16-bit destination. The first conversion writes the low word and keeps the old operand's high word, which the
+  // second overwrites: any old value will do. `a` (dead once converted: the FP8 row sum reads P first) lets the
+  // result take its register; a constant old costs a v_mov per dword (clang-19: FP8 D128 +0.11 per v_wmma).
+  const int w = __builtin_amdgcn_cvt_pk_fp8_f32(a, b, bit_cast<int>(a), false);
   return (u32)__builtin_amdgcn_cvt_pk_fp8_f32(c, d, w, true);
 }
 #elif defined(SG_CUDA)

@@ -432,10 +432,11 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
     float p[8];
     #pragma unroll
     for (int e = 0; e < 8; ++e) p[e] = fast_exp2(fma_(s[j][e], rs.qscale, -bias));
-    pack_p(pf, j, p);
-    if constexpr (FP8PV) {
+    if constexpr (FP8PV) {  // the sum first: the conversion may then reuse P's registers (pack_e4m3x4)
       part[j] = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+      pack_p(pf, j, p);
     } else {
+      pack_p(pf, j, p);
       // FP16 P: the row sum adds the fp16 P that P.V uses, two per instruction (add_f16x2), so the output is
       // an exact convex combination of V rows up to FP32 rounding. Against the spec's sum of unrounded p the
       // relative difference is below 2^-11 (fp16 rounding of each term, mostly cancelling).
