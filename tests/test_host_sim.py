@@ -28,6 +28,24 @@ def test_emulated_wmma_matches_matrix_product(kind):
         assert torch.equal(got, want.to(got.dtype)), (kind, (got - want).abs().max())
 
 
+def test_emulated_f16_wmma_takes_amds_k_order():
+    """The emulation reads f16 operand element e of lane half h as K 8 (e // 4) + 4h + e % 4 (AMD's calculator), not
+    8h + e: its in-order FP32 sum then adds K 4..7 before K 8 (exact 2^24 + 4; the other order loses the 4)."""
+    assert float(hip_checks.run_f16_k_order(run, CPU)) == 2.0 ** 24 + 4
+
+
+@pytest.mark.parametrize("kind", [pytest.param("iu8", marks=SLOW), pytest.param("fp8", marks=SLOW), "f16"])
+def test_layout_probe_reports_a_k_order_that_a_and_b_do_not_share(kind):
+    """The layout probe against planted K-order faults of the emulation (wmma_k_fault): with B alone in another K
+    order (1) it must report wrong products, so its passing on the default build means the emulation's A and B
+    agree with kernel_abi's layout; with A and B both in it (2) it passes, as it must for any K permutation A and
+    B share (invisible in every WMMA output: the probe cannot check the K order itself)."""
+    got, want = hip_checks.run_wmma(host_sim.runner(wmma_k_fault=1), kind, CPU, 0)
+    assert int((got != want.to(got.dtype)).sum()) > 128, "the probe missed a K order that A and B do not share"
+    got, want = hip_checks.run_wmma(host_sim.runner(wmma_k_fault=2), kind, CPU, 0)
+    assert torch.equal(got, want.to(got.dtype))
+
+
 @pytest.mark.parametrize("nonsat", [0, 1])
 def test_e4m3_conversion_rounds_and_overflows_as_specified(nonsat):
     """The kernels' e4m3 conversion (pack_e4m3x4, the probe kernel): round to nearest even everywhere; above 448

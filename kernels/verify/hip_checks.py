@@ -56,6 +56,21 @@ def run_wmma(run: Callable, kind: str, device, seed: int = 0):
     return _probe(run, kind, device, a_l, b_l, c_l), want
 
 
+def run_f16_k_order(run: Callable, device) -> torch.Tensor:
+    """The emulated f16 WMMA sums its 16 products one by one in K order (gfx12_prelude.h wmma_f16), so rounding shows
+    which K an element is taken as: row 0 of A holds 1 at K 4..7 and 2048 at K 8 (B: 1 and 8192), 0 elsewhere.
+    Summed in K order, 4 + 2^24 is exact; summed with K 8 before K 4..7 (the K that lanes 16-31's first elements
+    would have in the contiguous 8h + e order) the four 1s are lost. Returns D[0][0] (2^24 + 4 in AMD's order)."""
+    a = torch.zeros(16, 16)
+    b = torch.zeros(16, 16)
+    a[0, 4:8], b[4:8, 0] = 1.0, 1.0
+    a[0, 8], b[8, 0] = 2048.0, 8192.0
+    a_l = kernel_abi.lanes_from_a(a.half()).contiguous().view(torch.int32)
+    b_l = kernel_abi.lanes_from_b(b.half()).contiguous().view(torch.int32)
+    c_l = kernel_abi.lanes_from_d(torch.zeros(16, 16)).contiguous().view(torch.int32)
+    return _probe(run, "f16", device, a_l, b_l, c_l)[0, 0]
+
+
 def _probe(run: Callable, kind: str, device, a_l, b_l, c_l) -> torch.Tensor:
     d_l, launches = kernel_abi.wmma_probe_plan(kind, a_l.to(device), b_l.to(device), c_l.to(device))
     run(launches)

@@ -12,17 +12,20 @@
 //            warp syncs, and each lane computes exactly the 8 accumulator elements gfx12 gives it.
 //   SG_SIM   host C++ for CPU tests: same emulation, barriers from the simulator (kernels/verify/sim_runtime.h).
 //
-// gfx12 wave32 16x16x16 WMMA layout (lane t, r = t % 16, h = t / 16, element e = 0..7):
-//   A (16 x K=16):  lane holds A[r][8h + e]      (8-bit: 8 bytes in 2 dwords; f16: 8 halves in 4)
-//   B (K=16 x 16):  lane holds B[8h + e][r]
-//   C/D (16 x 16):  lane holds D[8h + e][r]      (8 x i32 or 8 x f32)
-// Sources: DESIGN.md section 5 (the seed's hardware layout probe for fp8,
-// IxMxAMAR/SageAttention-RDNA4 sk1_layout_probe.hip); for iu8 and f16 the same mapping is used by
-// public gfx12 samples that check it against a CPU GEMM on RDNA4 hardware (a gfx1201 iu8 WMMA sample:
-// lanes 0-15 take K 0..7 and lanes 16-31 K 8..15 of their row, accumulator row (lane/16)*8 + e,
-// column lane%16), and by clang's builtins-amdgcn-gfx12-wmma-w32.cl for the operand types
-// (iu8/fp8: <2 x i32>, f16: <8 x half>, D: <8 x i32/float>). Unlike gfx11 there are no duplicated
-// halves. Bytes within a dword are little-endian: element e sits in byte e % 4 of dword e / 4.
+// gfx12 wave32 16x16x16 WMMA layout (lane t, r = t % 16, h = t / 16, element e = 0..7 of the lane's fragment):
+//   A (16 x K=16):  lane holds A[r][k(h, e)]   (8-bit: 8 bytes in 2 dwords; f16: 8 halves in 4 dwords)
+//   B (K=16 x 16):  lane holds B[k(h, e)][r]
+//   C/D (16 x 16):  lane holds D[8h + e][r]    (8 x i32 or 8 x f32)
+//   8-bit (iu8, fp8):  k(h, e) = 8h + e                      (lanes 0-15: K 0-7, lanes 16-31: K 8-15)
+//   f16:               k(h, e) = 8 (e / 4) + 4h + e % 4      (lanes 0-15: K 0-3 and 8-11, lanes 16-31: K 4-7, 12-15)
+// Source: AMD's Matrix Instruction Calculator for RDNA4 (ROCm/amd_matrix_instruction_calculator, commit 2ef9189,
+// matrix_calculator.py, InstCalcGfx12: __get_input_lane, __get_input_reg and __get_output_reg_lanes for wave32
+// dense A/B and 32-bit C/D); for fp8 also the seed's hardware layout probe (DESIGN.md section 5,
+// IxMxAMAR/SageAttention-RDNA4 sk1_layout_probe.hip), and clang's builtins-amdgcn-gfx12-wmma-w32.cl for the operand
+// types (iu8/fp8: <2 x i32>, f16: <8 x half>, D: <8 x i32/float>). Unlike gfx11 there are no duplicated halves.
+// Bytes within a dword are little-endian: element e sits in byte e % 4 of dword e / 4 (f16: half e % 2 of dword
+// e / 2). A K order that A and B share cancels in every product, so the kernels only need A's and B's to agree
+// (they do: each lane reads its 8 elements contiguously for both); the emulation follows AMD's order anyway.
 #ifndef SAGE_GFX12_PRELUDE_H
 #define SAGE_GFX12_PRELUDE_H
 
@@ -489,14 +492,28 @@ SG_INLINE float emu_trunc_acc(const float* t, int bits) {
 
 // ---------------------------------------------------------------- WMMA 16x16x16, wave32
 #if !defined(SG_AMD)
+// Verification option SG_EMU_WMMA_K_FAULT (kernel_abi.VERIFY_OPTIONS wmma_k_fault; emulation only), a planted
+// fault for the layout probe: 1 = B alone takes the other family's K order (f16: the contiguous 8h + e, 8-bit:
+// the f16 order), so A and B disagree and every product is wrong; 2 = A and B both take it, a shared permutation
+// that no WMMA output can show. 0 (default): the gfx12 layout above.
+#ifndef SG_EMU_WMMA_K_FAULT
+#define SG_EMU_WMMA_K_FAULT 0
+#endif
+// K of element e in lane half h (the layout above); `other`: the other family's order.
+template <int ESZ> SG_INLINE int emu_k(int h, int e, bool other) {
+  return (ESZ == 2) != other ? 8 * (e >> 2) + 4 * h + (e & 3) : 8 * h + e;
+}
 // Each lane publishes its A row slice and B column slice (gfx12 layout), then computes its own
-// D[8h + e][r]. ESZ is the element size in bytes; `dot` reads the two K=16 vectors.
+// D[8h + e][r]. ESZ is the element size in bytes; A is stored row-major, B column-major, by K.
 template <int ESZ> SG_INLINE void emu_publish(const u8* a, const u8* b) {
   WaveScratch& s = wave_scratch();
   int l = lane_id(), r = l & 15, h = l >> 4;
-  for (int i = 0; i < 8 * ESZ; ++i) {
-    s.a[(r * 16 + 8 * h) * ESZ + i] = a[i];  // A[r][8h .. 8h+7]
-    s.b[(r * 16 + 8 * h) * ESZ + i] = b[i];  // B[8h .. 8h+7][r], stored column-major
+  for (int e = 0; e < 8; ++e) {
+    const int ka = emu_k<ESZ>(h, e, SG_EMU_WMMA_K_FAULT == 2), kb = emu_k<ESZ>(h, e, SG_EMU_WMMA_K_FAULT != 0);
+    for (int i = 0; i < ESZ; ++i) {
+      s.a[(r * 16 + ka) * ESZ + i] = a[e * ESZ + i];  // A[r][k]
+      s.b[(r * 16 + kb) * ESZ + i] = b[e * ESZ + i];  // B[k][r]
+    }
   }
   warp_sync();
 }

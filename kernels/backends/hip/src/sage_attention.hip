@@ -5,7 +5,9 @@
 // of BN = 64. Each wave computes S^T = K Q^T (A = K tile rows, B = its 16 queries), so in the gfx12
 // accumulator layout lane (r, h) holds query r and keys 8h + e: the row max and row sum stay in the
 // lane plus one lane^16 exchange, and the probabilities are already the B operand of
-// O^T = V^T P^T (B[8h + e][r] = P[query r][key 8h + e]) with no data movement at all.
+// O^T = V^T P^T (element e of lane (r, h) = P[query r][key 8h + e]) with no data movement at all. (For the f16
+// builtin that element's K is not 8h + e (gfx12_prelude.h); V^T's A element e is key 8h + e too, so the
+// product still sums over the same keys.)
 // One softmax rescale per key tile (online softmax in base 2, FP32 max/sum), exp2 only.
 // Tiles every row sees completely run in a loop without masking code; the causal diagonal and the
 // key tail run in a second loop with per-element masks (workgroup-uniform split, no padding copies:
