@@ -5,7 +5,8 @@ Checks: every emulated WMMA builtin against a plain matrix product (bit-exact), 
 quant.quantize_qkv_torch (bit-exact) for strided views and every quantization group, the INT8 Q.K^T
 products of the attention path (bit-exact), and attention outputs/LSE against the reference; the spec's
 NaN rule (NaN/Inf in q, k or v reaches the output as NaN where the spec puts it, never finite garbage) and its
-overflow-safe output (V at the fp16/bf16 maximum stays finite)."""
+overflow-safe output (V at the fp16/bf16 maximum stays finite); the e4m3 conversion in both overflow modes and FP8 P
+within 448 under the non-saturating one; the f16 WMMA K order and the layout probe against planted K-order faults."""
 import math
 
 import pytest
