@@ -57,6 +57,22 @@ def test_e4m3_conversion_rounds_and_overflows_as_specified(nonsat):
     assert torch.equal(got, hip_checks.e4m3_expected(x, bool(nonsat)))
 
 
+def test_fp8_nonsat_mode_from_the_environment(monkeypatch):
+    """SAGE_RDNA4_EMU_FP8_NONSAT=1 builds every emulated module of a run in the non-saturating mode: the simulator's
+    default build then converts above 448 to NaN, an explicit fp8_nonsat=0 still saturates, and the loader's CUDA
+    twin passes the define to nvrtc (so its disk-cache key differs too)."""
+    from comfyui_sage_rdna4.kernels.verify import cuda_twin
+    x = hip_checks.e4m3_probe_values()
+    monkeypatch.setenv("SAGE_RDNA4_EMU_FP8_NONSAT", "1")
+    assert torch.equal(hip_checks.run_e4m3(run, x, CPU), hip_checks.e4m3_expected(x, True))
+    assert torch.equal(hip_checks.run_e4m3(host_sim.runner(fp8_nonsat=0), x, CPU), hip_checks.e4m3_expected(x, False))
+    nvrtc = object.__new__(cuda_twin.NvrtcCompiler)
+    assert "-DSG_EMU_FP8_NONSAT=1" in nvrtc.options("sm_90", ())
+    monkeypatch.delenv("SAGE_RDNA4_EMU_FP8_NONSAT")
+    assert not any(o.startswith("-DSG_EMU") for o in nvrtc.options("sm_90", ()))
+    assert torch.equal(hip_checks.run_e4m3(run, x, CPU), hip_checks.e4m3_expected(x, False))
+
+
 def test_fp8_p_stays_within_e4m3_range_without_saturation():
     """FP8 P.V, built with the non-saturating e4m3 conversion (fp8_nonsat): 128 query rows, each with one dominant
     key at its own natural-log logit (1e2, 1e5, 1e6, 1e7 and 1e-2 .. 1e7 log-spaced; V = 1 there, 0.5 elsewhere). No

@@ -77,11 +77,11 @@ def library(**options) -> ctypes.CDLL:
 
 def runner(**options):
     """A `run` function (as `run` below) executing the build with these options, e.g. runner(acc_trunc_bits=13)."""
-    key = _key(options)
+    options = {k: int(v) for k, v in options.items()}  # an explicit 0 stays: it wins over the environment's option
     kernel_abi.option_defines(**options)  # unknown or out-of-range options fail here, not at the first launch
 
     def run_with(launches: Iterable[kernel_abi.Launch]) -> None:
-        run(launches, **dict(key))
+        run(launches, **options)
     return run_with
 
 
