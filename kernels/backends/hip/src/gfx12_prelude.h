@@ -25,7 +25,8 @@
 // types (iu8/fp8: <2 x i32>, f16: <8 x half>, D: <8 x i32/float>). Unlike gfx11 there are no duplicated halves.
 // Bytes within a dword are little-endian: element e sits in byte e % 4 of dword e / 4 (f16: half e % 2 of dword
 // e / 2). A K order that A and B share cancels in every product, so the kernels only need A's and B's to agree
-// (they do: each lane reads its 8 elements contiguously for both); the emulation follows AMD's order anyway.
+// (they do: each product puts the same channel or key in element e of A and of B); the emulation follows AMD's
+// order so that it means what this comment says.
 #ifndef SAGE_GFX12_PRELUDE_H
 #define SAGE_GFX12_PRELUDE_H
 
