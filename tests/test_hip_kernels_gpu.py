@@ -9,7 +9,9 @@ launched with kernel_abi's geometry and compared with the spec:
   * smooth_v (prologue bit-exact, attention against the spec);
   * the two-level P.V accumulation under an emulated 13-bit truncating accumulator (NVIDIA's FP8 MMA): diffuse
     attention over 16k keys with a V channel offset stays within rel L1 0.02 per (batch, head), while the former
-    single chain (SG_PV_SINGLE_CHAIN=1, verification only) loses mass."""
+    single chain (SG_PV_SINGLE_CHAIN=1, verification only) loses mass;
+  * FP8 P never above 448 at the e4m3 conversion: peaked scores and a dominant key at logits up to 1e7, built with
+    the non-saturating conversion (fp8_nonsat). SAGE_RDNA4_EMU_FP8_NONSAT=1 runs every test of the file under it."""
 import math
 
 import pytest
@@ -260,3 +262,37 @@ def test_smooth_v_does_not_rescue_single_chain_pv_from_regional_v_offsets(emulat
     err = _precision_case(run_, "fp8", True, "regional_voffset")
     print(f"single chain fp8 smooth_v regional, 13-bit acc: rel L1 per (b, h) {err.tolist()}")
     assert (err > TARGET_REL_L1).all(), err
+
+
+# ------------------------------------------------------------------------------------------------------
+# FP8 P within e4m3's range: the non-saturating reading of gfx12's v_cvt_pk_fp8_f32
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("d,dtype,causal", [(128, torch.bfloat16, False), (64, torch.float16, True)])
+def test_fp8_p_stays_within_e4m3_range_without_saturation(emulated_runner, d, dtype, causal):
+    """Built with the non-saturating e4m3 conversion (fp8_nonsat: NaN above 448, as gfx12's conversion without a
+    clamp bit may give): peaked attention (hip_checks.peaked_qkv, base-2 row maxima in the hundreds) stays finite
+    and within the spec's tolerances, and a dominant key at logits 1e2 .. 1e7 (V = 1) comes out as the spec's 1
+    within half an e4m3 step of its P (1/16). Fails on a kernel that feeds P above 448 to the conversion."""
+    from comfyui_sage_rdna4.kernels import reference
+    run_ = emulated_runner(fp8_nonsat=1)
+    q, k, v = hip_checks.peaked_qkv(2, 4, 333, 517, d, dtype, DEV)
+    sm = 1 / math.sqrt(d)
+    qq = hip_checks.prologue(run_, q, k, v, sm_scale=sm, pv="fp8")
+    out, lse = hip_checks.attention(run_, qq, pv="fp8", is_causal=causal, out_dtype=dtype, return_lse=True, q=q,
+                                    sm_scale=sm)
+    rep = hip_checks.attention_report(out, lse, qq, q, k, v, pv="fp8", is_causal=causal, sm_scale=sm)
+    print("peaked nonsat", d, dtype, causal, {k_: round(v_, 6) for k_, v_ in rep.items()})
+    hip_checks.assert_attention_ok(rep, "fp8")
+    logits = hip_checks.dominant_key_logits(512)
+    qq = hip_checks.dominant_key_qq(logits, d=d)
+    qq_dev = quant.QuantizedQKV(*(None if getattr(qq, f) is None else getattr(qq, f).to(DEV)
+                                  for f in hip_checks.QQ_FIELDS))
+    out, lse = hip_checks.attention(run_, qq_dev, pv="fp8", is_causal=False, out_dtype=dtype, return_lse=True)
+    ref, ref_lse = reference.attention_from_quantized(qq, pv="fp8", return_lse=True, out_dtype=dtype)
+    o, r = out.float().cpu()[0, 0], ref.float()[0, 0]
+    print("dominant key nonsat, out at logits 1e2 1e5 1e6 1e7:", o[:4, 0].tolist(), "spec", r[:4, 0].tolist())
+    bad = (~torch.isfinite(o)).any(dim=-1)
+    assert not bad.any(), f"non-finite rows at logits {[logits[i] for i in bad.nonzero().flatten().tolist()][:8]}"
+    assert float((o - r).abs().max()) <= 1 / 16, float((o - r).abs().max())
+    lg = torch.tensor(logits, dtype=torch.float32)
+    assert ((lse.cpu() - ref_lse).abs()[0, 0] <= 2e-3 + 4e-7 * lg).all()

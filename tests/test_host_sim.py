@@ -5,7 +5,8 @@ Checks: every emulated WMMA builtin against a plain matrix product (bit-exact), 
 quant.quantize_qkv_torch (bit-exact) for strided views and every quantization group, the INT8 Q.K^T
 products of the attention path (bit-exact), and attention outputs/LSE against the reference; the spec's
 NaN rule (NaN/Inf in q, k or v reaches the output as NaN where the spec puts it, never finite garbage) and its
-overflow-safe output (V at the fp16/bf16 maximum stays finite)."""
+overflow-safe output (V at the fp16/bf16 maximum stays finite); the e4m3 conversion in both overflow modes and FP8 P
+within 448 under the non-saturating one; the f16 WMMA K order and the layout probe against planted K-order faults."""
 import math
 
 import pytest
@@ -26,6 +27,71 @@ def test_emulated_wmma_matches_matrix_product(kind):
     for seed in range(2):
         got, want = hip_checks.run_wmma(run, kind, CPU, seed)
         assert torch.equal(got, want.to(got.dtype)), (kind, (got - want).abs().max())
+
+
+def test_emulated_f16_wmma_takes_amds_k_order():
+    """The emulation reads f16 operand element e of lane half h as K 8 (e // 4) + 4h + e % 4 (AMD's calculator), not
+    8h + e: its in-order FP32 sum then adds K 4..7 before K 8 (exact 2^24 + 4; the other order loses the 4)."""
+    assert float(hip_checks.run_f16_k_order(run, CPU)) == 2.0 ** 24 + 4
+
+
+@pytest.mark.parametrize("kind", [pytest.param("iu8", marks=SLOW), pytest.param("fp8", marks=SLOW), "f16"])
+def test_layout_probe_reports_a_k_order_that_a_and_b_do_not_share(kind):
+    """The layout probe against planted K-order faults of the emulation (wmma_k_fault): with B alone in another K
+    order (1) it must report wrong products, so its passing on the default build means the emulation's A and B
+    agree with kernel_abi's layout; with A and B both in it (2) it passes, as it must for any K permutation A and
+    B share (invisible in every WMMA output: the probe cannot check the K order itself)."""
+    got, want = hip_checks.run_wmma(host_sim.runner(wmma_k_fault=1), kind, CPU, 0)
+    assert int((got != want.to(got.dtype)).sum()) > 128, "the probe missed a K order that A and B do not share"
+    got, want = hip_checks.run_wmma(host_sim.runner(wmma_k_fault=2), kind, CPU, 0)
+    assert torch.equal(got, want.to(got.dtype))
+
+
+@pytest.mark.parametrize("nonsat", [0, 1])
+def test_e4m3_conversion_rounds_and_overflows_as_specified(nonsat):
+    """The kernels' e4m3 conversion (pack_e4m3x4, the probe kernel): round to nearest even everywhere; above 448
+    saturating to +-448 by default, NaN (0x7f / 0xff) in the non-saturating verification mode (fp8_nonsat), the
+    reading of gfx12's v_cvt_pk_fp8_f32 without a clamp bit. Byte order: element i in byte i of the dword."""
+    x = hip_checks.e4m3_probe_values()
+    got = hip_checks.run_e4m3(host_sim.runner(fp8_nonsat=nonsat), x, CPU)
+    assert torch.equal(got, hip_checks.e4m3_expected(x, bool(nonsat)))
+
+
+def test_fp8_nonsat_mode_from_the_environment(monkeypatch):
+    """SAGE_RDNA4_EMU_FP8_NONSAT=1 builds every emulated module of a run in the non-saturating mode: the simulator's
+    default build then converts above 448 to NaN, an explicit fp8_nonsat=0 still saturates, and the loader's CUDA
+    twin passes the define to nvrtc (so its disk-cache key differs too)."""
+    from comfyui_sage_rdna4.kernels.verify import cuda_twin
+    x = hip_checks.e4m3_probe_values()
+    monkeypatch.setenv("SAGE_RDNA4_EMU_FP8_NONSAT", "1")
+    assert torch.equal(hip_checks.run_e4m3(run, x, CPU), hip_checks.e4m3_expected(x, True))
+    assert torch.equal(hip_checks.run_e4m3(host_sim.runner(fp8_nonsat=0), x, CPU), hip_checks.e4m3_expected(x, False))
+    nvrtc = object.__new__(cuda_twin.NvrtcCompiler)
+    assert "-DSG_EMU_FP8_NONSAT=1" in nvrtc.options("sm_90", ())
+    monkeypatch.delenv("SAGE_RDNA4_EMU_FP8_NONSAT")
+    assert not any(o.startswith("-DSG_EMU") for o in nvrtc.options("sm_90", ()))
+    assert torch.equal(hip_checks.run_e4m3(run, x, CPU), hip_checks.e4m3_expected(x, False))
+
+
+def test_fp8_p_stays_within_e4m3_range_without_saturation():
+    """FP8 P.V, built with the non-saturating e4m3 conversion (fp8_nonsat): 128 query rows, each with one dominant
+    key at its own natural-log logit (1e2, 1e5, 1e6, 1e7 and 1e-2 .. 1e7 log-spaced; V = 1 there, 0.5 elsewhere). No
+    P may reach the conversion above 448 (it would give NaN); the output is the spec's to within e4m3's rounding of
+    the dominant P (half a step: 1/16), the LSE the spec's to FP32 rounding of the logit. Fails on the kernel whose
+    softmax shift was rounded without a guard (NaN rows; saturating instead, 0.637 for the spec's 1 at 1e7)."""
+    from comfyui_sage_rdna4.kernels import reference
+    logits = hip_checks.dominant_key_logits()
+    qq = hip_checks.dominant_key_qq(logits)
+    out, lse = hip_checks.attention(host_sim.runner(fp8_nonsat=1), qq, pv="fp8", is_causal=False,
+                                    out_dtype=torch.float16, return_lse=True)
+    ref, ref_lse = reference.attention_from_quantized(qq, pv="fp8", return_lse=True, out_dtype=torch.float16)
+    out, ref = out.float()[0, 0], ref.float()[0, 0]
+    bad = (~torch.isfinite(out)).any(dim=-1)
+    assert not bad.any(), f"non-finite rows at logits {[logits[i] for i in bad.nonzero().flatten().tolist()]}"
+    assert float((out - ref).abs().max()) <= 1 / 16, float((out - ref).abs().max())
+    lg = torch.tensor(logits, dtype=torch.float32)
+    assert torch.equal(ref[lg >= 30], torch.ones_like(ref[lg >= 30]))
+    assert ((lse - ref_lse).abs()[0, 0] <= 2e-3 + 4e-7 * lg).all()
 
 
 @pytest.mark.parametrize("dtype,d,pv,group,layout", [

@@ -70,3 +70,38 @@ def test_no_strided_layout_for_a_tensor_subclass():
     q = torch.randn(1, 2, 3, 4)
     assert strided_layout(q, q, q) is not None
     assert strided_layout(q, q.as_subclass(Sub), q) is None
+
+
+# ------------------------------------------------------------------------------------------------------
+# gfx12 WMMA operand layouts (kernels/backends/hip/kernel_abi.py) against AMD's Matrix Instruction Calculator
+# ------------------------------------------------------------------------------------------------------
+def _calculator_a_slot(i, k, element_bytes):
+    """(lane, element) of A[i][k] for the wave32 dense RDNA4 16x16x16 WMMA, as AMD's calculator computes them
+    (ROCm/amd_matrix_instruction_calculator, InstCalcGfx12.__get_input_lane / __get_input_reg): the register and
+    its sub-dword field give the element (little-endian within the dword)."""
+    if element_bytes == 2:
+        lane, reg, field = 16 * ((k // 4) % 2) + i, 2 * (k // 8) + (k // 2) % 2, k % 2
+        return lane, 2 * reg + field
+    lane, reg, field = 16 * (k // 8) + i, (k // 4) % 2, k % 4
+    return lane, 4 * reg + field
+
+
+def test_wmma_operand_lanes_follow_amds_calculator():
+    """lanes_from_a / lanes_from_b / lanes_from_d put every element where the calculator says gfx12 holds it: 8-bit
+    A[i][k] in lane 16 (k // 8) + i, f16 A[i][k] with lanes 0-15 holding K 0-3 and 8-11, lanes 16-31 K 4-7 and
+    12-15; B the same with its column; D[i][j] in lane 16 (i // 8) + j, register i % 8."""
+    from comfyui_sage_rdna4.kernels.backends.hip import kernel_abi
+    ids = torch.arange(256).view(16, 16)
+    for dtype, nbytes in ((torch.int16, 2), (torch.int8, 1)):  # stand-ins of the element size (f16; iu8/fp8)
+        m = (ids % 128).to(dtype) if nbytes == 1 else ids.to(dtype)
+        a_l, b_l = kernel_abi.lanes_from_a(m), kernel_abi.lanes_from_b(m)
+        for i in range(16):
+            for k in range(16):
+                lane, e = _calculator_a_slot(i, k, nbytes)
+                assert int(a_l[lane, e]) == int(m[i, k]), (nbytes, i, k)
+                assert int(b_l[lane, e]) == int(m[k, i]), (nbytes, k, i)  # B[k][j]: lane from j = i here
+    d_l = kernel_abi.lanes_from_d(ids)
+    for i in range(16):
+        for j in range(16):
+            assert int(d_l[16 * (i // 8) + j, i % 8]) == int(ids[i, j])
+    assert torch.equal(kernel_abi.d_from_lanes(d_l), ids)

@@ -19,6 +19,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 
+from ..backends.hip import kernel_abi
 from ..backends.hip.compiler import CompilerUnavailable, RtcCompiler, register_compiler, without_builtins
 from ..backends.hip.platform import loaded_library_paths, torch_lib_dir
 from ..backends.hip.runtime import (
@@ -31,6 +32,7 @@ from ..backends.hip.runtime import (
     open_first,
     register_platform,
 )
+from .emulation_env import env_options
 
 # CUDA refuses more than 48 KiB of dynamic shared memory unless the function opts in.
 CUDA_DEFAULT_SMEM = 48 * 1024
@@ -201,7 +203,10 @@ class NvrtcCompiler(RtcCompiler):
         return nvrtc_target(props.major * 10 + props.minor, self.supported_archs())
 
     def options(self, target, extra_flags):
-        return [f"--gpu-architecture={target}", "-std=c++17", *EMULATION_PTXAS_FLAGS, *extra_flags]
+        # Verification options of the whole run (SAGE_RDNA4_EMU_FP8_NONSAT, kernels/verify/emulation_env.py) as
+        # defines; they are part of the flags, so of the disk cache's key.
+        defines = [f"-D{kernel_abi.VERIFY_OPTIONS[k]}={int(v)}" for k, v in sorted(env_options().items()) if int(v)]
+        return [f"--gpu-architecture={target}", "-std=c++17", *EMULATION_PTXAS_FLAGS, *defines, *extra_flags]
 
     def _code(self, prog, target):
         if target.startswith("sm_"):

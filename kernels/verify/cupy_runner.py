@@ -9,6 +9,7 @@ import warnings
 from typing import Iterable
 
 from ..backends.hip import kernel_abi
+from .emulation_env import with_env
 
 _MODULES = {}
 _LOCK = threading.Lock()
@@ -28,9 +29,10 @@ def _key(options) -> tuple:
 
 def module(device_index: int = 0, **options):
     """The nvrtc build of the kernels for `device_index`; `options` are kernel_abi.VERIFY_OPTIONS
-    (acc_trunc_bits=13: the emulated fp8 WMMA models a 13-bit truncating accumulator), one module each."""
+    (acc_trunc_bits=13: the emulated fp8 WMMA models a 13-bit truncating accumulator), one module each; the
+    environment's options (kernels/verify/emulation_env.py) apply where `options` does not say."""
     import cupy as cp
-    key = (device_index, _key(options))
+    key = (device_index, _key(with_env(options)))
     with _LOCK:
         if key not in _MODULES:
             with cp.cuda.Device(device_index):

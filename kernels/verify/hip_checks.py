@@ -8,6 +8,7 @@ last bit of a scale; the CPU result is the spec.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict
 
 import torch
@@ -55,11 +56,55 @@ def run_wmma(run: Callable, kind: str, device, seed: int = 0):
     return _probe(run, kind, device, a_l, b_l, c_l), want
 
 
+def run_f16_k_order(run: Callable, device) -> torch.Tensor:
+    """The emulated f16 WMMA sums its 16 products one by one in K order (gfx12_prelude.h wmma_f16), so rounding shows
+    which K an element is taken as: row 0 of A holds 1 at K 4..7 and 2048 at K 8 (B: 1 and 8192), 0 elsewhere.
+    Summed in K order, 4 + 2^24 is exact; summed with K 8 before K 4..7 (the K that lanes 16-31's first elements
+    would have in the contiguous 8h + e order) the four 1s are lost. Returns D[0][0] (2^24 + 4 in AMD's order)."""
+    a = torch.zeros(16, 16)
+    b = torch.zeros(16, 16)
+    a[0, 4:8], b[4:8, 0] = 1.0, 1.0
+    a[0, 8], b[8, 0] = 2048.0, 8192.0
+    a_l = kernel_abi.lanes_from_a(a.half()).contiguous().view(torch.int32)
+    b_l = kernel_abi.lanes_from_b(b.half()).contiguous().view(torch.int32)
+    c_l = kernel_abi.lanes_from_d(torch.zeros(16, 16)).contiguous().view(torch.int32)
+    return _probe(run, "f16", device, a_l, b_l, c_l)[0, 0]
+
+
 def _probe(run: Callable, kind: str, device, a_l, b_l, c_l) -> torch.Tensor:
     d_l, launches = kernel_abi.wmma_probe_plan(kind, a_l.to(device), b_l.to(device), c_l.to(device))
     run(launches)
     d_l = d_l.cpu()
     return kernel_abi.d_from_lanes(d_l if kind == "iu8" else d_l.view(torch.float32))
+
+
+# ------------------------------------------------------------------------------------------ e4m3 conversion
+def e4m3_probe_values() -> torch.Tensor:
+    """fp32 values across the e4m3 range and past 448, both signs: zero, subnormals and a subnormal tie, ties to
+    even, the top binade, 448 and the next fp32 above it, 464 (the tie past the largest code), 480, huge, Inf; NaN."""
+    top = float(torch.nextafter(torch.tensor(448.0), torch.tensor(math.inf)))
+    pos = [0.0, 2.0 ** -10, 2.0 ** -9, 1.5 * 2.0 ** -9, 2.0 ** -6, 0.3, 1.0, 1.0625, 1.1875, 17.0, 240.0, 416.0,
+           432.0, 440.0, 447.9, 448.0, top, 448.03, 463.99, 464.0, 480.0, 1e6, 3e38, math.inf]
+    vals = pos + [-x for x in pos] + [math.nan, 0.5, 1.0, 2.0]
+    return torch.tensor(vals, dtype=torch.float32)
+
+
+def e4m3_expected(x: torch.Tensor, nonsat: bool) -> torch.Tensor:
+    """The e4m3 bytes of fp32 x: round to nearest even, saturating to +-448 (the emulation's default), or with
+    `nonsat` NaN (0x7f, 0xff when negative) for |x| > 448, Inf included. NaN gives 0x7f."""
+    sat = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).clone()
+    sat[torch.isnan(x)] = 0x7F
+    if nonsat:
+        over = x.abs() > 448.0
+        sat[over] = torch.where(x[over] < 0, 0xFF, 0x7F).to(torch.uint8)
+    return sat
+
+
+def run_e4m3(run: Callable, x: torch.Tensor, device) -> torch.Tensor:
+    """The kernels' e4m3 conversion (pack_e4m3x4) of fp32 x through the probe kernel: uint8 bytes on the CPU."""
+    out, launches = kernel_abi.e4m3_probe_plan(x.to(device).contiguous())
+    run(launches)
+    return out.cpu()
 
 
 # ------------------------------------------------------------------------------------------ truncating accumulator
@@ -167,6 +212,40 @@ def diffuse_qkv(b, h, nq, nk, d, dtype, device, seed: int = 0, v_offset: bool = 
     if v_offset:
         v = v + 2 + 2 * torch.randn(d, generator=g).abs()
     return tuple(t.to(dtype).to(device) for t in (q, k, v))
+
+
+def peaked_qkv(b, h, nq, nk, d, dtype, device, q_gain: float = 30.0, seed: int = 0):
+    """make_qkv with q scaled by q_gain: row maxima of the base-2 scores in the hundreds (D128, sm_scale 1/sqrt(d)),
+    where the softmax shift is rounded on a grid several times coarser than near log2(448), so an unguarded FP8 P
+    of the row-max key lands above 448."""
+    q, k, v = make_qkv(b, h, h, nq, nk, d, torch.float32, torch.device("cpu"), seed=seed)
+    return tuple(t.to(dtype).to(device) for t in (q * q_gain, k, v))
+
+
+DOMINANT_KEY, DOMINANT_NK = 70, 130
+
+
+def dominant_key_qq(logits, d: int = 64) -> quant.QuantizedQKV:
+    """A crafted FP8 QuantizedQKV (CPU): query row i sees one dominant key (DOMINANT_KEY, in the second key tile of
+    DOMINANT_NK) at natural-log logit logits[i], the others at logits[i] / 2; V = 1 for the dominant key and 0.5 for
+    the others, in every channel. The spec's output is 1 to within exp(-logit / 2)."""
+    nq = len(logits)
+    q8 = torch.zeros(1, 1, nq, d, dtype=torch.int8)
+    q8[..., 0] = 127
+    k8 = torch.zeros(1, 1, DOMINANT_NK, d, dtype=torch.int8)
+    k8[..., 0] = 64
+    k8[0, 0, DOMINANT_KEY, 0] = 127
+    q_scale = (torch.tensor(logits, dtype=torch.float64) * (quant.LOG2E / (127 * 127))).float().view(1, 1, nq)
+    k_scale = torch.ones(1, 1, DOMINANT_NK, dtype=torch.float32)
+    v = torch.full((1, 1, DOMINANT_NK, d), 224.0).to(torch.float8_e4m3fn)
+    v[0, 0, DOMINANT_KEY] = 448.0
+    v_scale = torch.full((1, 1, d), 1 / 448, dtype=torch.float32)
+    return quant.QuantizedQKV(q8, q_scale, k8, k_scale, v, v_scale, None)
+
+
+def dominant_key_logits(n: int = 128):
+    """1e2, 1e5, 1e6, 1e7 and logits log-spaced over 1e-2 .. 1e7 (the softmax shift negative, small and huge)."""
+    return [1e2, 1e5, 1e6, 1e7] + torch.logspace(-2, 7, n - 4, dtype=torch.float64).tolist()
 
 
 def per_head_rel_l1(out: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:

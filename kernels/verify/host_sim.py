@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from ..backends.hip import kernel_abi
+from .emulation_env import with_env
 
 SIM_RUNTIME = Path(__file__).resolve().parent / "sim_runtime.h"
 _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
@@ -65,8 +66,9 @@ def _key(options) -> tuple:
 
 
 def library(**options) -> ctypes.CDLL:
-    """The simulator build of the kernels with these verification options (one shared library each)."""
-    key = _key(options)
+    """The simulator build of the kernels with these verification options (one shared library each), over the
+    environment's (kernels/verify/emulation_env.py)."""
+    key = _key(with_env(options))
     with _LOCK:
         if key not in _LIBS:
             _LIBS[key] = _build(dict(key))
@@ -75,11 +77,11 @@ def library(**options) -> ctypes.CDLL:
 
 def runner(**options):
     """A `run` function (as `run` below) executing the build with these options, e.g. runner(acc_trunc_bits=13)."""
-    key = _key(options)
+    options = {k: int(v) for k, v in options.items()}  # an explicit 0 stays: it wins over the environment's option
     kernel_abi.option_defines(**options)  # unknown or out-of-range options fail here, not at the first launch
 
     def run_with(launches: Iterable[kernel_abi.Launch]) -> None:
-        run(launches, **dict(key))
+        run(launches, **options)
     return run_with
 
 

@@ -49,8 +49,13 @@ PROBE_THREADS = 32
 #   f16_acc_trunc_bits  SG_EMU_F16_ACC_TRUNC_BITS: the same for the emulated f16 WMMA
 #   pv_single_chain     SG_PV_SINGLE_CHAIN: P.V accumulated in one WMMA chain over all key tiles (the former
 #                       kernel), instead of one chain per tile folded into the FP32 accumulator
+#   fp8_nonsat          SG_EMU_FP8_NONSAT: the emulated e4m3 conversion (CUDA, host simulator) gives NaN for
+#                       |x| > 448, the non-saturating reading of gfx12's v_cvt_pk_fp8_f32 (no clamp bit)
+#   wmma_k_fault        SG_EMU_WMMA_K_FAULT: a planted fault of the emulated WMMA's K order, for the layout probe:
+#                       1 = B alone uses the other family's K order (A and B disagree), 2 = both do (shared)
 VERIFY_OPTIONS = {"acc_trunc_bits": "SG_EMU_ACC_TRUNC_BITS", "f16_acc_trunc_bits": "SG_EMU_F16_ACC_TRUNC_BITS",
-                  "pv_single_chain": "SG_PV_SINGLE_CHAIN"}
+                  "pv_single_chain": "SG_PV_SINGLE_CHAIN", "fp8_nonsat": "SG_EMU_FP8_NONSAT",
+                  "wmma_k_fault": "SG_EMU_WMMA_K_FAULT"}
 
 
 def option_defines(**options) -> str:
@@ -104,7 +109,8 @@ def all_kernel_names() -> List[str]:
         for d in HEAD_DIMS:
             for g in QK_GROUP_SIZES.values():
                 names.append(quant_qk_kernel(d, g, dt))
-    names += ["sage_colstats_finalize", "sage_qk_scores_d64", "sage_qk_scores_d128", "sage_wmma_probe"]
+    names += ["sage_colstats_finalize", "sage_qk_scores_d64", "sage_qk_scores_d128", "sage_wmma_probe",
+              "sage_e4m3_probe"]
     return names
 
 
@@ -331,15 +337,40 @@ def wmma_probe_plan(kind: str, a_lanes: torch.Tensor, b_lanes: torch.Tensor, c_l
     return d, [launch]
 
 
+def e4m3_probe_plan(x: torch.Tensor):
+    """Verification only: fp32 x (n, a multiple of 4) to e4m3 bytes through the kernels' conversion. Returns
+    (bytes as uint8 (n,), launches)."""
+    n = x.numel()
+    if n % 4 or x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError("e4m3 probe takes a contiguous fp32 tensor of a multiple of 4 elements")
+    out = torch.zeros(n // 4, dtype=torch.int32, device=x.device)
+    launch = Launch("sage_e4m3_probe", (math.ceil(n // 4 / PROBE_THREADS), 1, 1), (PROBE_THREADS, 1, 1),
+                    (_ptr(x), _ptr(out), _i32(n)))
+    return out.view(torch.uint8), [launch]
+
+
 # ------------------------------------------------------------------------------------------ layouts
+def operand_k(h: torch.Tensor, e: torch.Tensor, element_bytes: int) -> torch.Tensor:
+    """K of element e of a lane in half h (lane // 16) of a gfx12 wave32 16x16x16 A or B operand: 8-bit (iu8, fp8)
+    8h + e; f16 8 (e // 4) + 4h + e % 4, i.e. lanes 0-15 hold K 0-3 and 8-11, lanes 16-31 K 4-7 and 12-15 (AMD's
+    Matrix Instruction Calculator for RDNA4; the prelude's layout comment says where each fact comes from)."""
+    if element_bytes == 1:
+        return 8 * h + e
+    if element_bytes == 2:
+        return 8 * (e // 4) + 4 * h + e % 4
+    raise ValueError(f"WMMA operands hold 1- or 2-byte elements, got {element_bytes}")
+
+
 def lanes_from_a(a: torch.Tensor) -> torch.Tensor:
-    """A (16 x 16) -> per-lane gfx12 fragments (32, 8): lane t holds A[t % 16][8 (t // 16) + e]."""
+    """A (16 x 16, int8/e4m3 or fp16) -> per-lane gfx12 fragments (32, 8): lane t, element e holds
+    A[t % 16][operand_k(t // 16, e)]."""
     t = torch.arange(32)
-    return a[(t % 16)[:, None], (8 * (t // 16))[:, None] + torch.arange(8)[None, :]]
+    k = operand_k((t // 16)[:, None], torch.arange(8)[None, :], a.element_size())
+    return a[(t % 16)[:, None], k]
 
 
 def lanes_from_b(b: torch.Tensor) -> torch.Tensor:
-    """B (16 x 16) -> (32, 8): lane t holds B[8 (t // 16) + e][t % 16]."""
+    """B (16 x 16) -> (32, 8): lane t, element e holds B[operand_k(t // 16, e)][t % 16]."""
     return lanes_from_a(b.t())
 
 

@@ -5,23 +5,28 @@
 // Three targets:
 //   SG_AMD   clang AMDGPU device compile (__AMDGCN__): real gfx12 builtins (v_wmma_*, v_permlanex16,
 //            ds_swizzle, v_perm_b32, v_cvt_pk_fp8_f32, v_exp_f32, v_dot2_f32_f16) and a few instructions
-//            as inline asm (v_fma_mixlo/mixhi_f16, v_fma_f32, v_cvt_pk_fp8_f32, v_permlanex16).
+//            as inline asm where clang-19's builtin or plain C costs instructions in the key loop
+//            (v_fma_mixlo/mixhi_f16, v_fma_f32, v_permlanex16, s_barrier_signal/wait; docs/MEASUREMENTS.md).
 //   SG_CUDA  a CUDA compiler: a wave32 is one CUDA warp; every gfx12 WMMA builtin is EMULATED lane by
 //            lane: each lane stores the fragment it holds in the gfx12 layout to shared memory, the
 //            warp syncs, and each lane computes exactly the 8 accumulator elements gfx12 gives it.
 //   SG_SIM   host C++ for CPU tests: same emulation, barriers from the simulator (kernels/verify/sim_runtime.h).
 //
-// gfx12 wave32 16x16x16 WMMA layout (lane t, r = t % 16, h = t / 16, element e = 0..7):
-//   A (16 x K=16):  lane holds A[r][8h + e]      (8-bit: 8 bytes in 2 dwords; f16: 8 halves in 4)
-//   B (K=16 x 16):  lane holds B[8h + e][r]
-//   C/D (16 x 16):  lane holds D[8h + e][r]      (8 x i32 or 8 x f32)
-// Sources: DESIGN.md section 5 (the seed's hardware layout probe for fp8,
-// IxMxAMAR/SageAttention-RDNA4 sk1_layout_probe.hip); for iu8 and f16 the same mapping is used by
-// public gfx12 samples that check it against a CPU GEMM on RDNA4 hardware (a gfx1201 iu8 WMMA sample:
-// lanes 0-15 take K 0..7 and lanes 16-31 K 8..15 of their row, accumulator row (lane/16)*8 + e,
-// column lane%16), and by clang's builtins-amdgcn-gfx12-wmma-w32.cl for the operand types
-// (iu8/fp8: <2 x i32>, f16: <8 x half>, D: <8 x i32/float>). Unlike gfx11 there are no duplicated
-// halves. Bytes within a dword are little-endian: element e sits in byte e % 4 of dword e / 4.
+// gfx12 wave32 16x16x16 WMMA layout (lane t, r = t % 16, h = t / 16, element e = 0..7 of the lane's fragment):
+//   A (16 x K=16):  lane holds A[r][k(h, e)]   (8-bit: 8 bytes in 2 dwords; f16: 8 halves in 4 dwords)
+//   B (K=16 x 16):  lane holds B[k(h, e)][r]
+//   C/D (16 x 16):  lane holds D[8h + e][r]    (8 x i32 or 8 x f32)
+//   8-bit (iu8, fp8):  k(h, e) = 8h + e                      (lanes 0-15: K 0-7, lanes 16-31: K 8-15)
+//   f16:               k(h, e) = 8 (e / 4) + 4h + e % 4      (lanes 0-15: K 0-3 and 8-11, lanes 16-31: K 4-7, 12-15)
+// Source: AMD's Matrix Instruction Calculator for RDNA4 (ROCm/amd_matrix_instruction_calculator, commit 2ef9189,
+// matrix_calculator.py, InstCalcGfx12: __get_input_lane, __get_input_reg and __get_output_reg_lanes for wave32
+// dense A/B and 32-bit C/D); for fp8 also the seed's hardware layout probe (DESIGN.md section 5,
+// IxMxAMAR/SageAttention-RDNA4 sk1_layout_probe.hip), and clang's builtins-amdgcn-gfx12-wmma-w32.cl for the operand
+// types (iu8/fp8: <2 x i32>, f16: <8 x half>, D: <8 x i32/float>). Unlike gfx11 there are no duplicated halves.
+// Bytes within a dword are little-endian: element e sits in byte e % 4 of dword e / 4 (f16: half e % 2 of dword
+// e / 2). A K order that A and B share cancels in every product, so the kernels only need A's and B's to agree
+// (they do: each product puts the same channel or key in element e of A and of B); the emulation follows AMD's
+// order so that it means what this comment says.
 #ifndef SAGE_GFX12_PRELUDE_H
 #define SAGE_GFX12_PRELUDE_H
 
@@ -79,7 +84,6 @@ typedef unsigned long long u64;
 
 constexpr int WAVE = 32;
 constexpr float F32_TINY = 1.17549435e-38f;  // torch.finfo(float32).tiny, the quantizers' clamp
-constexpr float LOG2_FP8_MAX = 8.807354922057604f;  // log2(448)
 constexpr float LN2 = 0.6931471805599453f;
 
 // ---------------------------------------------------------------- vector types
@@ -329,25 +333,40 @@ SG_INLINE u32 f32_to_e4m3_soft(float x) {
   if (code > 0x7eu) code = 0x7eu;  // saturate to 448
   return code | sign;
 }
+// Verification option SG_EMU_FP8_NONSAT (emulation targets only; kernel_abi.VERIFY_OPTIONS fp8_nonsat): the
+// non-saturating reading of gfx12's v_cvt_pk_fp8_f32, which has no clamp bit: |x| > 448 (Inf included) gives NaN
+// (0x7f, 0xff when negative), as HIP's software e4m3 conversion does when not saturating. Default 0: saturate to
+// +-448 (CUDA's satfinite). Lets the emulation show any P or V that reaches the conversion above 448.
+#if !defined(SG_AMD)
+#ifndef SG_EMU_FP8_NONSAT
+#define SG_EMU_FP8_NONSAT 0
+#endif
+SG_INLINE u32 emu_e4m3_overflow(float x, u32 code) {
+  return SG_EMU_FP8_NONSAT && fabs_(x) > 448.0f ? 0x7fu | ((bit_cast<u32>(x) >> 24) & 0x80u) : code;
+}
+#endif
 // Two floats to two e4m3 bytes in the low 16 bits (lo in byte 0).
 #if defined(SG_AMD)
 SG_INLINE u32 pack_e4m3x2(float lo, float hi) { return (u32)__builtin_amdgcn_cvt_pk_fp8_f32(lo, hi, 0, false) & 0xffffu; }
 SG_INLINE u32 pack_e4m3x4(float a, float b, float c, float d) {
-  // The first conversion fills the low word; the high word it keeps is overwritten by the second, so it
-  // needs no defined input (the builtin's "old" operand, even undefined, costs a v_mov of 0 per dword).
-  int w;
-  asm("v_cvt_pk_fp8_f32 %0, %1, %2" : "=v"(w) : "v"(a), "v"(b));
+  // Builtins only: inline asm on v_cvt_pk_fp8_f32 is not supported where LLVM's gfx12 real-true16 mode gives it a
+  // 16-bit destination. The first conversion writes the low word and keeps the old operand's high word, which the
+  // second overwrites: any old value will do. `a` (dead once converted: the FP8 row sum reads P first) lets the
+  // result take its register; a constant old costs a v_mov per dword (clang-19: FP8 D128 +0.11 per v_wmma).
+  const int w = __builtin_amdgcn_cvt_pk_fp8_f32(a, b, bit_cast<int>(a), false);
   return (u32)__builtin_amdgcn_cvt_pk_fp8_f32(c, d, w, true);
 }
 #elif defined(SG_CUDA)
 SG_INLINE u32 pack_e4m3x2(float lo, float hi) {
   u16 r;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-  return (u32)r;
+  return emu_e4m3_overflow(lo, r & 0xffu) | (emu_e4m3_overflow(hi, (u32)r >> 8) << 8);
 }
 SG_INLINE u32 pack_e4m3x4(float a, float b, float c, float d) { return pack_e4m3x2(a, b) | (pack_e4m3x2(c, d) << 16); }
 #else
-SG_INLINE u32 pack_e4m3x2(float lo, float hi) { return f32_to_e4m3_soft(lo) | (f32_to_e4m3_soft(hi) << 8); }
+SG_INLINE u32 pack_e4m3x2(float lo, float hi) {
+  return emu_e4m3_overflow(lo, f32_to_e4m3_soft(lo)) | (emu_e4m3_overflow(hi, f32_to_e4m3_soft(hi)) << 8);
+}
 SG_INLINE u32 pack_e4m3x4(float a, float b, float c, float d) { return pack_e4m3x2(a, b) | (pack_e4m3x2(c, d) << 16); }
 #endif
 
@@ -474,14 +493,28 @@ SG_INLINE float emu_trunc_acc(const float* t, int bits) {
 
 // ---------------------------------------------------------------- WMMA 16x16x16, wave32
 #if !defined(SG_AMD)
+// Verification option SG_EMU_WMMA_K_FAULT (kernel_abi.VERIFY_OPTIONS wmma_k_fault; emulation only), a planted
+// fault for the layout probe: 1 = B alone takes the other family's K order (f16: the contiguous 8h + e, 8-bit:
+// the f16 order), so A and B disagree and every product is wrong; 2 = A and B both take it, a shared permutation
+// that no WMMA output can show. 0 (default): the gfx12 layout above.
+#ifndef SG_EMU_WMMA_K_FAULT
+#define SG_EMU_WMMA_K_FAULT 0
+#endif
+// K of element e in lane half h (the layout above); `other`: the other family's order.
+template <int ESZ> SG_INLINE int emu_k(int h, int e, bool other) {
+  return (ESZ == 2) != other ? 8 * (e >> 2) + 4 * h + (e & 3) : 8 * h + e;
+}
 // Each lane publishes its A row slice and B column slice (gfx12 layout), then computes its own
-// D[8h + e][r]. ESZ is the element size in bytes; `dot` reads the two K=16 vectors.
+// D[8h + e][r]. ESZ is the element size in bytes; A is stored row-major, B column-major, by K.
 template <int ESZ> SG_INLINE void emu_publish(const u8* a, const u8* b) {
   WaveScratch& s = wave_scratch();
   int l = lane_id(), r = l & 15, h = l >> 4;
-  for (int i = 0; i < 8 * ESZ; ++i) {
-    s.a[(r * 16 + 8 * h) * ESZ + i] = a[i];  // A[r][8h .. 8h+7]
-    s.b[(r * 16 + 8 * h) * ESZ + i] = b[i];  // B[8h .. 8h+7][r], stored column-major
+  for (int e = 0; e < 8; ++e) {
+    const int ka = emu_k<ESZ>(h, e, SG_EMU_WMMA_K_FAULT == 2), kb = emu_k<ESZ>(h, e, SG_EMU_WMMA_K_FAULT != 0);
+    for (int i = 0; i < ESZ; ++i) {
+      s.a[(r * 16 + ka) * ESZ + i] = a[e * ESZ + i];  // A[r][k]
+      s.b[(r * 16 + kb) * ESZ + i] = b[e * ESZ + i];  // B[k][r]
+    }
   }
   warp_sync();
 }

@@ -5,7 +5,9 @@
 // of BN = 64. Each wave computes S^T = K Q^T (A = K tile rows, B = its 16 queries), so in the gfx12
 // accumulator layout lane (r, h) holds query r and keys 8h + e: the row max and row sum stay in the
 // lane plus one lane^16 exchange, and the probabilities are already the B operand of
-// O^T = V^T P^T (B[8h + e][r] = P[query r][key 8h + e]) with no data movement at all.
+// O^T = V^T P^T (element e of lane (r, h) = P[query r][key 8h + e]) with no data movement at all. (For the f16
+// builtin that element's K is not 8h + e (gfx12_prelude.h); V^T's A element e is key 8h + e too, so the
+// product still sums over the same keys.)
 // One softmax rescale per key tile (online softmax in base 2, FP32 max/sum), exp2 only.
 // Tiles every row sees completely run in a loop without masking code; the causal diagonal and the
 // key tail run in a second loop with per-element masks (workgroup-uniform split, no padding copies:
@@ -333,11 +335,27 @@ template <int D> SG_INLINE void pack_p(PFrag<D, false>& pf, int j, const float* 
 // Per-lane online-softmax state: this lane's query row, half of its keys.
 template <int D, bool FP8PV> struct RowState {
   f32x8 o[D / 16];
-  float m;     // running max of the row in units of int-dot * k_scale (base-2 score = m * qscale)
-  float l;     // this lane's share of the running row sum (x448 for FP8 P)
+  float bias;  // the running shift: p_shift of the row's running max (base 2), -inf while the row has seen no key
+  float l;     // this lane's share of the running row sum (up to 448 per key for FP8 P)
   float qscale;
   int qrow;
 };
+
+// The softmax shift of a row whose max score is m (units of int-dot * k_scale): P = exp2(s * qscale - shift).
+// FP16 P: m * qscale (P <= 1). FP8 P: the row max's P lands at exp2(FP8_P_LOG2_MAX) = 447.9953, below 448 by 1.1e-5
+// relative, far more than v_exp_f32's error (1 ulp, 1.2e-7). m * qscale - FP8_P_LOG2_MAX is rounded, by up to half
+// an ulp of its value; raised by |bias| * 2^-23 (at least one ulp of bias, never less after rounding) it is >= the
+// exact value, so for every s <= m, fma(s, qscale, -shift) <= FP8_P_LOG2_MAX after rounding (rounding is
+// monotone; a bias so small that the raise rounds away leaves an error below that fma's own rounding). So no P
+// above 448 reaches v_cvt_pk_fp8_f32, which has no clamp bit on gfx12, whatever the scores.
+// Both maps are monotone in m, so the shift of a running max is the max of the shifts: the row state keeps only the
+// shift. (FP8: m = -inf gives NaN, which fmax drops; qscale > 0, or NaN, which makes the row NaN as it should.)
+constexpr float FP8_P_LOG2_MAX = 8.80733967f;  // fp32 nearest log2(448) - 2^-16
+template <bool FP8PV> SG_INLINE float p_shift(float m, float qscale) {
+  if (!FP8PV) return m * qscale;
+  const float bias = fma_(m, qscale, -FP8_P_LOG2_MAX);
+  return fma_(fabs_(bias), 1.1920929e-07f, bias);  // + |bias| * 2^-23
+}
 
 // `prefetch` issues the next tile's global loads once the scores are out of the WMMA accumulators: their
 // registers then overlap the softmax and P.V, not the Q.K phase, where the key loop's register peak is.
@@ -365,7 +383,7 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
         if (i == 0) sched_fence();
         kq[i / 2][i % 2] = *(const u32x4*)(sm.ks + 16 * (j0 + i / 2) + 8 * h + 4 * (i % 2));
       }
-      if (!(D == 64 && FP8PV)) sched_fence();  // FP8 D64: 4 instructions fewer per tile without it (clang-19)
+      sched_fence();  // (FP8 D64 was 4 instructions shorter without it until the shift became p_shift, clang-19)
       if (j0 == 0) {
         #pragma unroll
         for (int j = 0; j < 4; ++j)
@@ -401,13 +419,14 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
   #pragma unroll
   for (int j = 0; j < 4; ++j)
     mj[j] = fmax_(fmax_(fmax_(s[j][0], s[j][1]), fmax_(s[j][2], s[j][3])), fmax_(fmax_(s[j][4], s[j][5]), fmax_(s[j][6], s[j][7])));
-  float mx = fmax_(fmax_(mj[0], mj[1]), fmax_(mj[2], mj[3]));
-  mx = fmax_(mx, lane_xor16_full_wave(mx));
-  const float m_new = fmax_(rs.m, mx);
-  // A row that has seen no key yet keeps m = -inf: use 0 so exp2 gives exact zeros, alpha 1.
-  const float m_use = MASK && m_new == neg_inf() ? 0.0f : m_new;
-  const float alpha = fast_exp2((rs.m - m_use) * rs.qscale);
-  const float bias = m_use * rs.qscale - (FP8PV ? LOG2_FP8_MAX : 0.0f);  // FP8: P lands in [0, 448]
+  const float mx = fmax_(fmax_(mj[0], mj[1]), fmax_(mj[2], mj[3]));  // this lane's half of the row
+  // The shift of the running max, from this lane's and the other half's (lane ^ 16) max: one v_max3.
+  const float sh = p_shift<FP8PV>(mx, rs.qscale);
+  const float bias_new = fmax_(fmax_(rs.bias, sh), lane_xor16_full_wave(sh));
+  // A row that has seen no key yet keeps the shift -inf: its P use the shift of m = 0 (exact zeros).
+  const float bias = MASK && bias_new == neg_inf() ? p_shift<FP8PV>(0.0f, rs.qscale) : bias_new;
+  // o and l move from the last tile's shift to this one's: exactly the shifts their P used (FP8: P < 448).
+  const float alpha = fast_exp2(rs.bias - bias);
   PFrag<D, FP8PV> pf;
   float part[4];  // independent partial sums: short dependency chains
   #pragma unroll
@@ -415,10 +434,11 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
     float p[8];
     #pragma unroll
     for (int e = 0; e < 8; ++e) p[e] = fast_exp2(fma_(s[j][e], rs.qscale, -bias));
-    pack_p(pf, j, p);
-    if constexpr (FP8PV) {
+    if constexpr (FP8PV) {  // the sum first: the conversion may then reuse P's registers (pack_e4m3x4)
       part[j] = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+      pack_p(pf, j, p);
     } else {
+      pack_p(pf, j, p);
       // FP16 P: the row sum adds the fp16 P that P.V uses, two per instruction (add_f16x2), so the output is
       // an exact convex combination of V rows up to FP32 rounding. Against the spec's sum of unrounded p the
       // relative difference is below 2^-11 (fp16 rounding of each term, mostly cancelling).
@@ -427,8 +447,8 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
     }
   }
   rs.l = fold_acc(rs.l, alpha, (part[0] + part[1]) + (part[2] + part[3]));  // VOP3: no copy on the back edge
-  rs.m = m_new;
-  if (D != 64) sched_fence();  // D64: left out (FP8 D64: 7 waits fewer per tile, clang-19)
+  rs.bias = bias_new;
+  if (D != 64 || FP8PV) sched_fence();  // FP16 D64: left out (README, HIP kernels); FP8 D64: -2 per tile (clang-19)
   pv_tile<D>(rs.o, alpha, pf, sm.vt, M::VT_STRIDE);
   if (D != 64) sched_fence();  // D64: the last folds may meet the loop's tail (left out, README, HIP kernels)
 }
@@ -456,7 +476,7 @@ SG_INLINE void attention(const i8* q8, const float* q_scale, const i8* k8, const
   QFrag<D> qf;
   load_q<D>(qf, q8 + (bhq * Nq + qr) * D);
   rs.qscale = q_scale[bhq * Nq + qr];
-  rs.m = neg_inf();
+  rs.bias = neg_inf();  // the first tile's alpha: exp2(-inf) = 0 (o and l are 0)
   rs.l = 0.0f;
   #pragma unroll
   for (int tt = 0; tt < D / 16; ++tt)
@@ -531,7 +551,7 @@ SG_INLINE void attention(const i8* q8, const float* q_scale, const i8* k8, const
       for (int d = h * (D / 2); d < (h + 1) * (D / 2); ++d) corr = fma_(T::load(qrow_ptr[(i64)d * qsd]), km[d], corr);
       corr = (corr + lane_xor<16>(corr)) * sm_scale;
     }
-    const float base2 = rs.m * rs.qscale + fast_log2(l_tot) - (FP8PV ? LOG2_FP8_MAX : 0.0f);
+    const float base2 = rs.bias + fast_log2(l_tot);  // l_tot is in units of exp2(-rs.bias)
     const float val = l_tot == 0.0f ? neg_inf() : base2 * LN2 + corr;  // NaN row sum: NaN LSE
     if (h == 0 && rs.qrow < Nq) lse[bhq * Nq + rs.qrow] = val;
   }
@@ -599,6 +619,13 @@ SG_INLINE void wmma_probe(int kind, const u32* a, const u32* b, const u32* c, u3
   }
 }
 
+// Debug/verification kernel: n floats (n a multiple of 4) to e4m3 bytes through pack_e4m3x4, the conversion P
+// and V go through (one dword of 4 bytes per thread), so tests can read its rounding, byte order and overflow.
+SG_INLINE void e4m3_probe(const float* x, u32* out, int n) {
+  const int i = bid_x() * WAVE + tid_x();
+  if (4 * i < n) out[i] = pack_e4m3x4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
+}
+
 }  // namespace sg
 
 // ---------------------------------------------------------------- entry points
@@ -631,4 +658,8 @@ SG_QK_SCORES(128)
 extern "C" __global__ SG_LAUNCH_BOUNDS(32) void sage_wmma_probe(int kind, const sg::u32* a, const sg::u32* b,
                                                                 const sg::u32* c, sg::u32* d) {
   sg::wmma_probe(kind, a, b, c, d);
+}
+
+extern "C" __global__ SG_LAUNCH_BOUNDS(32) void sage_e4m3_probe(const float* x, sg::u32* out, int n) {
+  sg::e4m3_probe(x, out, n);
 }
