@@ -175,7 +175,10 @@ def test_the_hip_backend_holds_nothing_cuda_specific():
     hits = []
     for path in sorted((ROOT / "kernels" / "backends" / "hip").rglob("*")):
         if path.is_file() and "__pycache__" not in path.parts:
-            for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            data = path.read_bytes()
+            if b"\0" in data:  # a shipped code object: machine code, whose bytes can spell anything
+                continue
+            for n, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
                 found = CUDA_NAMES.findall(line) + re.findall(r"(?i)libcuda|nvrtc", line)
                 if found:
                     hits.append(f"{path.relative_to(ROOT)}:{n}: {sorted(set(found))}")
