@@ -37,9 +37,11 @@ WORKSPACE_MB = Setting("SAGE_RDNA4_WORKSPACE_MB", "128",
                        "MiB of prologue buffers kept for reuse between calls (0 keeps none; not a number: 128)")
 HIP_EMULATE = Setting("SAGE_RDNA4_HIP_EMULATE", "0",
                       "1: the HIP backends run on NVIDIA through the gfx12 WMMA emulation (verification only)")
+EMU_FP8_NONSAT = Setting("SAGE_RDNA4_EMU_FP8_NONSAT", "0",
+                         "1: the gfx12 emulation's FP8 conversion gives NaN above 448 (verification only)")
 
 SETTINGS: Tuple[Setting, ...] = (CACHE, AUTOTUNE, AUTOTUNE_CACHE, SELF_CHECK, SELF_CHECK_CACHE, TRITON_FP8_CVT,
-                                 TRITON_LAUNCH, WORKSPACE_MB, HIP_EMULATE)
+                                 TRITON_LAUNCH, WORKSPACE_MB, HIP_EMULATE, EMU_FP8_NONSAT)
 DEFAULT_WORKSPACE_MB = 128
 
 
@@ -96,3 +98,8 @@ def workspace_budget_bytes() -> int:
 
 def hip_emulation_requested() -> bool:
     return raw(HIP_EMULATE) == "1"
+
+
+def emu_fp8_nonsat_requested() -> bool:
+    """Any value but empty or "0" turns the emulation's non-saturating FP8 conversion on."""
+    return raw(EMU_FP8_NONSAT).strip() not in ("", "0")

@@ -19,7 +19,7 @@ PENDING = set()  # (file, name) of a setting still read directly while it moves;
 
 def test_every_setting_is_declared_once_with_a_default_and_a_meaning():
     names = [s.name for s in settings.SETTINGS]
-    assert len(names) == len(set(names)) == 9
+    assert len(names) == len(set(names)) == 10
     for s in settings.SETTINGS:
         assert NAME.fullmatch(s.name) and s.default and s.doc and "\n" not in s.doc, s
 

@@ -7,14 +7,13 @@ option a caller passes explicitly wins over the environment's.
 """
 from __future__ import annotations
 
-import os
 from typing import Dict
 
-ENV_FP8_NONSAT = "SAGE_RDNA4_EMU_FP8_NONSAT"
+from .. import settings
 
 
 def env_options() -> Dict[str, int]:
-    return {"fp8_nonsat": 1} if os.environ.get(ENV_FP8_NONSAT, "").strip() not in ("", "0") else {}
+    return {"fp8_nonsat": 1} if settings.emu_fp8_nonsat_requested() else {}
 
 
 def with_env(options: Dict[str, int]) -> Dict[str, int]:
