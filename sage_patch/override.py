@@ -138,10 +138,20 @@ class SageAttentionOverride:
         self.plans.store(key, plan)
         return plan
 
+    def _launch(self, backend, plan: CallPlan, q, k, v, mask, kwargs):
+        """The backend's HND output for this call, inside the attention timer when one is on."""
+        scale = kwargs.get("scale")
+        sm_scale = float(scale) if scale is not None else plan.default_scale
+        timer = self.attention_timer
+        if timer is None:
+            return backend.launch(q, k, v, plan.call, sm_scale, mask)[0]
+        with timer.measure():
+            return backend.launch(q, k, v, plan.call, sm_scale, mask)[0]
+
     def _measured_call(self, plan: CallPlan, name: str, func, args, kwargs, q, k, v, mask, skip_output_reshape):
         """One call `auto`'s trial (or watch) handed to `name`, bracketed by its device events. SDPA's turn is the
         call site's own attention, as when SDPA is chosen; a candidate's turn includes its output reshape."""
-        trial, timer = plan.trial, self.attention_timer
+        trial = plan.trial
         if plan.skipped:
             self.stats.record_skips(plan.skipped, name)
         start = trial.begin()
@@ -151,15 +161,8 @@ class SageAttentionOverride:
             self.stats.record_routed(trial.SDPA_TURN)
             return out
         backend = trial.backend(name)
-        scale = kwargs.get("scale")
-        sm_scale = float(scale) if scale is not None else plan.default_scale
         try:
-            if timer is not None:
-                with timer.measure():
-                    out, _ = backend.launch(q, k, v, plan.call, sm_scale, mask)
-            else:
-                out, _ = backend.launch(q, k, v, plan.call, sm_scale, mask)
-            out = from_hnd(out, skip_output_reshape)
+            out = from_hnd(self._launch(backend, plan, q, k, v, mask, kwargs), skip_output_reshape)
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as exc:  # the candidate is left out of the trial; this call gets the call site's answer
@@ -238,17 +241,10 @@ class SageAttentionOverride:
         if plan.refusal is not None:
             return self._fallback(func, args, kwargs, *plan.refusal)
         backend = plan.backend
-        scale = kwargs.get("scale")
-        sm_scale = float(scale) if scale is not None else plan.default_scale
-        timer = self.attention_timer
         try:
             # The plan holds this backend's `ready` answer, made under the current decision generation, so
             # launch directly (calling the backend would ask again).
-            if timer is not None:
-                with timer.measure():
-                    out, _ = backend.launch(q, k, v, plan.call, sm_scale, mask)
-            else:
-                out, _ = backend.launch(q, k, v, plan.call, sm_scale, mask)
+            out = self._launch(backend, plan, q, k, v, mask, kwargs)
         except KernelRefused as exc:
             return self._fallback(func, args, kwargs, f"{backend.name}: {exc.reason}", backend.name)
         except torch.cuda.OutOfMemoryError:
