@@ -4,9 +4,9 @@
 
 Sections, each run on its own (an error is recorded with its traceback and the next section runs):
 environment (OS, Python, torch, HIP/ROCm, driver, GPU, CUs), libraries (which libamdhip64 and hiprtc were
-found, where), hardware probes (not in this version), the first-use self-check of every quantized kernel and
-variant (per case: time, verdict), the HIP code path (prebuilt object or hiprtc), kernel time against SDPA
-and accuracy on every input kind of kernels/benchmark.py, and what `auto` chooses per shape and why.
+found, where), the hardware probes (kernels/backends/hip/probes.py), the first-use self-check of every
+quantized kernel and variant (per case: time, verdict), the HIP code path (prebuilt object or hiprtc), kernel
+time against SDPA and accuracy on every input kind of kernels/benchmark.py, and what `auto` chooses per shape and why.
 On the CPU it is short: no GPU kernel runs there (the torch reference, the spec, takes the self-check), and the
 benchmark uses one tiny shape, since the real shapes take minutes per call there.
 Never imports ComfyUI or kernels/verify/.
@@ -40,7 +40,7 @@ CPU_NOTE = ("CPU run: no GPU kernel can run here. The self-check runs on the tor
             "benchmark on the tiny shape only (the real shapes take minutes per call on the CPU), and the "
             "timings are no speed claims.")
 GPU_REPS, CPU_REPS = 10, 3  # timed repeats on standard inputs; the other input kinds are timed once (accuracy)
-PROBES_NOTE = "hardware probes: not in this version"
+PROBES_NOT_RUN = "hardware probes: not run"
 TITLE = "SageAttention RDNA4 field report"
 
 
@@ -147,8 +147,28 @@ def hip_code_path_section(device: torch.device) -> Dict:
     return {"path": line_of() or "none: no HIP kernel was loaded in this run"}
 
 
+def _hip_refusal(device: torch.device) -> Optional[str]:
+    """Why no HIP kernel (and so no probe) can run on `device`, or None."""
+    if device.type != "cuda":
+        return f"no GPU ({device.type}): the probes run the HIP kernels' instructions on an RDNA4 card"
+    from .backends.hip.runtime import environment_refusal
+    return environment_refusal(device.type, device.index)
+
+
 def probes_section(device: torch.device) -> Dict:
-    return {"status": "not in this version", "note": PROBES_NOTE}
+    """The hardware probes of this device (the ones first use ran, or run now): every result with its verdict, what
+    it found and what the spec expects; or why they could not run here."""
+    refusal = _hip_refusal(device)
+    if refusal:
+        return {"status": "not run", "note": f"{PROBES_NOT_RUN}: {refusal}", "results": []}
+    from .backends.hip import probes
+    for name in ("hip_int8_fp8", "hip_int8_fp16"):  # as first use does: a failure disables what relies on it
+        refuse = getattr(get_backend(name), "probe_refusal", None)
+        if refuse is not None:
+            refuse(device.type, device.index)
+    report = probes.probe_device(device.type, device.index)
+    status = "could not run" if report.error else ("failed" if report.failures() else "ran")
+    return {"status": status, "note": report.summary(), **report.as_dict()}
 
 
 def self_check_targets(device: torch.device) -> List[Dict]:
@@ -343,7 +363,8 @@ def summary(report: Dict) -> List[str]:
     problems = [f"{run['shape']}/{run['inputs']}/{r['backend']}: {r['accuracy_problem']}"
                 for run in bench_data.get("runs", []) for r in run.get("rows", []) if r.get("accuracy_problem")]
     lines.append("accuracy problems: " + ("; ".join(problems) if problems else "none"))
-    lines.append(PROBES_NOTE)
+    probes = sec["hardware_probes"].get("data") or {}
+    lines.append(probes.get("note") or f"{PROBES_NOT_RUN}: {sec['hardware_probes'].get('error', 'no data')}")
     lines.append(f"errors: {len(report['errors'])}" + (" (under Errors, with tracebacks)" if report["errors"] else ""))
     return lines
 
@@ -377,7 +398,15 @@ def to_markdown(report: Dict) -> str:
     lines += ["## Environment", ""] + body("environment", kv)
     lines += ["## Libraries", ""] + body("libraries", kv)
     lines += ["## HIP code path", ""] + body("hip_code_path", kv)
-    lines += ["## Hardware probes", ""] + body("hardware_probes", lambda d: [d["note"]])
+    def probe_rows(data):
+        rows = [data["note"], ""]
+        if data.get("results"):
+            rows += ["| probe | verdict | found | expected | checks | relied on by |",
+                     "| --- | --- | --- | --- | --- | --- |"]
+            rows += [f"| {r['name']} | {r['verdict']} | {r['found']} | {r['expected']} | {r['checks']} | "
+                     f"{', '.join(r['backends'])} |" for r in data["results"]]
+        return rows
+    lines += ["## Hardware probes", ""] + body("hardware_probes", probe_rows)
 
     def checks(data):
         rows = ["| kernel | variant | verdict | time (s) | reason |", "| --- | --- | --- | --- | --- |"]

@@ -67,7 +67,8 @@ def test_root_script_on_the_cpu_end_to_end(tmp_path):
         assert sec["status"] == "ok" and isinstance(sec["seconds"], float), name
     env_data = report["sections"]["environment"]["data"]
     assert env_data["torch"] == torch.__version__ and env_data["python"] == sys.version.split()[0]
-    assert report["sections"]["hardware_probes"]["data"]["status"] == "not in this version"
+    probes = report["sections"]["hardware_probes"]["data"]
+    assert probes["status"] == "not run" and probes["note"].startswith(fr.PROBES_NOT_RUN + ": no GPU (cpu)")
     checks = {t["kernel"]: t for t in report["sections"]["self_check"]["data"]}
     for name in fr.QUANTIZED:
         assert checks[name]["status"] == "not available" and checks[name]["reason"]
@@ -84,7 +85,7 @@ def test_root_script_on_the_cpu_end_to_end(tmp_path):
     assert auto["shape"] == "tiny" and "no quantized kernel" in auto["exact_reason"]
     positions = [md.index(h) for h in HEADINGS]
     assert positions == sorted(positions), "every section, in order"
-    assert fr.PROBES_NOTE in md and fr.CPU_NOTE in md and "| tiny | reference |" in md
+    assert probes["note"] in md and fr.CPU_NOTE in md and "| tiny | reference |" in md
 
 
 def test_planted_failure_and_errors_show_in_both_files(tmp_path, monkeypatch, capsys):

@@ -8,6 +8,8 @@ Acceptance, stated once:
   * the call (`attention_refusal`): the one shape rule that `refuse` and the launch wrapper
     `hip_attention` both apply;
   * the prologue the call asks for: 'auto'/'hip' -> the HIP prologue, 'triton' -> the Triton one;
+  * the hardware probes (probes.py), once per device before any self-check: a probe that differs disables
+    the backends relying on it there, through `Backend.disable` as a failed self-check does;
   * the first-use self-check (`Backend.verify`, kernels/self_check.py), once per device and kernel +
     prologue combination, so `auto` falls back past a kernel that failed it and an explicit request gets
     the reason.
@@ -21,8 +23,9 @@ import torch
 
 from ... import quant
 from ...call_spec import AttentionCall
-from ...registry import Backend, KernelRefused
+from ...registry import Backend, KernelRefused, get_backend
 from ...self_check import SelfCheck
+from . import probes
 from . import prologue as hip_prologue
 from .runtime import environment_refusal, kernel_bundle, run_launches
 
@@ -127,6 +130,31 @@ class HipBackend(Backend):
 
     def refuse(self, call: AttentionCall) -> Optional[str]:
         return attention_refusal(call, self.pv) or prologue_refusal(call)
+
+    # -- first use ------------------------------------------------------------------------------
+    def verify(self, call: AttentionCall) -> Optional[str]:
+        """The hardware probes of the call's device (once per process), then the self-check."""
+        return self.probe_refusal(call.device_type, call.device_index) or super().verify(call)
+
+    def probe_refusal(self, device_type: str, index: Optional[int]) -> Optional[str]:
+        """The probes' verdict for this backend on one device; a failure disables it, and every other HIP backend
+        it concerns, there (so `auto`, an explicit request and the stats all see the reason). HIP devices only
+        (torch calls them 'cuda'): elsewhere no HIP kernel runs, and the environment refuses them anyway."""
+        if device_type != "cuda":
+            return None
+        report = probes.probe_device(device_type, index)
+        mine = None
+        for name in probes.BOTH:
+            reason = report.disabled_reason(name)
+            if reason is None:
+                continue
+            reason = f"{name} disabled on {report.device}: {reason}"
+            backend = self if name == self.name else get_backend(name)
+            if backend.unavailable(device_type, index) != reason:
+                backend.disable(device_type, index, reason)
+            if name == self.name:
+                mine = reason
+        return mine
 
     # -- running --------------------------------------------------------------------------------
     def launch(self, q, k, v, call: AttentionCall, sm_scale: float, attn_mask):

@@ -28,7 +28,7 @@ from ... import launch_split, quant
 
 SRC_DIR = Path(__file__).resolve().parent / "src"
 # Concatenated in this order into one translation unit (the .hip files include nothing).
-SOURCE_FILES = ("gfx12_prelude.h", "sage_prologue.hip", "sage_attention.hip")
+SOURCE_FILES = ("gfx12_prelude.h", "sage_prologue.hip", "sage_attention.hip", "sage_probes.hip")
 
 HEAD_DIMS = (64, 128)
 DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -53,9 +53,11 @@ PROBE_THREADS = 32
 #                       |x| > 448, the non-saturating reading of gfx12's v_cvt_pk_fp8_f32 (no clamp bit)
 #   wmma_k_fault        SG_EMU_WMMA_K_FAULT: a planted fault of the emulated WMMA's K order, for the layout probe:
 #                       1 = B alone uses the other family's K order (A and B disagree), 2 = both do (shared)
+#   emu_flush_subnormal SG_EMU_FLUSH_SUBNORMAL: a planted fault for the subnormal probe: the emulated WMMAs read
+#                       subnormal e4m3 / f16 operands as (signed) zero
 VERIFY_OPTIONS = {"acc_trunc_bits": "SG_EMU_ACC_TRUNC_BITS", "f16_acc_trunc_bits": "SG_EMU_F16_ACC_TRUNC_BITS",
                   "pv_single_chain": "SG_PV_SINGLE_CHAIN", "fp8_nonsat": "SG_EMU_FP8_NONSAT",
-                  "wmma_k_fault": "SG_EMU_WMMA_K_FAULT"}
+                  "wmma_k_fault": "SG_EMU_WMMA_K_FAULT", "emu_flush_subnormal": "SG_EMU_FLUSH_SUBNORMAL"}
 
 
 def option_defines(**options) -> str:
@@ -110,7 +112,7 @@ def all_kernel_names() -> List[str]:
             for g in QK_GROUP_SIZES.values():
                 names.append(quant_qk_kernel(d, g, dt))
     names += ["sage_colstats_finalize", "sage_qk_scores_d64", "sage_qk_scores_d128", "sage_wmma_probe",
-              "sage_e4m3_probe"]
+              "sage_bias_probe", "sage_e4m3_probe", "sage_lane_probe"]
     return names
 
 
@@ -330,15 +332,41 @@ WMMA_KINDS = {"iu8": 0, "fp8": 1, "f16": 2}
 
 
 def wmma_probe_plan(kind: str, a_lanes: torch.Tensor, b_lanes: torch.Tensor, c_lanes: torch.Tensor):
-    """Verification only: one WMMA on per-lane fragments (int32 words, lane-major). Returns (d_lanes, launches)."""
+    """One WMMA on per-lane fragments (int32 words, lane-major). Returns (d_lanes, launches)."""
     d = torch.zeros((32, 8), dtype=torch.int32, device=a_lanes.device)
     launch = Launch("sage_wmma_probe", (1, 1, 1), (PROBE_THREADS, 1, 1),
                     (_i32(WMMA_KINDS[kind]), _ptr(a_lanes), _ptr(b_lanes), _ptr(c_lanes), _ptr(d)))
     return d, [launch]
 
 
+def bias_probe_plan(a_lanes: torch.Tensor, b_lanes: torch.Tensor):
+    """The iu8 WMMA started from C = QK_BIAS as the attention kernels start it. Returns (raw D lanes int32 (32, 8),
+    unbias_dot(D) lanes fp32 (32, 8), launches)."""
+    d = torch.zeros((32, 8), dtype=torch.int32, device=a_lanes.device)
+    dot = torch.zeros((32, 8), dtype=torch.float32, device=a_lanes.device)
+    launch = Launch("sage_bias_probe", (1, 1, 1), (PROBE_THREADS, 1, 1),
+                    (_ptr(a_lanes), _ptr(b_lanes), _ptr(d), _ptr(dot)))
+    return d, dot, [launch]
+
+
+LANE_PROBE_ROWS = ("lane_xor<1>", "lane_xor<2>", "lane_xor<4>", "lane_xor<8>", "lane_xor<16>",
+                   "lane_xor16_full_wave", "wave_abs_max", "add_f16x2", "pack_f16x2")
+
+
+def lane_probe_plan(x: torch.Tensor, w: torch.Tensor):
+    """The cross-lane and packed-half helpers on one wave (sage_probes.hip lane_probe): x fp32 (64,), w int32 (32,)
+    (two fp16 each). Returns (int32 words (len(LANE_PROBE_ROWS), 32), launches)."""
+    if (x.numel() != 64 or w.numel() != 32 or x.dtype != torch.float32 or w.dtype != torch.int32
+            or not x.is_contiguous() or not w.is_contiguous()):
+        raise ValueError("lane probe takes 64 contiguous fp32 values and 32 contiguous int32 words")
+    out = torch.zeros((len(LANE_PROBE_ROWS), 32), dtype=torch.int32, device=x.device)
+    launch = Launch("sage_lane_probe", (1, 1, 1), (PROBE_THREADS, 1, 1),
+                    (_ptr(x), _ptr(w), _ptr(out)))
+    return out, [launch]
+
+
 def e4m3_probe_plan(x: torch.Tensor):
-    """Verification only: fp32 x (n, a multiple of 4) to e4m3 bytes through the kernels' conversion. Returns
+    """fp32 x (n, a multiple of 4) to e4m3 bytes through the kernels' conversion. Returns
     (bytes as uint8 (n,), launches)."""
     n = x.numel()
     if n % 4 or x.dtype != torch.float32 or not x.is_contiguous():

@@ -504,9 +504,19 @@ SG_INLINE float emu_trunc_acc(const float* t, int bits) {
 template <int ESZ> SG_INLINE int emu_k(int h, int e, bool other) {
   return (ESZ == 2) != other ? 8 * (e >> 2) + 4 * h + (e & 3) : 8 * h + e;
 }
+// Verification option SG_EMU_FLUSH_SUBNORMAL (kernel_abi.VERIFY_OPTIONS emu_flush_subnormal; emulation only), a
+// planted fault for the subnormal probe: 1 = the emulated fp8 and f16 WMMAs (not iu8) read subnormal e4m3 / f16
+// operands as zero, sign kept, as a flushing matrix unit would. 0 (default): exact decode.
+#ifndef SG_EMU_FLUSH_SUBNORMAL
+#define SG_EMU_FLUSH_SUBNORMAL 0
+#endif
+template <int ESZ> SG_INLINE void emu_flush_operand(u8* x) {  // one element of ESZ bytes, in place
+  if (ESZ == 1 && (x[0] & 0x78u) == 0) x[0] &= 0x80u;
+  if (ESZ == 2 && (x[1] & 0x7cu) == 0) { x[0] = 0; x[1] &= 0x80u; }
+}
 // Each lane publishes its A row slice and B column slice (gfx12 layout), then computes its own
 // D[8h + e][r]. ESZ is the element size in bytes; A is stored row-major, B column-major, by K.
-template <int ESZ> SG_INLINE void emu_publish(const u8* a, const u8* b) {
+template <int ESZ, bool FLOAT = true> SG_INLINE void emu_publish(const u8* a, const u8* b) {
   WaveScratch& s = wave_scratch();
   int l = lane_id(), r = l & 15, h = l >> 4;
   for (int e = 0; e < 8; ++e) {
@@ -514,6 +524,10 @@ template <int ESZ> SG_INLINE void emu_publish(const u8* a, const u8* b) {
     for (int i = 0; i < ESZ; ++i) {
       s.a[(r * 16 + ka) * ESZ + i] = a[e * ESZ + i];  // A[r][k]
       s.b[(r * 16 + kb) * ESZ + i] = b[e * ESZ + i];  // B[k][r]
+    }
+    if (SG_EMU_FLUSH_SUBNORMAL && FLOAT) {
+      emu_flush_operand<ESZ>(&s.a[(r * 16 + ka) * ESZ]);
+      emu_flush_operand<ESZ>(&s.b[(r * 16 + kb) * ESZ]);
     }
   }
   warp_sync();
@@ -524,7 +538,7 @@ SG_EMU_FN i32x8 wmma_iu8(i32x2 a, i32x2 b, i32x8 c) {
 #if defined(SG_AMD)
   return __builtin_amdgcn_wmma_i32_16x16x16_iu8_w32_gfx12(true, a, true, b, c, false);
 #else
-  emu_publish<1>((const u8*)&a, (const u8*)&b);
+  emu_publish<1, false>((const u8*)&a, (const u8*)&b);
   WaveScratch& s = wave_scratch();
   int l = lane_id(), r = l & 15, h = l >> 4;
   i32x8 d;

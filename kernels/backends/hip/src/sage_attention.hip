@@ -587,45 +587,6 @@ SG_INLINE void qk_scores(const i8* q8, const i8* k8, int Hq, int Hkv, int Nq, in
   }
 }
 
-// One 16x16x16 product per builtin, operands given in the gfx12 per-lane layout (32 lanes x 8
-// elements, lane-major) and D returned per lane: tests compare it with a plain matrix product.
-SG_INLINE void wmma_probe(int kind, const u32* a, const u32* b, const u32* c, u32* d) {
-  const int l = lane_id();
-  if (kind == 2) {
-    u32x4 aw = *(const u32x4*)(a + 4 * l), bw = *(const u32x4*)(b + 4 * l);
-    f32x8 cv;
-    #pragma unroll
-    for (int e = 0; e < 8; ++e) cv[e] = bit_cast<float>(c[8 * l + e]);
-    const f32x8 r = wmma_f16(bit_cast<f16x8>(aw), bit_cast<f16x8>(bw), cv);
-    #pragma unroll
-    for (int e = 0; e < 8; ++e) d[8 * l + e] = bit_cast<u32>(r[e]);
-    return;
-  }
-  const i32x2 av = mk_i32x2(a[2 * l], a[2 * l + 1]), bv = mk_i32x2(b[2 * l], b[2 * l + 1]);
-  if (kind == 0) {
-    i32x8 cv;
-    #pragma unroll
-    for (int e = 0; e < 8; ++e) cv[e] = (int)c[8 * l + e];
-    const i32x8 r = wmma_iu8(av, bv, cv);
-    #pragma unroll
-    for (int e = 0; e < 8; ++e) d[8 * l + e] = (u32)r[e];
-  } else {
-    f32x8 cv;
-    #pragma unroll
-    for (int e = 0; e < 8; ++e) cv[e] = bit_cast<float>(c[8 * l + e]);
-    const f32x8 r = wmma_fp8(av, bv, cv);
-    #pragma unroll
-    for (int e = 0; e < 8; ++e) d[8 * l + e] = bit_cast<u32>(r[e]);
-  }
-}
-
-// Debug/verification kernel: n floats (n a multiple of 4) to e4m3 bytes through pack_e4m3x4, the conversion P
-// and V go through (one dword of 4 bytes per thread), so tests can read its rounding, byte order and overflow.
-SG_INLINE void e4m3_probe(const float* x, u32* out, int n) {
-  const int i = bid_x() * WAVE + tid_x();
-  if (4 * i < n) out[i] = pack_e4m3x4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
-}
-
 }  // namespace sg
 
 // ---------------------------------------------------------------- entry points
@@ -654,12 +615,3 @@ SG_ATTN(f16, false, 64, bf16, BF16, 10)
   }
 SG_QK_SCORES(64)
 SG_QK_SCORES(128)
-
-extern "C" __global__ SG_LAUNCH_BOUNDS(32) void sage_wmma_probe(int kind, const sg::u32* a, const sg::u32* b,
-                                                                const sg::u32* c, sg::u32* d) {
-  sg::wmma_probe(kind, a, b, c, d);
-}
-
-extern "C" __global__ SG_LAUNCH_BOUNDS(32) void sage_e4m3_probe(const float* x, sg::u32* out, int n) {
-  sg::e4m3_probe(x, out, n);
-}
