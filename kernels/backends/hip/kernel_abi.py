@@ -331,8 +331,9 @@ def qk_scores_plan(q8: torch.Tensor, k8: torch.Tensor):
 WMMA_KINDS = {"iu8": 0, "fp8": 1, "f16": 2}
 
 
-def wmma_probe_plan(kind: str, a_lanes: torch.Tensor, b_lanes: torch.Tensor, c_lanes: torch.Tensor):
-    """One WMMA on per-lane fragments (int32 words, lane-major). Returns (d_lanes, launches)."""
+def wmma_probe_plan(kind: str, a_lanes: torch.Tensor, b_lanes: torch.Tensor, c_lanes: Optional[torch.Tensor]):
+    """One WMMA on per-lane fragments (int32 words, lane-major); c_lanes None: C is the constant 0 (the P.V chains'
+    inline operand). Returns (d_lanes, launches)."""
     d = torch.zeros((32, 8), dtype=torch.int32, device=a_lanes.device)
     launch = Launch("sage_wmma_probe", (1, 1, 1), (PROBE_THREADS, 1, 1),
                     (_i32(WMMA_KINDS[kind]), _ptr(a_lanes), _ptr(b_lanes), _ptr(c_lanes), _ptr(d)))
@@ -350,7 +351,7 @@ def bias_probe_plan(a_lanes: torch.Tensor, b_lanes: torch.Tensor):
 
 
 LANE_PROBE_ROWS = ("lane_xor<1>", "lane_xor<2>", "lane_xor<4>", "lane_xor<8>", "lane_xor<16>",
-                   "lane_xor16_full_wave", "wave_abs_max", "add_f16x2", "pack_f16x2")
+                   "lane_xor16_full_wave", "wave_abs_max", "add_f16x2", "pack_f16x2", "add_f16x2 from 0")
 
 
 def lane_probe_plan(x: torch.Tensor, w: torch.Tensor):

@@ -95,11 +95,11 @@ class _Counting:
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def _lanes(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, device):
-    to = dict(device=device)
-    return (abi.lanes_from_a(a).contiguous().view(torch.int32).to(**to),
-            abi.lanes_from_b(b).contiguous().view(torch.int32).to(**to),
-            abi.lanes_from_d(c).contiguous().view(torch.int32).to(**to))
+def _lanes(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], device):
+    """The per-lane fragments on `device`; C None stays None (the probe kernel's constant 0)."""
+    return (abi.lanes_from_a(a).contiguous().view(torch.int32).to(device),
+            abi.lanes_from_b(b).contiguous().view(torch.int32).to(device),
+            None if c is None else abi.lanes_from_d(c).contiguous().view(torch.int32).to(device))
 
 
 def _wmma(run, kind: str, a, b, c, device) -> torch.Tensor:
@@ -159,7 +159,7 @@ def probe_wmma_layout(run, device, kind: str) -> ProbeResult:
 def probe_qk_bias(run, device) -> ProbeResult:
     a, b, _, _ = _layout_case("iu8")
     dot = a.int() @ b.int()
-    a_l, b_l, _ = _lanes(a, b, torch.zeros(16, 16, dtype=torch.int32), device)
+    a_l, b_l, _ = _lanes(a, b, None, device)
     d_l, f_l, launches = abi.bias_probe_plan(a_l, b_l)
     run(launches)
     raw, unbiased = abi.d_from_lanes(d_l.cpu()), abi.d_from_lanes(f_l.cpu())
@@ -183,7 +183,7 @@ def _subnormal_case(kind: str):
 
 def probe_wmma_subnormal(run, device, kind: str) -> ProbeResult:
     a8, b8, a, b, step = _subnormal_case(kind)
-    got = _wmma(run, kind, a8, b8, torch.zeros(16, 16), device)
+    got = _wmma(run, kind, a8, b8, None, device)  # C = the constant 0, as the P.V chains start
     a_sub, b_sub = a.abs() < 64 * step, b.abs() < 64 * step
     ways = {"kept": (a, b), "flushed": (a * ~a_sub, b * ~b_sub), "flushed in A only": (a * ~a_sub, b),
             "flushed in B only": (a, b * ~b_sub)}
@@ -273,6 +273,7 @@ def probe_lanes(run, device) -> List[ProbeResult]:
                                               ("lane_xor16_full_wave", 16))}
     want["wave_abs_max"] = v.abs().max().expand(32)
     want["add_f16x2"] = v + (halves[:, 0].float() + halves[:, 1].float())
+    want["add_f16x2 from 0"] = halves[:, 0].float() + halves[:, 1].float()
     pack = torch.stack([v.half(), x[32:].half()], dim=1).contiguous().view(torch.int32).view(32)
     results = []
     for group, names, users, checks in (

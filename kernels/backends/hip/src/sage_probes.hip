@@ -6,32 +6,43 @@
 namespace sg {
 
 // One 16x16x16 product per builtin, operands given in the gfx12 per-lane layout (32 lanes x 8 elements,
-// lane-major) and D returned per lane (kind 0 iu8 signed x signed, 1 fp8 x fp8, 2 f16).
+// lane-major) and D returned per lane (kind 0 iu8 signed x signed, 1 fp8 x fp8, 2 f16). c == NULL: C is the
+// constant 0 (the inline operand the P.V chains start from) instead of registers loaded from c.
 SG_INLINE void wmma_probe(int kind, const u32* a, const u32* b, const u32* c, u32* d) {
   const int l = lane_id();
   if (kind == 2) {
     u32x4 aw = *(const u32x4*)(a + 4 * l), bw = *(const u32x4*)(b + 4 * l);
-    f32x8 cv;
-    #pragma unroll
-    for (int e = 0; e < 8; ++e) cv[e] = bit_cast<float>(c[8 * l + e]);
-    const f32x8 r = wmma_f16(bit_cast<f16x8>(aw), bit_cast<f16x8>(bw), cv);
+    f32x8 r;
+    if (c) {
+      f32x8 cv;
+      #pragma unroll
+      for (int e = 0; e < 8; ++e) cv[e] = bit_cast<float>(c[8 * l + e]);
+      r = wmma_f16(bit_cast<f16x8>(aw), bit_cast<f16x8>(bw), cv);
+    } else {
+      r = wmma_f16(bit_cast<f16x8>(aw), bit_cast<f16x8>(bw), f32x8{});
+    }
     #pragma unroll
     for (int e = 0; e < 8; ++e) d[8 * l + e] = bit_cast<u32>(r[e]);
     return;
   }
   const i32x2 av = mk_i32x2(a[2 * l], a[2 * l + 1]), bv = mk_i32x2(b[2 * l], b[2 * l + 1]);
-  if (kind == 0) {
+  if (kind == 0) {  // C from registers only: the kernels' iu8 chains start from QK_BIAS (bias_probe)
     i32x8 cv;
     #pragma unroll
-    for (int e = 0; e < 8; ++e) cv[e] = (int)c[8 * l + e];
+    for (int e = 0; e < 8; ++e) cv[e] = c ? (int)c[8 * l + e] : 0;
     const i32x8 r = wmma_iu8(av, bv, cv);
     #pragma unroll
     for (int e = 0; e < 8; ++e) d[8 * l + e] = (u32)r[e];
   } else {
-    f32x8 cv;
-    #pragma unroll
-    for (int e = 0; e < 8; ++e) cv[e] = bit_cast<float>(c[8 * l + e]);
-    const f32x8 r = wmma_fp8(av, bv, cv);
+    f32x8 r;
+    if (c) {
+      f32x8 cv;
+      #pragma unroll
+      for (int e = 0; e < 8; ++e) cv[e] = bit_cast<float>(c[8 * l + e]);
+      r = wmma_fp8(av, bv, cv);
+    } else {
+      r = wmma_fp8(av, bv, f32x8{});
+    }
     #pragma unroll
     for (int e = 0; e < 8; ++e) d[8 * l + e] = bit_cast<u32>(r[e]);
   }
@@ -62,7 +73,8 @@ SG_INLINE void e4m3_probe(const float* x, u32* out, int n) {
 
 // The cross-lane and packed-half helpers, one row of 32 lanes each (x: 64 floats, w: 32 dwords of two fp16):
 // rows 0-4 lane_xor<1, 2, 4, 8, 16>(x[l]) (ds_swizzle; v_permlanex16 for 16), 5 lane_xor16_full_wave(x[l]),
-// 6 wave_abs_max(|x[l]|), 7 add_f16x2(w[l], x[l]) (v_dot2_f32_f16), 8 pack_f16x2(x[l], x[32 + l]) (v_fma_mix).
+// 6 wave_abs_max(|x[l]|), 7 add_f16x2(w[l], x[l]) (v_dot2_f32_f16), 8 pack_f16x2(x[l], x[32 + l]) (v_fma_mix),
+// 9 add_f16x2(w[l], 0) (the row sum's first step: the accumulator as the inline constant 0).
 SG_INLINE void lane_probe(const float* x, const u32* w, u32* out) {
   const int l = lane_id();
   const float v = x[l];
@@ -75,6 +87,7 @@ SG_INLINE void lane_probe(const float* x, const u32* w, u32* out) {
   out[6 * WAVE + l] = bit_cast<u32>(wave_abs_max(fabs_(v)));
   out[7 * WAVE + l] = bit_cast<u32>(add_f16x2(w[l], v));
   out[8 * WAVE + l] = pack_f16x2(v, x[WAVE + l]);
+  out[9 * WAVE + l] = bit_cast<u32>(add_f16x2(w[l], 0.0f));
 }
 
 }  // namespace sg
