@@ -500,23 +500,22 @@ SG_INLINE float emu_trunc_acc(const float* t, int bits) {
 #ifndef SG_EMU_WMMA_K_FAULT
 #define SG_EMU_WMMA_K_FAULT 0
 #endif
+// Verification option SG_EMU_FLUSH_SUBNORMAL (kernel_abi.VERIFY_OPTIONS emu_flush_subnormal; emulation only): 1 =
+// the fp8 and f16 WMMAs read subnormal A/B inputs (e4m3 exponent field 0, f16 exponent field 0) as zero, a model of
+// a matrix unit that flushes them (public measurements found RDNA3.5 WMMA flushing bf16 subnormals; what RDNA4
+// does is unknown, nothing here has run on it). 0 (default): subnormal inputs read exactly.
+#ifndef SG_EMU_FLUSH_SUBNORMAL
+#define SG_EMU_FLUSH_SUBNORMAL 0
+#endif
+SG_INLINE float emu_e4m3_in(u32 code) { return SG_EMU_FLUSH_SUBNORMAL && !(code & 0x78u) ? 0.0f : e4m3_to_f32(code); }
+SG_INLINE float emu_f16_in(u16 b) { return SG_EMU_FLUSH_SUBNORMAL && !(b & 0x7c00u) ? 0.0f : f16_to_f32(b); }
 // K of element e in lane half h (the layout above); `other`: the other family's order.
 template <int ESZ> SG_INLINE int emu_k(int h, int e, bool other) {
   return (ESZ == 2) != other ? 8 * (e >> 2) + 4 * h + (e & 3) : 8 * h + e;
 }
-// Verification option SG_EMU_FLUSH_SUBNORMAL (kernel_abi.VERIFY_OPTIONS emu_flush_subnormal; emulation only), a
-// planted fault for the subnormal probe: 1 = the emulated fp8 and f16 WMMAs (not iu8) read subnormal e4m3 / f16
-// operands as zero, sign kept, as a flushing matrix unit would. 0 (default): exact decode.
-#ifndef SG_EMU_FLUSH_SUBNORMAL
-#define SG_EMU_FLUSH_SUBNORMAL 0
-#endif
-template <int ESZ> SG_INLINE void emu_flush_operand(u8* x) {  // one element of ESZ bytes, in place
-  if (ESZ == 1 && (x[0] & 0x78u) == 0) x[0] &= 0x80u;
-  if (ESZ == 2 && (x[1] & 0x7cu) == 0) { x[0] = 0; x[1] &= 0x80u; }
-}
 // Each lane publishes its A row slice and B column slice (gfx12 layout), then computes its own
 // D[8h + e][r]. ESZ is the element size in bytes; A is stored row-major, B column-major, by K.
-template <int ESZ, bool FLOAT = true> SG_INLINE void emu_publish(const u8* a, const u8* b) {
+template <int ESZ> SG_INLINE void emu_publish(const u8* a, const u8* b) {
   WaveScratch& s = wave_scratch();
   int l = lane_id(), r = l & 15, h = l >> 4;
   for (int e = 0; e < 8; ++e) {
@@ -524,10 +523,6 @@ template <int ESZ, bool FLOAT = true> SG_INLINE void emu_publish(const u8* a, co
     for (int i = 0; i < ESZ; ++i) {
       s.a[(r * 16 + ka) * ESZ + i] = a[e * ESZ + i];  // A[r][k]
       s.b[(r * 16 + kb) * ESZ + i] = b[e * ESZ + i];  // B[k][r]
-    }
-    if (SG_EMU_FLUSH_SUBNORMAL && FLOAT) {
-      emu_flush_operand<ESZ>(&s.a[(r * 16 + ka) * ESZ]);
-      emu_flush_operand<ESZ>(&s.b[(r * 16 + kb) * ESZ]);
     }
   }
   warp_sync();
@@ -538,7 +533,7 @@ SG_EMU_FN i32x8 wmma_iu8(i32x2 a, i32x2 b, i32x8 c) {
 #if defined(SG_AMD)
   return __builtin_amdgcn_wmma_i32_16x16x16_iu8_w32_gfx12(true, a, true, b, c, false);
 #else
-  emu_publish<1, false>((const u8*)&a, (const u8*)&b);
+  emu_publish<1>((const u8*)&a, (const u8*)&b);
   WaveScratch& s = wave_scratch();
   int l = lane_id(), r = l & 15, h = l >> 4;
   i32x8 d;
@@ -568,12 +563,12 @@ SG_EMU_FN f32x8 wmma_fp8(i32x2 a, i32x2 b, f32x8 c) {
     if (SG_EMU_ACC_TRUNC_BITS > 0) {
       float t[17];
       t[0] = c[e];
-      for (int k = 0; k < 16; ++k) t[k + 1] = e4m3_to_f32(s.a[m * 16 + k]) * e4m3_to_f32(s.b[r * 16 + k]);
+      for (int k = 0; k < 16; ++k) t[k + 1] = emu_e4m3_in(s.a[m * 16 + k]) * emu_e4m3_in(s.b[r * 16 + k]);
       d[e] = emu_trunc_acc(t, SG_EMU_ACC_TRUNC_BITS);
       continue;
     }
     float acc = 0.0f;
-    for (int k = 0; k < 16; ++k) acc = fma_(e4m3_to_f32(s.a[m * 16 + k]), e4m3_to_f32(s.b[r * 16 + k]), acc);
+    for (int k = 0; k < 16; ++k) acc = fma_(emu_e4m3_in(s.a[m * 16 + k]), emu_e4m3_in(s.b[r * 16 + k]), acc);
     d[e] = acc + c[e];
   }
   warp_sync();
@@ -596,12 +591,12 @@ SG_EMU_FN f32x8 wmma_f16(f16x8 a, f16x8 b, f32x8 c) {
     if (SG_EMU_F16_ACC_TRUNC_BITS > 0) {
       float t[17];
       t[0] = c[e];
-      for (int k = 0; k < 16; ++k) t[k + 1] = f16_to_f32(sa[m * 16 + k]) * f16_to_f32(sb[r * 16 + k]);
+      for (int k = 0; k < 16; ++k) t[k + 1] = emu_f16_in(sa[m * 16 + k]) * emu_f16_in(sb[r * 16 + k]);
       d[e] = emu_trunc_acc(t, SG_EMU_F16_ACC_TRUNC_BITS);
       continue;
     }
     float acc = 0.0f;
-    for (int k = 0; k < 16; ++k) acc = fma_(f16_to_f32(sa[m * 16 + k]), f16_to_f32(sb[r * 16 + k]), acc);
+    for (int k = 0; k < 16; ++k) acc = fma_(emu_f16_in(sa[m * 16 + k]), emu_f16_in(sb[r * 16 + k]), acc);
     d[e] = acc + c[e];
   }
   warp_sync();
