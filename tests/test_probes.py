@@ -182,7 +182,7 @@ def test_a_probe_failure_disables_the_dependents_for_auto_explicit_and_stats(hip
     ran_selfcheck = []
     monkeypatch.setattr(registry.Backend, "verify", lambda self, call: ran_selfcheck.append(self.name))
     call = _cuda_call()
-    with caplog.at_level(logging.INFO, logger="sage_rdna4"):
+    with caplog.at_level(logging.INFO, logger=probes.log.name):
         reason = hip_pair[FP16].ready(call)
     assert reason.startswith("hip_int8_fp16 disabled on cuda:0: hardware probe wmma_f16_layout differs")
     assert ran_selfcheck == []  # the probes come first: no self-check for a backend they disabled

@@ -24,7 +24,7 @@ import torch
 
 from . import kernel_abi as abi
 
-log = logging.getLogger("sage_rdna4")
+log = logging.getLogger(__name__)
 
 PASS, DIFFERS, READING = "pass", "differs", "reading"
 FP8, FP16 = "hip_int8_fp8", "hip_int8_fp16"
