@@ -53,9 +53,11 @@ PROBE_THREADS = 32
 #                       |x| > 448, the non-saturating reading of gfx12's v_cvt_pk_fp8_f32 (no clamp bit)
 #   wmma_k_fault        SG_EMU_WMMA_K_FAULT: a planted fault of the emulated WMMA's K order, for the layout probe:
 #                       1 = B alone uses the other family's K order (A and B disagree), 2 = both do (shared)
+#   emu_flush_subnormal SG_EMU_FLUSH_SUBNORMAL: the emulated fp8 and f16 WMMAs (CUDA, host simulator) read
+#                       subnormal A/B inputs (exponent field 0) as zero, a model of a flushing matrix unit
 VERIFY_OPTIONS = {"acc_trunc_bits": "SG_EMU_ACC_TRUNC_BITS", "f16_acc_trunc_bits": "SG_EMU_F16_ACC_TRUNC_BITS",
                   "pv_single_chain": "SG_PV_SINGLE_CHAIN", "fp8_nonsat": "SG_EMU_FP8_NONSAT",
-                  "wmma_k_fault": "SG_EMU_WMMA_K_FAULT"}
+                  "wmma_k_fault": "SG_EMU_WMMA_K_FAULT", "emu_flush_subnormal": "SG_EMU_FLUSH_SUBNORMAL"}
 
 
 def option_defines(**options) -> str:

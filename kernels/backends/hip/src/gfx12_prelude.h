@@ -500,6 +500,15 @@ SG_INLINE float emu_trunc_acc(const float* t, int bits) {
 #ifndef SG_EMU_WMMA_K_FAULT
 #define SG_EMU_WMMA_K_FAULT 0
 #endif
+// Verification option SG_EMU_FLUSH_SUBNORMAL (kernel_abi.VERIFY_OPTIONS emu_flush_subnormal; emulation only): 1 =
+// the fp8 and f16 WMMAs read subnormal A/B inputs (e4m3 exponent field 0, f16 exponent field 0) as zero, a model of
+// a matrix unit that flushes them (public measurements found RDNA3.5 WMMA flushing bf16 subnormals; what RDNA4
+// does is unknown, nothing here has run on it). 0 (default): subnormal inputs read exactly.
+#ifndef SG_EMU_FLUSH_SUBNORMAL
+#define SG_EMU_FLUSH_SUBNORMAL 0
+#endif
+SG_INLINE float emu_e4m3_in(u32 code) { return SG_EMU_FLUSH_SUBNORMAL && !(code & 0x78u) ? 0.0f : e4m3_to_f32(code); }
+SG_INLINE float emu_f16_in(u16 b) { return SG_EMU_FLUSH_SUBNORMAL && !(b & 0x7c00u) ? 0.0f : f16_to_f32(b); }
 // K of element e in lane half h (the layout above); `other`: the other family's order.
 template <int ESZ> SG_INLINE int emu_k(int h, int e, bool other) {
   return (ESZ == 2) != other ? 8 * (e >> 2) + 4 * h + (e & 3) : 8 * h + e;
@@ -554,12 +563,12 @@ SG_EMU_FN f32x8 wmma_fp8(i32x2 a, i32x2 b, f32x8 c) {
     if (SG_EMU_ACC_TRUNC_BITS > 0) {
       float t[17];
       t[0] = c[e];
-      for (int k = 0; k < 16; ++k) t[k + 1] = e4m3_to_f32(s.a[m * 16 + k]) * e4m3_to_f32(s.b[r * 16 + k]);
+      for (int k = 0; k < 16; ++k) t[k + 1] = emu_e4m3_in(s.a[m * 16 + k]) * emu_e4m3_in(s.b[r * 16 + k]);
       d[e] = emu_trunc_acc(t, SG_EMU_ACC_TRUNC_BITS);
       continue;
     }
     float acc = 0.0f;
-    for (int k = 0; k < 16; ++k) acc = fma_(e4m3_to_f32(s.a[m * 16 + k]), e4m3_to_f32(s.b[r * 16 + k]), acc);
+    for (int k = 0; k < 16; ++k) acc = fma_(emu_e4m3_in(s.a[m * 16 + k]), emu_e4m3_in(s.b[r * 16 + k]), acc);
     d[e] = acc + c[e];
   }
   warp_sync();
@@ -582,12 +591,12 @@ SG_EMU_FN f32x8 wmma_f16(f16x8 a, f16x8 b, f32x8 c) {
     if (SG_EMU_F16_ACC_TRUNC_BITS > 0) {
       float t[17];
       t[0] = c[e];
-      for (int k = 0; k < 16; ++k) t[k + 1] = f16_to_f32(sa[m * 16 + k]) * f16_to_f32(sb[r * 16 + k]);
+      for (int k = 0; k < 16; ++k) t[k + 1] = emu_f16_in(sa[m * 16 + k]) * emu_f16_in(sb[r * 16 + k]);
       d[e] = emu_trunc_acc(t, SG_EMU_F16_ACC_TRUNC_BITS);
       continue;
     }
     float acc = 0.0f;
-    for (int k = 0; k < 16; ++k) acc = fma_(f16_to_f32(sa[m * 16 + k]), f16_to_f32(sb[r * 16 + k]), acc);
+    for (int k = 0; k < 16; ++k) acc = fma_(emu_f16_in(sa[m * 16 + k]), emu_f16_in(sb[r * 16 + k]), acc);
     d[e] = acc + c[e];
   }
   warp_sync();
