@@ -383,7 +383,7 @@ def attention_report(out, lse, qq, q, k, v, *, pv, is_causal, sm_scale) -> Dict[
 
 # Tolerances of the kernel against the spec's attention half. FP16 P.V: the two agree to ~1e-4
 # (summation order, exp2 rounding). FP8 P.V: the spec rounds P = exp2(s - final row max) to e4m3, the
-# kernel (one pass, online softmax) rounds exp2(s - running max) to e4m3 and rescales the accumulator,
+# kernel (one pass, online softmax) rounds exp2(s - each key tile's max) to e4m3 and rescales the accumulator,
 # so many P entries land on a neighbouring e4m3 value: the two results differ by 0.5-2.5 % (relative
 # L1), growing with the number of key tiles, while each is equally far from exact attention (checked
 # below: the kernel may not be worse than the spec against exact attention).

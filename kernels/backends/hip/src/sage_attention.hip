@@ -431,7 +431,7 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
   for (int j = 0; j < 4; ++j)
     mj[j] = fmax_(fmax_(fmax_(s[j][0], s[j][1]), fmax_(s[j][2], s[j][3])), fmax_(fmax_(s[j][4], s[j][5]), fmax_(s[j][6], s[j][7])));
   const float mx = fmax_(fmax_(mj[0], mj[1]), fmax_(mj[2], mj[3]));  // this lane's half of the row
-  // The shift of the running max, from this lane's and the other half's (lane ^ 16) max: one v_max3.
+  // The tile's shift, from this lane's and the other half's (lane ^ 16) max and the row state: one v_max3.
   const float sh = p_shift<FP8PV>(mx, rs.qscale);
   const float sh_other = lane_xor16_full_wave(sh);
   float bias_new;
