@@ -74,6 +74,12 @@ BOUNDS: Dict[str, Bound] = {
 # that, as seen on the H200); a +0.2 offset fails.
 MAX_LSE_ERROR = 0.1
 SCALE_LOSS_MUST_FAIL = 0.05  # the output scale loss the probe is built to reject (tests plant it)
+# Prepared, NOT a case of the self-check: a long tail of small weights (every row's max in key 0, the other keys
+# 2^-15..2^-16 below it, 2048 keys, batch 2) that a kernel whose P.V and row sum disagree under a WMMA flushing
+# subnormal inputs fails (tests/test_subnormal.py runs it on the HIP kernels in the host simulator). Not enabled: the
+# Triton kernels were not checked under a flush and nothing here has run on RDNA4 (a wrong bound would disable
+# working kernels); the case also needs a q/k/v generator (the test crafts quantized inputs).
+LONG_TAIL_CASE_NOT_ENABLED = {"kv_len": 2048, "tail_log2": (15.0, 16.0), "batch": 2, "max_rel_l1": 0.005}
 
 # What a sampled real call (the A/B node) may reach before it is flagged, by P.V precision: FP8 at the
 # scale loss the probe must reject, FP16 (and exact fallbacks) at the per-call accuracy target. A sound

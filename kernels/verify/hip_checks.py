@@ -56,6 +56,46 @@ def run_wmma(run: Callable, kind: str, device, seed: int = 0):
     return _probe(run, kind, device, a_l, b_l, c_l), want
 
 
+def subnormal_wmma_case(kind: str, seed: int = 0):
+    """fp8/f16 operands with subnormals of the input format (e4m3: m * 2^-9, f16: below 2^-14) and the smallest
+    normal in A's even K and B's odd K, small integers elsewhere, so each product has one small factor and every sum
+    is exact in fp32 (C: small integers). Returns (a_lanes, b_lanes, c_lanes, D with the subnormals read exactly,
+    D with them read as zero: the emulation's emu_flush_subnormal)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "fp8":
+        cast, tiny = torch.float8_e4m3fn, 2.0 ** -6
+        small = [2.0 ** -9, 3 * 2.0 ** -9, -5 * 2.0 ** -9, 7 * 2.0 ** -9, 2.0 ** -6]
+    elif kind == "f16":
+        cast, tiny = torch.float16, 2.0 ** -14
+        small = [2.0 ** -15, -3 * 2.0 ** -16, 2.0 ** -16, 2.0 ** -24, 2.0 ** -14]
+    else:
+        raise ValueError(f"no subnormal case for {kind!r}")
+    small, ints = torch.tensor(small), torch.tensor([1.0, -2.0, 3.0])
+    even = (torch.arange(16) % 2 == 0)
+
+    def pick(pool, shape):
+        return pool[torch.randint(0, len(pool), shape, generator=g)]
+    a = torch.where(even[None, :], pick(small, (16, 16)), pick(ints, (16, 16)))  # A[m][k]
+    b = torch.where(even[:, None], pick(ints, (16, 16)), pick(small, (16, 16)))  # B[k][n]
+    c = torch.randint(-8, 9, (16, 16), generator=g).float()
+    assert torch.equal(a.to(cast).float(), a) and torch.equal(b.to(cast).float(), b)
+
+    def flushed(x):
+        return torch.where(x.abs() < tiny, torch.zeros_like(x), x)
+    exact = (a.double() @ b.double() + c.double()).float()
+    flush = (flushed(a).double() @ flushed(b).double() + c.double()).float()
+    a_l = kernel_abi.lanes_from_a(a.to(cast)).contiguous().view(torch.int32)
+    b_l = kernel_abi.lanes_from_b(b.to(cast)).contiguous().view(torch.int32)
+    c_l = kernel_abi.lanes_from_d(c).contiguous().view(torch.int32)
+    return a_l, b_l, c_l, exact, flush
+
+
+def run_subnormal_wmma(run: Callable, kind: str, device, seed: int = 0):
+    """The emulated WMMA on subnormal_wmma_case: (D, D exact, D flushed)."""
+    a_l, b_l, c_l, exact, flush = subnormal_wmma_case(kind, seed)
+    return _probe(run, kind, device, a_l, b_l, c_l), exact, flush
+
+
 def run_f16_k_order(run: Callable, device) -> torch.Tensor:
     """The emulated f16 WMMA sums its 16 products one by one in K order (gfx12_prelude.h wmma_f16), so rounding shows
     which K an element is taken as: row 0 of A holds 1 at K 4..7 and 2048 at K 8 (B: 1 and 8192), 0 elsewhere.
@@ -343,7 +383,7 @@ def attention_report(out, lse, qq, q, k, v, *, pv, is_causal, sm_scale) -> Dict[
 
 # Tolerances of the kernel against the spec's attention half. FP16 P.V: the two agree to ~1e-4
 # (summation order, exp2 rounding). FP8 P.V: the spec rounds P = exp2(s - final row max) to e4m3, the
-# kernel (one pass, online softmax) rounds exp2(s - running max) to e4m3 and rescales the accumulator,
+# kernel (one pass, online softmax) rounds exp2(s - each key tile's max) to e4m3 and rescales the accumulator,
 # so many P entries land on a neighbouring e4m3 value: the two results differ by 0.5-2.5 % (relative
 # L1), growing with the number of key tiles, while each is equally far from exact attention (checked
 # below: the kernel may not be worse than the spec against exact attention).

@@ -335,24 +335,35 @@ template <int D> SG_INLINE void pack_p(PFrag<D, false>& pf, int j, const float* 
 // Per-lane online-softmax state: this lane's query row, half of its keys.
 template <int D, bool FP8PV> struct RowState {
   f32x8 o[D / 16];
-  float bias;  // the running shift: p_shift of the row's running max (base 2), -inf while the row has seen no key
+  float bias;  // the shift of o and l (base 2): FP16 p_shift of the running max, FP8 that of the last tile's max
+               // (floored, see attend_tile); -inf while the row has seen no key
   float l;     // this lane's share of the running row sum (up to 448 per key for FP8 P)
+  float floor;  // FP8: p_shift of the row's running max less FP8_TILE_SHIFT_RANGE (the lowest shift a tile takes)
   float qscale;
-  int qrow;
+  // The lane's query row. D128 recomputes it from the block's first row (uniform: an SGPR), which frees the VGPR
+  // that FP8's floor takes across the key loop; D64 keeps it (recomputing costs it 0.07-0.25 per v_wmma, clang-19).
+  int q0, row;
+  SG_INLINE int qrow() const { return D == 64 ? row : q0 + 16 * wave_id() + (lane_id() & 15); }
 };
 
 // The softmax shift of a row whose max score is m (units of int-dot * k_scale): P = exp2(s * qscale - shift).
-// FP16 P: m * qscale (P <= 1). FP8 P: the row max's P lands at exp2(FP8_P_LOG2_MAX) = 447.9953, below 448 by 1.1e-5
+// FP16 P: m * qscale - FP16_P_LOG2_MAX (P <= 2^15: every weight above 2^-29 of the max is an fp16 normal, so a
+// WMMA that flushes subnormal inputs loses nothing that counts; output and row sum do not depend on the scale, the
+// LSE takes it back through the shift). FP8 P: the max's P is exp2(FP8_P_LOG2_MAX) = 447.9953, below 448 by 1.1e-5
 // relative, far more than v_exp_f32's error (1 ulp, 1.2e-7). m * qscale - FP8_P_LOG2_MAX is rounded, by up to half
 // an ulp of its value; raised by |bias| * 2^-23 (at least one ulp of bias, never less after rounding) it is >= the
 // exact value, so for every s <= m, fma(s, qscale, -shift) <= FP8_P_LOG2_MAX after rounding (rounding is
 // monotone; a bias so small that the raise rounds away leaves an error below that fma's own rounding). So no P
 // above 448 reaches v_cvt_pk_fp8_f32, which has no clamp bit on gfx12, whatever the scores.
-// Both maps are monotone in m, so the shift of a running max is the max of the shifts: the row state keeps only the
-// shift. (FP8: m = -inf gives NaN, which fmax drops; qscale > 0, or NaN, which makes the row NaN as it should.)
+// Both maps are monotone in m, so the shift of a running max is the max of the shifts: the row state keeps the
+// shift (FP8 also its floor). (FP8: m = -inf gives NaN, which fmax drops; qscale > 0, or NaN, which makes the row NaN as it should.)
 constexpr float FP8_P_LOG2_MAX = 8.80733967f;  // fp32 nearest log2(448) - 2^-16
+constexpr float FP16_P_LOG2_MAX = 15.0f;
+// FP8: a tile's shift stays within this of the running max's, so o and l (units of exp2(-shift)) stay below
+// 2^(64 + 8.8) per key times |V|: far from FP32's overflow for any key count.
+constexpr float FP8_TILE_SHIFT_RANGE = 64.0f;
 template <bool FP8PV> SG_INLINE float p_shift(float m, float qscale) {
-  if (!FP8PV) return m * qscale;
+  if (!FP8PV) return fma_(m, qscale, -FP16_P_LOG2_MAX);
   const float bias = fma_(m, qscale, -FP8_P_LOG2_MAX);
   return fma_(fabs_(bias), 1.1920929e-07f, bias);  // + |bias| * 2^-23
 }
@@ -366,7 +377,7 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
   const int h = lane_id() >> 4;
   float s[4][8];
   // Masked tiles: key visible iff key <= last (tail: Nk - 1; causal: also the query row).
-  const int last = causal ? imin(Nk - 1, rs.qrow) : Nk - 1;
+  const int last = causal ? imin(Nk - 1, rs.qrow()) : Nk - 1;
   i32x8 acc4[4];
   qk_tile<D>(acc4, qf, sm.k, M::K_STRIDE);
   if constexpr (!MASK) {
@@ -420,9 +431,20 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
   for (int j = 0; j < 4; ++j)
     mj[j] = fmax_(fmax_(fmax_(s[j][0], s[j][1]), fmax_(s[j][2], s[j][3])), fmax_(fmax_(s[j][4], s[j][5]), fmax_(s[j][6], s[j][7])));
   const float mx = fmax_(fmax_(mj[0], mj[1]), fmax_(mj[2], mj[3]));  // this lane's half of the row
-  // The shift of the running max, from this lane's and the other half's (lane ^ 16) max: one v_max3.
+  // The tile's shift, from this lane's and the other half's (lane ^ 16) max and the row state: one v_max3.
   const float sh = p_shift<FP8PV>(mx, rs.qscale);
-  const float bias_new = fmax_(fmax_(rs.bias, sh), lane_xor16_full_wave(sh));
+  const float sh_other = lane_xor16_full_wave(sh);
+  float bias_new;
+  if constexpr (FP8PV) {
+    // FP8 P takes this tile's own max as its top (448), not the row's running max: the tile's weights down to
+    // 2^-14.8 of its max are e4m3 normals, so a WMMA that flushes subnormal inputs drops at most 63 keys below
+    // that per tile (< 0.3 % of the tile's mass) where the row sum still counts them. o and l move to the shift.
+    // The shift stays at most FP8_TILE_SHIFT_RANGE below the running max's (rs.floor, updated after P.V, where
+    // fewer registers are live): the same v_max3 as the running max alone.
+    bias_new = fmax_(fmax_(sh, sh_other), rs.floor);
+  } else {
+    bias_new = fmax_(fmax_(rs.bias, sh), sh_other);
+  }
   // A row that has seen no key yet keeps the shift -inf: its P use the shift of m = 0 (exact zeros).
   const float bias = MASK && bias_new == neg_inf() ? p_shift<FP8PV>(0.0f, rs.qscale) : bias_new;
   // o and l move from the last tile's shift to this one's: exactly the shifts their P used (FP8: P < 448).
@@ -450,6 +472,8 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
   rs.bias = bias_new;
   if (D != 64 || FP8PV) sched_fence();  // FP16 D64: left out (README, HIP kernels); FP8 D64: -2 per tile (clang-19)
   pv_tile<D>(rs.o, alpha, pf, sm.vt, M::VT_STRIDE);
+  // max(running max, this tile's max) - range = max(floor, shift - range): the shift is the tile's max or the floor.
+  if constexpr (FP8PV) rs.floor = fmax_(rs.floor, bias_new - FP8_TILE_SHIFT_RANGE);
   if (D != 64) sched_fence();  // D64: the last folds may meet the loop's tail (left out, README, HIP kernels)
 }
 
@@ -471,12 +495,14 @@ SG_INLINE void attention(const i8* q8, const float* q_scale, const i8* k8, const
   const float* ksbase = k_scale + bhk * Nk;
 
   RowState<D, FP8PV> rs;
-  rs.qrow = q0 + 16 * wave_id() + (lane & 15);
-  const int qr = imin(rs.qrow, Nq - 1);
+  rs.q0 = q0;
+  rs.row = q0 + 16 * wave_id() + (lane & 15);
+  const int qr = imin(rs.qrow(), Nq - 1);
   QFrag<D> qf;
   load_q<D>(qf, q8 + (bhq * Nq + qr) * D);
   rs.qscale = q_scale[bhq * Nq + qr];
   rs.bias = neg_inf();  // the first tile's alpha: exp2(-inf) = 0 (o and l are 0)
+  rs.floor = neg_inf();
   rs.l = 0.0f;
   #pragma unroll
   for (int tt = 0; tt < D / 16; ++tt)
@@ -520,8 +546,8 @@ SG_INLINE void attention(const i8* q8, const float* q_scale, const i8* k8, const
   // is not tested with `> 0`.
   const float l_tot = rs.l + lane_xor<16>(rs.l);
   const float inv = l_tot == 0.0f ? 0.0f : 1.0f / l_tot;
-  if (rs.qrow < Nq) {
-    u16* orow = out + (i64)b * osb + (i64)hq * osh + (i64)rs.qrow * osn;
+  if (rs.qrow() < Nq) {
+    u16* orow = out + (i64)b * osb + (i64)hq * osh + (i64)rs.qrow() * osn;
     const float* vs = v_scale + bhk * D;
     const float* vm = v_mean && l_tot != 0.0f ? v_mean + bhk * D : nullptr;
     #pragma unroll
@@ -546,14 +572,14 @@ SG_INLINE void attention(const i8* q8, const float* q_scale, const i8* k8, const
     // Natural-log LSE; with smooth_k, add back q . k_mean * sm_scale (each half-wave sums half of d).
     float corr = 0.0f;
     if (k_mean) {
-      const u16* qrow_ptr = q + (i64)b * qsb + (i64)hq * qsh + (i64)qr * qsn;
+      const u16* qrow_ptr = q + (i64)b * qsb + (i64)hq * qsh + (i64)imin(rs.qrow(), Nq - 1) * qsn;
       const float* km = k_mean + bhk * D;
       for (int d = h * (D / 2); d < (h + 1) * (D / 2); ++d) corr = fma_(T::load(qrow_ptr[(i64)d * qsd]), km[d], corr);
       corr = (corr + lane_xor<16>(corr)) * sm_scale;
     }
     const float base2 = rs.bias + fast_log2(l_tot);  // l_tot is in units of exp2(-rs.bias)
     const float val = l_tot == 0.0f ? neg_inf() : base2 * LN2 + corr;  // NaN row sum: NaN LSE
-    if (h == 0 && rs.qrow < Nq) lse[bhq * Nq + rs.qrow] = val;
+    if (h == 0 && rs.qrow() < Nq) lse[bhq * Nq + rs.qrow()] = val;
   }
 }
 
