@@ -6,7 +6,7 @@
 # default triton==3.6.0: its interpreter runs the Triton kernels on the CPU and its AMD backend compiles
 # them for gfx12), requirements.txt and requirements-test.txt, then runs `python -m pytest tests`.
 # Which tests: pyproject.toml's addopts hold -m "not slow", so the default run leaves out the tests marked slow
-# (the 10,000-call fuzz, the long Triton-interpreter and simulator matrices; about 2 minutes on 2 cores without
+# (the 10,000-call fuzz, the long Triton-interpreter and simulator matrices; about 3.5 minutes on 2 cores without
 # them). A -m among the arguments replaces that one: `-m ""` runs every test (what .ci/run does), `-m slow` only
 # the slow ones, `-m "gpu and not slow"` the quick GPU tests (a slow test named by its id needs `-m ""` too).
 # Other arguments go to pytest as they are.
