@@ -452,11 +452,10 @@ class Autotuner:
         return sdpa, skipped, decision
 
 
-_DEFAULT: Optional[Autotuner] = None
+# Made at import (it is cheap: no device or disk is touched before its first decision), so threads making the
+# first plans at once share one tuner and its decisions.
+_DEFAULT = Autotuner()
 
 
 def default_tuner() -> Autotuner:
-    global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = Autotuner()
     return _DEFAULT

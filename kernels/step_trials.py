@@ -338,11 +338,10 @@ class InStepTuner(Autotuner):
             on_change()
 
 
-_DEFAULT: Optional[InStepTuner] = None
+# Made at import (it is cheap: no device or disk is touched before its first decision), so threads making the
+# first plans at once share one tuner and its decisions.
+_DEFAULT = InStepTuner()
 
 
 def default_tuner() -> InStepTuner:
-    global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = InStepTuner()
     return _DEFAULT
