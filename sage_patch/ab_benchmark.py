@@ -1,8 +1,10 @@
-"""A/B benchmark: sample twice with the same seed, exact SDPA vs the patched attention, and compare.
+"""A/B benchmark: sample twice with the same seed, the model as without this patch vs patched, and compare.
 
-Both runs go through this pack's override, so they differ only in the attention kernel: run A uses
-`PatchConfig(kernel="sdpa")` (exact SDPA on every call the override reaches), run B the patch's own
-config. Both have attention timing on. The first step of each run is the warm-up: it is timed and
+Run A is the baseline a user has without the patch: every attention call goes to the model's own attention (in
+ComfyUI that is SDPA unless it was started with another, or another override was on the model), through an
+override that only times it. Run B is the patch's own config. That is also what `auto` runs when it keeps exact
+attention, so a run where `auto` kept it differs from the baseline only by noise and the patch's host time.
+Both have attention timing on. The first step of each run is the warm-up: it is timed and
 shown but left out of the totals; the per-call accuracy samples are taken in that step too, so the
 copies they need never touch a measured step. The JSON report is saved under ComfyUI's output folder.
 """
@@ -165,7 +167,7 @@ def run_ab(model, positive, negative, latent: dict, seed: int, steps: int, cfg: 
     the path is None when the report could not be saved (the reason is in the report's "save_error")."""
     config = patched_config(model, kernel)
     baseline = PatchConfig(kernel="sdpa", time_attention=True)
-    sdpa_model, sdpa_override = patch_model(model, baseline, PatchStats("sage_rdna4[sdpa baseline]"))
+    sdpa_model, sdpa_override = patch_model(model, baseline, PatchStats("sage_rdna4[A/B baseline]"), baseline=True)
     ab_model, ab_override = patch_model(model, config, PatchStats(f"sage_rdna4[{config.kernel}] (A/B)"))
     probe = AccuracyProbe(ab_override, step_index=0, max_samples=accuracy_samples)
     ab_model.model_options["transformer_options"][OVERRIDE_KEY] = probe
@@ -194,7 +196,8 @@ def run_ab(model, positive, negative, latent: dict, seed: int, steps: int, cfg: 
     report = {
         "kind": "sage_rdna4 A/B benchmark",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "kernel": config.kernel, "baseline": "sdpa (exact, through the same override)",
+        "kernel": config.kernel,
+        "baseline": "the model's own attention, as without this patch (SDPA in a default ComfyUI)",
         "config": dataclasses.asdict(config),
         "model": type(getattr(model, "model", model)).__name__,
         "device": _device_name(device), "clock": run_b.clock,

@@ -25,8 +25,10 @@ def override_hook_missing() -> Optional[str]:
     return None
 
 
-def patch_model(model, config: PatchConfig, stats: Optional[PatchStats] = None) -> Tuple[object, SageAttentionOverride]:
-    """Return (patched clone, its override). The input model is left untouched."""
+def patch_model(model, config: PatchConfig, stats: Optional[PatchStats] = None,
+                baseline: bool = False) -> Tuple[object, SageAttentionOverride]:
+    """Return (patched clone, its override). The input model is left untouched. `baseline`: the override runs
+    every call as the model did before (the A/B benchmark's timed run A)."""
     reason = override_hook_missing()
     if reason:
         raise RuntimeError(reason)
@@ -40,7 +42,8 @@ def patch_model(model, config: PatchConfig, stats: Optional[PatchStats] = None) 
         # another pack: the calls this patch does not quantize keep going where they went before.
         log.info("[sage_rdna4] another attention override is on this model (%r): calls this patch does not "
                  "run go to it", getattr(previous, "__qualname__", previous))
-    override = SageAttentionOverride(config, stats or PatchStats(f"sage_rdna4[{config.kernel}]"), previous=previous)
+    override = SageAttentionOverride(config, stats or PatchStats(f"sage_rdna4[{config.kernel}]"), previous=previous,
+                                     baseline=baseline)
     options[OVERRIDE_KEY] = override
     attach_step_timer(patched, override)
     return patched, override

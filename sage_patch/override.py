@@ -69,12 +69,19 @@ def _view_shapes(bound: Dict[str, Any]):
     return head_split_shapes(bound["q"], bound["k"], bound["v"], bound["heads"])
 
 
+# How the stats count the calls of an A/B baseline run (every call goes where it went without this patch).
+BASELINE_CALLS = "own attention"
+
+
 class SageAttentionOverride:
-    def __init__(self, config: PatchConfig, stats: Optional[PatchStats] = None, previous=None):
+    def __init__(self, config: PatchConfig, stats: Optional[PatchStats] = None, previous=None,
+                 baseline: bool = False):
         """`previous`: the override that was on the model before this patch (the "Model Attention
         Backend" node's, another pack's), called as `previous(func, *args, **kwargs)` for every call this
-        patch does not run, so those calls do what they did before the patch."""
+        patch does not run, so those calls do what they did before the patch. `baseline`: run every call as
+        without this patch, timed like a kernel call (the A/B benchmark's run A)."""
         self.config = config
+        self.baseline = baseline
         self.stats = stats or PatchStats()
         self.policies = CallPolicies(config)
         self.previous = previous
@@ -182,7 +189,18 @@ class SageAttentionOverride:
             except Exception as exc:  # measuring must never take the sampling run down
                 log.warning("[sage_rdna4] auto's in-step measurement failed: %s: %s", type(exc).__name__, exc)
 
+    def _baseline_call(self, func, args, kwargs):
+        """The A/B baseline's call: what the model runs without this patch, inside the attention timer."""
+        self.stats.record_call(BASELINE_CALLS)
+        timer = self.attention_timer
+        if timer is None:
+            return self._pass_on(func, args, kwargs)
+        with timer.measure():
+            return self._pass_on(func, args, kwargs)
+
     def __call__(self, func, *args, **kwargs):
+        if self.baseline:
+            return self._baseline_call(func, args, kwargs)
         try:
             a = bind_attention_args(args, kwargs)
         except TypeError as exc:

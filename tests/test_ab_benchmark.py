@@ -113,3 +113,20 @@ def test_an_unwritable_output_folder_keeps_both_runs(ab, tmp_path, caplog, where
     assert ("NotADirectoryError" if where == "under-a-file" else "FileExistsError") in report["save_error"]
     assert f"WARNING: {report['save_error']}" in text
     assert any(report["save_error"] in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+def test_the_baseline_is_the_models_own_attention(ab, tmp_path, monkeypatch):
+    """Run A hands every call to the call site's attention (what the model runs without the patch) and times it;
+    run B (kernel 'reference') never reaches it. Before, run A ran the pack's own SDPA backend instead."""
+    seen = []
+    real = comfy_attention
+
+    def counting(*args, **kwargs):
+        seen.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setitem(globals(), "comfy_attention", counting)
+    out, report, text, plot, path = ab(tmp_path / "sage_rdna4")
+    assert len(seen) == STEPS  # run A's calls, one per step; run B's went to the reference backend
+    assert report["calls"]["sdpa"] == {"own attention": STEPS} and report["calls"]["patched"] == {"reference": STEPS}
+    assert report["baseline"].startswith("the model's own attention")
+    assert all(s["sdpa_attention_ms"] is not None and s["sdpa_attention_ms"] > 0 for s in report["per_step"])

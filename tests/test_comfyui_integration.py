@@ -197,7 +197,7 @@ def test_benchmark_node_end_to_end(env, caplog, capsys):
     assert out.ui["text"] == [text]
     assert report["kernel"] == "reference" and report["totals"]["measured_steps"] == STEPS - 1
     assert [s["warmup"] for s in report["per_step"]] == [True] + [False] * (STEPS - 1)
-    assert report["calls"] == {"patched": {"reference": 2 * STEPS}, "sdpa": {"sdpa": 2 * STEPS}}
+    assert report["calls"] == {"patched": {"reference": 2 * STEPS}, "sdpa": {"own attention": 2 * STEPS}}
     assert report["fidelity"]["latent_cosine"] > 0.999 and report["fidelity"]["image_psnr_db"] > 30
     assert report["attention_accuracy"] and all(a["cosine"] > 0.998 for a in report["attention_accuracy"])
     assert all(a["backend"] == "reference" for a in report["attention_accuracy"])
