@@ -7,7 +7,9 @@ correct output: the one of the backend that ran it. Each call is bracketed by tw
 current stream; nothing waits for them inside the step. At the step boundary (sage_patch/timing.py) the events
 are read, after one wait for the last of them. Once every backend has SAMPLES timed calls, their trimmed means
 decide (autotune.Decision: SDPA unless a quantized backend measured at most 1 - MARGIN times SDPA). Deciding only
-at a boundary means each backend's calls cover the whole step, every kind of block in it.
+at a boundary means each backend's calls cover the whole step, every kind of block in it. A candidate already
+over 1 + MARGIN times SDPA after ELIMINATE_AFTER timed calls takes no more turns (it could not win, and each of
+its turns costs the step time); when none is left, SDPA is decided at that boundary.
 
 A quantized choice is then kept under a `Watch`: every WATCH_EVERY steps, WATCH_CALLS calls of that kind run on
 SDPA and as many on the chosen backend, in adjacent pairs spread over the step, timed the same way. When the
@@ -37,6 +39,7 @@ SAMPLES = 12         # timed calls per backend before deciding (why: docs/MEASUR
 # median jumps between those groups; a trimmed mean does not, and a stray slow call does not move it either.
 TRIM = 0.2
 WARMUP_CALLS = 1     # a backend's first calls of a trial carry compilation and caches: not kept
+ELIMINATE_AFTER = SAMPLES // 2  # timed calls of a candidate (and of SDPA) before it can be left out as losing
 MAX_PENDING = 4096   # timed calls waiting for a step boundary; past it calls run on SDPA, untimed, until one
 WATCH_EVERY = 4      # after a quantized choice: one step in this many is a watch step
 WATCH_CALLS = 3      # calls of each (SDPA, the choice) timed in a watch step, spread over the step
@@ -114,6 +117,7 @@ class StepTrial(_Timed):
         self.backends = {b.name: b for b in candidates}
         self.names = [SDPA] + [b.name for b in candidates]
         self.failed: Dict[str, str] = {}
+        self.eliminated: List[str] = []  # measured slower than SDPA beyond the margin: no more turns
         self.samples: Dict[str, List[float]] = {name: [] for name in self.names}
         self._seen: Dict[str, int] = {name: 0 for name in self.names}
         self._on_decided = on_decided
@@ -128,7 +132,7 @@ class StepTrial(_Timed):
         """The backend that runs (and times) this call; None: run SDPA untimed (decided, or too much pending)."""
         if self.done or len(self._pending) >= MAX_PENDING:
             return None
-        active = [n for n in self.names if n not in self.failed]
+        active = [n for n in self.names if n not in self.failed and n not in self.eliminated]
         # The turn starts one backend later each step: no backend always gets the same blocks of the model.
         name = active[(self._turn + self._steps) % len(active)]
         self._turn += 1
@@ -137,6 +141,19 @@ class StepTrial(_Timed):
     def fail(self, name: str, reason: str) -> None:
         """A candidate raised while measured: left out of the trial (and of the decision) with its reason."""
         self.failed[name] = reason
+
+    def _eliminate_losers(self, active: List[str]) -> None:
+        """Leave out the candidates whose ELIMINATE_AFTER or more timings already put them over 1 + MARGIN times
+        SDPA's: the watch reverts a choice at that ratio, so no later sample could make one of them the choice."""
+        sdpa = self.samples[SDPA]
+        if len(sdpa) < ELIMINATE_AFTER:
+            return
+        limit = trimmed_mean(sdpa) * (1 + MARGIN)
+        for name in active:
+            mine = self.samples[name]
+            if (name != SDPA and name not in self.eliminated and len(mine) >= ELIMINATE_AFTER
+                    and trimmed_mean(mine) > limit):
+                self.eliminated.append(name)
 
     def end_step(self) -> Optional[Decision]:
         """At a step boundary: read this step's timings; decide once each backend has SAMPLES of them."""
@@ -153,7 +170,9 @@ class StepTrial(_Timed):
             log.debug("auto trial (%s) step %d: %s", self.key.label(), self._steps,
                       "; ".join(f"{name} {ms:.4f}" for name, ms in timed))
         active = [n for n in self.names if n not in self.failed]
-        if any(len(self.samples[n]) < SAMPLES for n in active):
+        self._eliminate_losers(active)
+        running = [n for n in active if n not in self.eliminated]
+        if len(running) > 1 and any(len(self.samples[n]) < SAMPLES for n in running):
             return None
         timings = {n: trimmed_mean(self.samples[n]) for n in active}
         decision = Decision(self.key, timings, dict(self.failed), dict(self.refused), method=IN_STEP,

@@ -107,6 +107,37 @@ def test_a_backend_that_wins_alone_but_loses_in_the_step_keeps_sdpa(monkeypatch)
     assert snap["routed"][decision.sdpa_reason()] == FLUX_CALLS
 
 
+def test_a_candidate_that_cannot_win_takes_no_more_turns(monkeypatch):
+    """Wan's case with a slow peer installed: 40 calls a step, three candidates at 1.08x, 1.10x and 1.44x SDPA.
+    After the first step each has ELIMINATE_AFTER or more timings over 1 + MARGIN times SDPA's: SDPA is decided at
+    that boundary, instead of spending a second step's calls on backends that could not win."""
+    scene = Scene(monkeypatch, {"sdpa": 10.0, "triton_int8_fp8": 10.8, "triton_int8_fp16": 11.0,
+                                "sageattention": 14.4})
+    FACTOR["sageattention"] = 4.0
+    try:
+        first = scene.step(40)
+    finally:
+        del FACTOR["sageattention"]
+    decision = scene.decision()
+    assert decision is not None and decision.chosen == "sdpa"
+    assert all(step_trials.ELIMINATE_AFTER <= n < step_trials.SAMPLES for n in decision.samples.values())
+    assert decision.ratio("sageattention") == pytest.approx(1.44) and decision.ratio("triton_int8_fp8") == \
+        pytest.approx(1.08)
+    assert first.count("sdpa") == 10 and scene.step(40) == ["sdpa"] * 40
+
+
+def test_only_the_losing_candidate_is_left_out(monkeypatch):
+    """A candidate at 1.5x leaves after one step; the one at 0.9x goes on to SAMPLES timings and is chosen."""
+    scene = Scene(monkeypatch, {"sdpa": 10.0, "triton_int8_fp8": 9.0, "triton_int8_fp16": 15.0})
+    first = scene.step(24)  # 8 calls each: 7 timings, past ELIMINATE_AFTER, short of SAMPLES
+    assert scene.decision() is None and first.count("triton_int8_fp16") == 8
+    second = scene.step(24)
+    assert "triton_int8_fp16" not in second and second.count("triton_int8_fp8") == 12
+    decision = scene.decision()
+    assert decision.chosen == "triton_int8_fp8" and decision.samples["triton_int8_fp16"] == 7
+    assert decision.samples["triton_int8_fp8"] >= step_trials.SAMPLES
+
+
 def test_a_backend_that_wins_in_the_step_is_chosen_after_the_first_step(monkeypatch):
     scene = Scene(monkeypatch, {"sdpa": 10.0, "triton_int8_fp8": 9.9, "triton_int8_fp16": 8.0})
     first = scene.step()
@@ -331,3 +362,52 @@ def test_on_a_gpu_the_override_measures_in_the_step_and_every_output_is_right(mo
     assert all(ms > 0 for ms in decision.timings.values())
     if decision.chosen != "sdpa":
         assert decision.ratio(decision.chosen) <= autotune.QUANTIZED_MUST_BEAT
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_watch_reverts_a_choice_that_turns_slow_with_real_events(monkeypatch):
+    """Real CUDA events on the model's stream: a backend that wins in the step is chosen, then turns slower than
+    the call site's attention by far more than the margin; the next watch step reverts the kind to SDPA."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    slow = {"now": False}
+
+    def sleepy_sdpa(ms):
+        def attention(q, k, v, is_causal=False):
+            torch.cuda._sleep(int(ms * 1.5e6))  # ~ms at 1.5 GHz; only the order of the timings matters
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        return attention
+
+    fast_then_slow = sleepy_sdpa(0.1)
+    slowed = sleepy_sdpa(3.0)
+    backend = FakeBackend("triton_int8_fp8", attention=lambda *a, **kw: (slowed if slow["now"] else fast_then_slow)(
+        *a, **kw))
+    monkeypatch.setitem(registry._REGISTRY, "triton_int8_fp8", backend)
+    # the fake alone: on NVIDIA auto_candidates would add the real Triton kernels to the trial
+    monkeypatch.setattr(registry, "auto_candidates", lambda call: ["triton_int8_fp8", "sdpa"])
+    tuner = step_trials.InStepTuner(store=autotune.DecisionStore(enabled=False), enabled=True)
+    monkeypatch.setattr(step_trials, "_DEFAULT", tuner)
+    override = SageAttentionOverride(PatchConfig(kernel="auto"))
+    site = sleepy_sdpa(1.0)
+
+    def call_site(q, k, v, heads, **kwargs):  # the model's own attention: 1 ms slower than the backend at first
+        b, n, width = q.shape
+        q, k, v = (t.view(b, n, heads, width // heads).transpose(1, 2) for t in (q, k, v))
+        return site(q, k, v).transpose(1, 2).reshape(b, n, width)
+    q = torch.randn(1, 1024, 8 * 64, device="cuda", dtype=torch.float16)
+    steps = 0
+    while not tuner.decisions() and steps < 6:
+        for _ in range(40):
+            override(call_site, q, q, q, 8)
+        override.step_boundary()
+        steps += 1
+    (decision,) = tuner.decisions()
+    assert decision.chosen == "triton_int8_fp8", decision.summary
+    slow["now"] = True
+    for _ in range(step_trials.WATCH_EVERY + 1):
+        for _ in range(40):
+            override(call_site, q, q, q, 8)
+        override.step_boundary()
+    (decision,) = tuner.decisions()
+    assert decision.chosen == "sdpa" and decision.reverted and "reverted to SDPA" in decision.reverted
+    assert "reverted to SDPA" in override.stats.summary()
