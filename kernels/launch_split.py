@@ -59,11 +59,7 @@ class LaunchBound(NamedTuple):
     clock_hz: float
     seconds: float
     os: str
-
-    @property
-    def work(self) -> float:
-        """Operations (in the units of `call_work`) one launch may hold."""
-        return self.ops_per_clock * self.cus * self.clock_hz * EFFICIENCY * self.seconds
+    work: float  # operations (in the units of `call_work`) one launch may hold: the product of the above x EFFICIENCY
 
 
 class Piece(NamedTuple):  # a NamedTuple: every call makes one, and a frozen dataclass costs 1 µs more
@@ -110,16 +106,18 @@ def launch_seconds(os_name: str, rocm: bool) -> float:
 
 def launch_bound(arch: str, cus: int, clock_khz: Optional[float], os_name: str, rocm: bool) -> LaunchBound:
     """The bound of a device with these properties (clock in kHz as the driver reports it; 0/None: unknown)."""
-    clock_hz = clock_khz * 1e3 if clock_khz else ASSUMED_CLOCK_HZ
-    return LaunchBound(arch, ops_per_clock(arch), cus or DEFAULT_CUS, clock_hz, launch_seconds(os_name, rocm),
-                       os_name)
+    return _bound(arch, ops_per_clock(arch), cus or DEFAULT_CUS, clock_khz * 1e3 if clock_khz else ASSUMED_CLOCK_HZ,
+                  launch_seconds(os_name, rocm), os_name)
+
+
+def _bound(arch: str, ops: int, cus: int, clock_hz: float, seconds: float, os_name: str) -> LaunchBound:
+    return LaunchBound(arch, ops, cus, clock_hz, seconds, os_name, ops * cus * clock_hz * EFFICIENCY * seconds)
 
 
 def device_bound(device: Optional[torch.device]) -> LaunchBound:
     """`launch_bound` of `device` from its properties (once per device); off a GPU, DEFAULT_CUS RDNA4 CUs."""
     if device is None or device.type != "cuda":
-        return LaunchBound("cpu", CONSERVATIVE_OPS_PER_CLOCK, DEFAULT_CUS, ASSUMED_CLOCK_HZ, WATCHDOG_SECONDS,
-                           host_os())
+        return _bound("cpu", CONSERVATIVE_OPS_PER_CLOCK, DEFAULT_CUS, ASSUMED_CLOCK_HZ, WATCHDOG_SECONDS, host_os())
     index = device.index if device.index is not None else torch.cuda.current_device()
     bound = _device_bounds.get(index)
     if bound is None:
@@ -137,6 +135,10 @@ def work_bound(device: Optional[torch.device]) -> float:
     """The work one launch may hold on `device` (the rule both the HIP plan and the Triton backend read)."""
     if _override is not None:
         return _override
+    if device is not None and device.type == "cuda":  # the common case: one dict lookup (every call plans)
+        bound = _device_bounds.get(device.index if device.index is not None else torch.cuda.current_device())
+        if bound is not None:
+            return bound.work
     return device_bound(device).work
 
 
