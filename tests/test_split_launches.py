@@ -130,6 +130,8 @@ CARD_BOUNDS = [  # id, properties, OS, ROCm, expected bound, Wan 720p FP8 / FP16
      2048 * 32 * 3.13e9 * 0.2 * 1.0, 3, 5),
     ("RX9070XT-windows", dict(gcnArchName="gfx1201:sramecc-:xnack-", multi_processor_count=64,
                               clock_rate=2_970_000), "windows", "6.4", 2048 * 64 * 2.97e9 * 0.2 * 0.25, 7, 10),
+    ("RX9070XT-linux", dict(gcnArchName="gfx1201", multi_processor_count=64, clock_rate=2_970_000), "linux", "6.4",
+     2048 * 64 * 2.97e9 * 0.2 * 1.0, 2, 3),
     ("RX7900XTX-windows", dict(gcnArchName="gfx1100", multi_processor_count=96, clock_rate=2_500_000), "windows",
      "6.4", 512 * 96 * 2.5e9 * 0.2 * 0.25, 20, 40),
     ("MI250X-linux", dict(gcnArchName="gfx90a:sramecc+:xnack-", multi_processor_count=220, clock_rate=1_700_000),
