@@ -75,8 +75,8 @@ def test_small_calls_stay_one_launch():
 
 
 def test_wan_720p_on_an_rx_9060_xt():
-    """The call the bound is for: 1.17e14 operations; 2 heads a launch on 32 CUs (about 5.9e12 each), 8 on an
-    H200's 132 SMs (5 launches)."""
+    """The call the bound is for: 1.17e14 operations; at RDNA4's per-CU bound (2.0 GHz, 0.25 s), 2 heads a launch
+    on 32 CUs (about 5.9e12 each), 8 on 132 (5 launches)."""
     total = ls.call_work(75600 * 75600, 128, 128, "fp8") * 40
     assert 1.1e14 < total < 1.2e14
     bound = ls.WORK_PER_CU * 32
@@ -96,22 +96,123 @@ def test_fp16_pv_counts_twice_and_causal_counts_visible_keys():
     assert ls.visible_keys(0, 5, 3, False) == 15
 
 
-def test_work_bound_per_device(monkeypatch):
-    """WORK_PER_CU per compute unit the device reports (looked up once per device), 32 CUs off a GPU, and the
-    verification seam above both."""
-    assert ls.work_bound(torch.device("cpu")) == ls.WORK_PER_CU * ls.DEFAULT_CUS
+def _fake_device(monkeypatch, *, os_name, hip, **props):
+    """torch.cuda as a device with these properties would show it (the bound is read once per device)."""
     asked = []
 
-    def props(index):
+    def get_props(index):
         asked.append(index)
-        return SimpleNamespace(multi_processor_count=64)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+        return SimpleNamespace(**props)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", get_props)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(ls, "host_os", lambda: os_name, raising=False)
     monkeypatch.setattr(ls, "_device_bounds", {})
-    assert ls.work_bound(torch.device("cuda", 3)) == ls.WORK_PER_CU * 64
-    assert ls.work_bound(torch.device("cuda", 3)) == ls.WORK_PER_CU * 64
-    assert asked == [3]
+    return asked
+
+
+# Each card's expected bound, written out from its figures: ops/clk/CU x CUs x clock x 20 % x seconds.
+CARD_BOUNDS = [  # id, properties, OS, ROCm, expected bound, Wan 720p FP8 / FP16 launches
+    ("H200-linux", dict(major=9, minor=0, multi_processor_count=132, clock_rate=1_980_000), "linux", None,
+     8192 * 132 * 1.98e9 * 0.2 * 0.25, 2, 2),
+    ("H200-no-clock", dict(major=9, minor=0, multi_processor_count=132, clock_rate=0), "linux", None,
+     8192 * 132 * 2.0e9 * 0.2 * 0.25, 2, 2),
+    ("A100", dict(major=8, minor=0, multi_processor_count=108, clock_rate=1_410_000), "linux", None,
+     4096 * 108 * 1.41e9 * 0.2 * 0.25, 4, 6),
+    ("RTX4090-windows", dict(major=8, minor=9, multi_processor_count=128, clock_rate=2_520_000), "windows", None,
+     2048 * 128 * 2.52e9 * 0.2 * 0.25, 4, 6),
+    ("B200", dict(major=10, minor=0, multi_processor_count=148, clock_rate=1_965_000), "linux", None,
+     16384 * 148 * 1.965e9 * 0.2 * 0.25, 1, 1),
+    ("RX9060XT-windows", dict(gcnArchName="gfx1200", multi_processor_count=32, clock_rate=3_130_000), "windows",
+     "6.4", 2048 * 32 * 3.13e9 * 0.2 * 0.25, 14, 20),
+    ("RX9060XT-wsl", dict(gcnArchName="gfx1200", multi_processor_count=32, clock_rate=3_130_000), "wsl", "6.4",
+     2048 * 32 * 3.13e9 * 0.2 * 0.25, 14, 20),
+    ("RX9060XT-linux", dict(gcnArchName="gfx1200", multi_processor_count=32, clock_rate=3_130_000), "linux", "6.4",
+     2048 * 32 * 3.13e9 * 0.2 * 1.0, 3, 5),
+    ("RX9070XT-windows", dict(gcnArchName="gfx1201:sramecc-:xnack-", multi_processor_count=64,
+                              clock_rate=2_970_000), "windows", "6.4", 2048 * 64 * 2.97e9 * 0.2 * 0.25, 7, 10),
+    ("RX9070XT-linux", dict(gcnArchName="gfx1201", multi_processor_count=64, clock_rate=2_970_000), "linux", "6.4",
+     2048 * 64 * 2.97e9 * 0.2 * 1.0, 2, 3),
+    ("RX7900XTX-windows", dict(gcnArchName="gfx1100", multi_processor_count=96, clock_rate=2_500_000), "windows",
+     "6.4", 512 * 96 * 2.5e9 * 0.2 * 0.25, 20, 40),
+    ("MI250X-linux", dict(gcnArchName="gfx90a:sramecc+:xnack-", multi_processor_count=220, clock_rate=1_700_000),
+     "linux", "6.4", 1024 * 220 * 1.7e9 * 0.2 * 1.0, 2, 3),
+]
+
+
+@pytest.mark.parametrize("props,os_name,hip,expected,fp8_launches,fp16_launches",
+                         [c[1:] for c in CARD_BOUNDS], ids=[c[0] for c in CARD_BOUNDS])
+def test_bound_from_the_devices_own_rate_clock_and_os(monkeypatch, props, os_name, hip, expected, fp8_launches,
+                                                      fp16_launches):
+    """The bound is the card's own dense INT8 rate x CUs x reported clock (2.0 GHz where none) x 20 % x 0.25 s,
+    1 s on Linux with ROCm only (no watchdog on KFD queues; WSL runs on the Windows driver). Under the rule before
+    it, every device got RDNA4's rate at 2.0 GHz: the H200 4x too small a bound (5 and 7 launches at Wan 720p)."""
+    asked = _fake_device(monkeypatch, os_name=os_name, hip=hip, **props)
+    dev = torch.device("cuda", 1)
+    assert ls.work_bound(dev) == pytest.approx(expected, rel=1e-9)
+    assert ls.work_bound(dev) == pytest.approx(expected, rel=1e-9) and asked == [1]  # read once per device
+    counts = [len(ls.split_attention(**WAN_720P, pv=pv, causal=False, bound=ls.work_bound(dev), row_block=128))
+              for pv in ("fp8", "fp16")]
+    assert counts == [fp8_launches, fp16_launches]
+
+
+@pytest.mark.parametrize("arch,ops", [
+    ("gfx1200", 2048), ("gfx1201", 2048), ("gfx1100", 512), ("gfx1151", 512), ("gfx90a", 1024),
+    ("sm_80", 4096), ("sm_89", 2048), ("sm_90", 8192), ("sm_100", 16384),
+    # Not in the table: RDNA4's rate (below each of these where public figures exist, so launches stay short).
+    ("gfx942", 2048), ("gfx950", 2048), ("gfx1300", 2048), ("sm_103", 2048), ("sm_120", 2048), ("sm_86", 2048),
+    ("", 2048),
+])
+def test_ops_per_clock_per_arch(arch, ops):
+    assert ls.ops_per_clock(arch) == ops
+
+
+@pytest.mark.parametrize("hip,props", [
+    (None, dict(major=9, minor=0, multi_processor_count=132)),
+    ("6.4", dict(gcnArchName="gfx1201:sramecc-:xnack-", multi_processor_count=64)),
+])
+def test_bound_names_the_arch_as_call_spec_does(monkeypatch, hip, props):
+    """launch_split reads the arch from the same properties as call_spec.device_arch (whose cache it avoids)."""
+    from comfyui_sage_rdna4.kernels import call_spec
+    _fake_device(monkeypatch, os_name="linux", hip=hip, **props)
+    assert ls.device_bound(torch.device("cuda", 2)).arch == call_spec.device_arch.__wrapped__("cuda", 2)
+
+
+def test_unknown_device_gets_the_conservative_rate(monkeypatch):
+    """An arch the table does not name (a future gfx13 on Windows) is bounded at RDNA4's per-CU rate."""
+    _fake_device(monkeypatch, os_name="windows", hip="7.0", gcnArchName="gfx1300", multi_processor_count=40,
+                 clock_rate=2_800_000)
+    assert ls.work_bound(torch.device("cuda", 0)) == pytest.approx(2048 * 40 * 2.8e9 * 0.2 * 0.25, rel=1e-9)
+    bound = ls.device_bound(torch.device("cuda", 0))
+    assert (bound.arch, bound.ops_per_clock, bound.cus, bound.seconds, bound.os) == ("gfx1300", 2048, 40, 0.25,
+                                                                                     "windows")
+
+
+@pytest.mark.parametrize("platform_name,release,expected", [
+    ("win32", "10", "windows"), ("linux", "5.15.153.1-microsoft-standard-WSL2", "wsl"),
+    ("linux", "6.8.0-45-generic", "linux"), ("darwin", "24.0.0", "darwin"),
+])
+def test_host_os(monkeypatch, platform_name, release, expected):
+    import platform
+    monkeypatch.setattr(ls.sys, "platform", platform_name)
+    monkeypatch.setattr(platform, "release", lambda: release)
+    assert ls.host_os() == expected
+
+
+def test_launch_seconds_per_os():
+    assert ls.launch_seconds("linux", rocm=True) == 1.0
+    assert ls.launch_seconds("linux", rocm=False) == 0.25  # an NVIDIA GPU driving X has a watchdog
+    assert ls.launch_seconds("wsl", rocm=True) == 0.25
+    assert ls.launch_seconds("windows", rocm=True) == 0.25
+
+
+def test_work_bound_off_a_gpu_and_the_seam():
+    """Off a GPU: RDNA4's rate at the assumed clock on 32 CUs and the watchdog's 0.25 s (an RX 9060 XT on
+    Windows at 2.0 GHz); the verification seam sits above every device."""
+    assert ls.WORK_PER_CU == pytest.approx(2048 * 2.0e9 * 0.2 * 0.25, rel=1e-12)
+    assert ls.work_bound(torch.device("cpu")) == ls.WORK_PER_CU * ls.DEFAULT_CUS
+    assert ls.work_bound(None) == ls.WORK_PER_CU * 32
     with ls.work_bound_override(5.0):
-        assert ls.work_bound(torch.device("cuda", 3)) == 5.0
+        assert ls.work_bound(torch.device("cpu")) == 5.0
     assert ls.work_bound(torch.device("cpu")) == ls.WORK_PER_CU * ls.DEFAULT_CUS
 
 

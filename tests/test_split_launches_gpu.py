@@ -55,6 +55,20 @@ def _split_vs_one(backend, count, case, pv):
     return n_split
 
 
+def test_own_bound_from_this_device():
+    """The bound read from this GPU's properties: its arch's rate, its SM count, a clock (reported or the
+    assumed 2.0 GHz) within what GPUs run at, and the arch call_spec names."""
+    from comfyui_sage_rdna4.kernels.call_spec import device_arch
+    dev = _device()
+    bound = ls.device_bound(dev)
+    props = torch.cuda.get_device_properties(dev)
+    print(f"\n[split] {props.name}: {bound} -> {bound.work:.4g} per launch")
+    assert bound.arch == device_arch("cuda", dev.index)
+    assert bound.ops_per_clock == ls.ops_per_clock(bound.arch) and bound.cus == props.multi_processor_count
+    assert 0.5e9 <= bound.clock_hz <= 4.0e9
+    assert ls.work_bound(dev) == bound.work
+
+
 @pytest.mark.parametrize("pv", ["fp8", "fp16"])
 @pytest.mark.parametrize("case", [c.values for c in CASES], ids=[c.id for c in CASES])
 def test_triton_split_bit_identical(monkeypatch, pv, case):
