@@ -290,3 +290,22 @@ def test_the_first_get_backend_from_many_threads_makes_one_instance(monkeypatch)
     assert len(got) == 16 and all(b is got[0] for b in got), f"{len({id(b) for b in got})} instances"
     assert len(loads) == 1, f"the loader ran {len(loads)} times"
     assert registry.get_backend("sageattention") is got[0] and len(loads) == 1  # later calls: the same, no load
+
+
+def test_sdpa_asks_for_comfyuis_implementation_order_on_a_gpu():
+    """On a GPU the sdpa backend runs SDPA with cuDNN's implementation first, as ComfyUI's own attention does
+    (torch's default puts it last: on the H200 that cost a Flux step 1.13x); on the CPU it changes nothing."""
+    import types
+
+    from torch.nn.attention import SDPBackend
+
+    from comfyui_sage_rdna4.kernels.backends import sdpa
+    if sdpa._PRIORITY is None:
+        pytest.skip("this torch cannot set SDPA's implementation order")
+    order = torch._C._get_sdp_priority_order
+    before = order()
+    with sdpa._on_gpu_order(types.SimpleNamespace(is_cuda=True)):
+        assert order()[0] == int(SDPBackend.CUDNN_ATTENTION) and order()[1] == int(SDPBackend.FLASH_ATTENTION)
+    assert order() == before
+    with sdpa._on_gpu_order(torch.zeros(1)):
+        assert order() == before

@@ -47,6 +47,10 @@ def main() -> int:
     ap.add_argument("--model", default="flux", choices=["flux", "wan13b", "wan14b"])
     ap.add_argument("--frames", type=int, default=33)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test of this script with the tiny models")
+    ap.add_argument("--remeasure", action="store_true",
+                    help="forget auto's in-step decisions before each kernel's run, so a second 'auto' measures "
+                         "again with compilation and self-checks already done: its first step shows what "
+                         "measuring alone costs")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -55,6 +59,7 @@ def main() -> int:
     # comfy_api import needs PyAV (absent on the GPU machine). sage_patch imports comfy only when used.
     load_pack()
     harness.comfy_import(cpu=args.tiny)
+    from comfyui_sage_rdna4.kernels import step_trials
     from comfyui_sage_rdna4.sage_patch.ab_benchmark import run_ab
     from comfyui_sage_rdna4.sage_patch.report import report_json
 
@@ -87,6 +92,8 @@ def main() -> int:
     reports, texts = [], []
     for kernel in [k for k in args.kernels.split(",") if k]:
         t1 = time.time()
+        if args.remeasure:
+            step_trials.default_tuner().clear()
         try:
             _, report, text, plot, path = run_ab(model, positive, negative, latent, seed=0, steps=args.steps,
                                                  cfg=cfg_scale, sampler_name="euler", scheduler="simple",

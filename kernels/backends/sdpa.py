@@ -1,4 +1,6 @@
 """`sdpa`: PyTorch scaled_dot_product_attention, exact; the baseline everything is timed against."""
+import contextlib
+import inspect
 import math
 
 import torch
@@ -10,7 +12,36 @@ from ..registry import Backend
 SDPA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def _backend_priority():
+    """SDPA's implementations in the order ComfyUI's own attention asks for on a GPU (cuDNN's first, where torch
+    has one), or None where this torch cannot set an order. On the H200 torch's default order made a Flux step
+    1.13x slower than ComfyUI's (docs/MEASUREMENTS.md, "auto in the step")."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        if "set_priority" not in inspect.signature(sdpa_kernel).parameters:
+            return None
+        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH]
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None
+    return lambda: sdpa_kernel(order, set_priority=True)
+
+
+_PRIORITY = _backend_priority()
+
+
+def _on_gpu_order(q):
+    """The context SDPA runs in: ComfyUI's implementation order on a GPU, nothing on the CPU."""
+    return _PRIORITY() if _PRIORITY is not None and q.is_cuda else contextlib.nullcontext()
+
+
 def sdpa_hnd(q, k, v, sm_scale, attn_mask=None, is_causal=False):
+    """SDPA on HND tensors, in ComfyUI's implementation order on a GPU."""
+    with _on_gpu_order(q):
+        return _sdpa_hnd(q, k, v, sm_scale, attn_mask, is_causal)
+
+
+def _sdpa_hnd(q, k, v, sm_scale, attn_mask, is_causal):
     """SDPA on HND tensors with GQA expanded by view when this torch has no enable_gqa."""
     if attn_mask is None and k.shape[1] == q.shape[1]:  # the common call: nothing to adapt
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=sm_scale)
