@@ -190,3 +190,27 @@ def test_the_hip_kernels_pass_the_long_tail_in_the_cuda_emulation(pv, flush, hip
     r = sc.check_case(attention, CASE, torch.device("cuda", index))
     print(f"\n[long-tail] HIP {pv} emulated, flush {flush}: worst rel L1 {r.worst_rel_l1:.2e} (bound {BOUND})")
     assert r.reason is None and r.worst_rel_l1 <= BOUND / 5, (r.reason, r.worst_rel_l1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["triton_int8_fp8", "triton_int8_fp16", "hip_int8_fp8", "hip_int8_fp16"])
+def test_each_kernel_passes_the_long_tail_through_the_public_api_on_the_gpu(kernel, monkeypatch):
+    """Each kernel's own path (its first use runs the whole self-check, this case included, or the call raises
+    the reason) on the GPU: the Triton kernels compiled for it, the HIP ones through the gfx12 emulation
+    (SAGE_RDNA4_HIP_EMULATE=1, NVIDIA only). Where it does not apply (no Triton, ROCm without RDNA4) it skips."""
+    from comfyui_sage_rdna4.kernels import settings
+    from comfyui_sage_rdna4.kernels.api import sage_attention
+    from comfyui_sage_rdna4.kernels.registry import get_backend
+    if kernel.startswith("hip"):
+        monkeypatch.setenv(settings.HIP_EMULATE.name, "1")
+        if getattr(torch.version, "hip", None):
+            pytest.skip("the gfx12 emulation runs on NVIDIA GPUs")
+    index = torch.cuda.current_device()
+    reason = get_backend(kernel).unavailable("cuda", index)
+    if reason:
+        pytest.skip(reason)
+    r = sc.check_case(lambda q, k, v, is_causal=False: sage_attention(q, k, v, kernel=kernel, is_causal=is_causal),
+                      CASE, torch.device("cuda", index))
+    print(f"\n[long-tail] {kernel} on {torch.cuda.get_device_name(index)}: worst rel L1 {r.worst_rel_l1:.2e} "
+          f"(bound {BOUND})")
+    assert r.reason is None, r.reason
