@@ -1,7 +1,8 @@
 """The hardware probes (kernels/backends/hip/probes.py) on an NVIDIA GPU through the gfx12 emulation: once through
 the product path (runtime.run_launches, SAGE_RDNA4_HIP_EMULATE=1) before the self-check, and with each planted
 emulation fault (the CUDA build through CuPy), caught with the probe's name. Correctness of the emulation only:
-nothing here says what an RDNA4 card does. Written without GPU time; not run yet."""
+nothing here says what an RDNA4 card does. The e4m3_overflow reading follows the run's SAGE_RDNA4_EMU_FP8_NONSAT
+(saturating, or NaN above 448); neither disables a kernel."""
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from comfyui_sage_rdna4.kernels import settings
 from comfyui_sage_rdna4.kernels.backends.hip import probes
 from comfyui_sage_rdna4.kernels.verify import cuda_twin  # noqa: F401 - registers the loader's CUDA platform
+from comfyui_sage_rdna4.kernels.verify.emulation_env import env_options
 
 pytestmark = pytest.mark.gpu
 LAYOUT = {"wmma_iu8_layout", "wmma_fp8_layout", "wmma_f16_layout", "iu8_bias_constant"}
@@ -45,7 +47,16 @@ def test_probes_pass_through_the_product_path(monkeypatch):
     assert report.error is None and report.failures() == [] and report.launches == 8
     res = {r.name: r for r in report.results}
     assert res["wmma_fp8_subnormal"].found == "kept" and res["wmma_f16_subnormal"].found == "kept"
-    assert res["e4m3_overflow"].found.startswith("saturates to 448")
+    # The emulated conversion past 448 follows the run's mode: SAGE_RDNA4_EMU_FP8_NONSAT=1 builds the module with
+    # fp8_nonsat (kernels/verify/emulation_env.py), whose conversion gives NaN there instead of saturating.
+    nonsat = bool(env_options().get("fp8_nonsat"))
+    assert res["e4m3_overflow"].found.startswith("NaN above 448 (449 -> 0x7F" if nonsat else "saturates to 448")
+    # Either reading is safe by construction (FP8 P <= 447.9953, V <= 448): it disables no kernel.
+    assert res["e4m3_overflow"].verdict == probes.READING
+    assert report.disabled_reason(probes.FP8) is None and report.disabled_reason(probes.FP16) is None
+    from comfyui_sage_rdna4.kernels.backends.hip.backend import make_backend
+    fp8 = make_backend("fp8")
+    assert fp8.probe_refusal("cuda", index) is None and "probe" not in (fp8.unavailable("cuda", index) or "")
 
 
 def test_first_use_runs_the_probes_before_the_self_check(monkeypatch):

@@ -160,6 +160,7 @@ def test_public_api_and_default_accepts():
     assert any(c.kv_len >= 2000 and c.kind == "peaked" for c in cases)
     assert any(c.kv_len >= 16384 and c.kind == "probe" for c in cases)
     assert any(c.q_len != c.kv_len and c.kv_len == 512 for c in cases)  # cross-attention
+    assert any(c.kind == "long-tail" and c.kv_len >= 2048 for c in cases)  # tests/test_long_tail_case.py
     assert any(c.gqa for c in cases) and any(c.is_causal for c in cases) and any(c.kind == "diffuse" for c in cases)
     assert sc.BOUNDS["probe"].max_rel_l1 < sc.SCALE_LOSS_MUST_FAIL
 

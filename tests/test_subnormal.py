@@ -25,11 +25,12 @@ def test_flush_option_zeroes_exactly_the_subnormal_products(kind):
     assert torch.equal(got, flush), (got - flush).abs().max()
 
 
-# The long tail (self_check.LONG_TAIL_CASE_NOT_ENABLED): every row's max in key 0, the other keys 2^-15 .. 2^-16
+# Crafted quantized inputs (subnormal_model.long_tail_qq): every row's max in key 0, the other keys 2^-15 .. 2^-16
 # below it (subnormal as FP8 P topped at the row max's 448, and as FP16 P in [0, 1]); 2048 keys, batch 2. The bound
 # sits 6x above the fixed kernels under a flushing WMMA (FP8 7.9e-4, FP16 1.4e-4: the fp16 output's rounding) and 5x
-# below the former kernels' (FP8 2.5e-2, FP16 5.1e-2), in the host simulator and the torch model alike.
-CASE = self_check.LONG_TAIL_CASE_NOT_ENABLED
+# below the former kernels' (FP8 2.5e-2, FP16 5.1e-2), in the host simulator and the torch model alike. The
+# self-check's own long-tail case, from float inputs: tests/test_long_tail_case.py.
+CASE = {"kv_len": 2048, "tail_log2": (15.0, 16.0), "batch": 2, "max_rel_l1": 0.005}
 
 
 def long_tail(pv: str, flush: int, d: int = 64):
