@@ -144,6 +144,7 @@ def test_attention_matches_reference(pv, d, dtype, causal, nq, nk, hq, hkv, layo
     out, lse = hip_checks.attention(run, qq, pv=pv, is_causal=causal, out_dtype=dtype, return_lse=True, q=q,
                                     sm_scale=sm)
     rep = hip_checks.attention_report(out, lse, qq, q, k, v, pv=pv, is_causal=causal, sm_scale=sm)
+    print(pv, d, dtype, causal, nq, nk, {k_: f"{v_:.2e}" for k_, v_ in rep.items() if "vs_r" in k_})
     hip_checks.assert_attention_ok(rep, pv)
 
 
