@@ -326,7 +326,7 @@ else:
         """FP8: P against each key tile's own max (floored 64 below the running max), as the HIP kernels; FP16: P
         topped at 2^15. Fails on the kernel that rounded FP8 P against the running max with a 447.797 top (long
         tail 2.5e-3, diffuse 1.9e-3 from the tile grid) and held FP16 P in [0, 1] (long tail 4.3e-5: the tail's P
-        were fp16 zeros the row sum still counted)."""
+        were fp16 zeros the row sum still counted); FP16 diffuse (no subnormal P) holds it to the tightness alone."""
         qq = grid_case(pv, name)
         cfg = attention_config("cpu", 64, pv)
         out, lse = attention_from_quantized_triton(qq, pv=pv, config=cfg, return_lse=True, out_dtype=torch.float32)
