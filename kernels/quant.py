@@ -16,7 +16,11 @@ All math is FP32 unless stated. Tensors are HND: (B, H, N, D).
   subnormals; a power of two is exact for FP16 inputs. The top leaves 2x below FP16's max for the
   rounding of V and of the output. The scale never goes below FP32's smallest normal (2**-126, also an
   all-zero channel's scale); NaN/Inf amax give a NaN/Inf scale.
-* P for FP8: p in [0, 1] stored as e4m3(p * 448); the 448 is divided out with the row sum.
+* P for FP8: e4m3(448 * 2**(s - top)), top the row max (p_tile None) or, with p_tile, each tile of p_tile keys'
+  own max, floored FP8_TILE_SHIFT_RANGE below the running max (reference.fp8_p_tops); the row sum adds the
+  unrounded P, so the 448 and each tile's top cancel in acc / row sum.
+* P for FP16: fp16(p * 2**FP16_P_LOG2_TOP) with p = 2**(s - row max) in [0, 1]: every weight above 2**-29 of the
+  max is an fp16 normal, which a WMMA that flushes subnormal inputs reads whole.
 """
 from __future__ import annotations
 
@@ -31,6 +35,13 @@ INT8_MAX = 127.0
 FP16_SAFE = 32768.0         # top of FP16 V's range after scaling: amax / scale lies in (2**14, 2**15]
 FP16_V_SCALE_MIN = 2.0 ** -126  # FP32's smallest normal: the scale, and 1 / scale, stay normal
 _TINY = torch.finfo(torch.float32).tiny
+# The P grid (the spec, the HIP and the Triton kernels): FP16 P tops at 2**15; FP8 P tiles' tops stay within 64
+# (base 2) of the running max, so an accumulator in units of a tile's top stays far from FP32's overflow.
+FP16_P_LOG2_TOP = 15.0
+FP8_TILE_SHIFT_RANGE = 64.0
+# The smallest normals of e4m3 and fp16: what a WMMA that flushes subnormal inputs still reads.
+E4M3_MIN_NORMAL = 2.0 ** -6
+FP16_MIN_NORMAL = 2.0 ** -14
 
 
 def group_size(qk_group: str) -> int:

@@ -4,6 +4,11 @@ Slow but exact to the spec in `quant.py`, on CPU or GPU. Work is chunked over qu
 32k-token call never holds an N x N score matrix. Causal masking is top-left aligned (key j is
 visible to query i when j <= i), as PyTorch SDPA's `is_causal`. A query row that can see no key
 returns zeros with LSE -inf.
+
+The P grid (what the kernels round P to before P.V) is part of the spec: FP16 P is fp16(2**(s - row max) *
+2**15); FP8 P is e4m3(448 * 2**(s - top)) with top the row max, or with `p_tile` each key tile's own max,
+floored 64 below the running max (`fp8_p_tops`: the HIP kernels' rule with p_tile = their BN, the Triton
+kernels' with their BLOCK_N). Nothing here has run on RDNA4.
 """
 from __future__ import annotations
 
@@ -33,9 +38,10 @@ def qk_scores_base2(q8, sq, k8, sk) -> torch.Tensor:
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
                         sm_scale: Optional[float] = None, smooth_k: bool = True, pv: str = "fp8",
                         qk_group: str = "token", attn_mask: Optional[torch.Tensor] = None,
-                        return_lse: bool = False, smooth_v: bool = False
+                        return_lse: bool = False, smooth_v: bool = False, p_tile: Optional[int] = None
                         ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Quantized attention on HND tensors. Returns (out in q.dtype, natural-log LSE (B, Hq, Nq) or None)."""
+    """Quantized attention on HND tensors. Returns (out in q.dtype, natural-log LSE (B, Hq, Nq) or None).
+    `p_tile`: FP8 P's grid (see `attention_from_quantized`)."""
     if pv not in ("fp8", "fp16"):
         raise ValueError(f"pv must be 'fp8' or 'fp16', got {pv!r}")
     if sm_scale is None:
@@ -43,16 +49,54 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is
     qq = quant.quantize_qkv_torch(q, k, v, sm_scale=sm_scale, smooth_k=smooth_k, pv=pv, qk_group=qk_group,
                                   smooth_v=smooth_v)
     return attention_from_quantized(qq, pv=pv, is_causal=is_causal, attn_mask=attn_mask, return_lse=return_lse,
-                                    q=q, sm_scale=sm_scale, out_dtype=q.dtype)
+                                    q=q, sm_scale=sm_scale, out_dtype=q.dtype, p_tile=p_tile)
+
+
+def fp8_p_tops(s: torch.Tensor, p_tile: int) -> torch.Tensor:
+    """Each key's FP8 P top (base 2, shape of s): the max of its tile of p_tile keys (tiles from key 0), at least
+    the running max through that tile less FP8_TILE_SHIFT_RANGE. 0 where no key was seen yet (masked keys then
+    give P = 0); NaN scores make their row's tops NaN."""
+    nk = s.shape[-1]
+    tiles = torch.nn.functional.pad(s, (0, -nk % p_tile), value=-math.inf).unflatten(-1, (-1, p_tile))
+    tile_max = tiles.amax(dim=-1)
+    running = torch.cummax(tile_max, dim=-1).values
+    top = torch.maximum(tile_max, running - quant.FP8_TILE_SHIFT_RANGE)
+    top = torch.where(top == -math.inf, torch.zeros_like(top), top)
+    return top.repeat_interleave(p_tile, dim=-1)[..., :nk]
+
+
+def rounded_pv(s: torch.Tensor, row_max: torch.Tensor, v_f: torch.Tensor, *, pv: str, p_tile: Optional[int],
+               model_flushing_wmma: bool) -> torch.Tensor:
+    """P.V on the spec's P grid, in units of the row max's P (1 at the max). row_max: 0 in empty rows."""
+    if pv == "fp16":
+        top = 2.0 ** quant.FP16_P_LOG2_TOP
+        p = (torch.exp2(s - row_max) * top).half().float()
+        if model_flushing_wmma:
+            p = torch.where(p < quant.FP16_MIN_NORMAL, torch.zeros_like(p), p)
+        return torch.matmul(p, v_f) / top
+    top = row_max if p_tile is None else fp8_p_tops(s, p_tile)
+    p = quant.quantize_p_fp8(torch.exp2(s - top))
+    if model_flushing_wmma:
+        p = torch.where(p < quant.E4M3_MIN_NORMAL, torch.zeros_like(p), p)
+    if p_tile is not None:
+        p = p * torch.exp2(top - row_max)  # each tile's P in units of the row max's
+    return torch.matmul(p, v_f) / quant.FP8_MAX
 
 
 def attention_from_quantized(qq: quant.QuantizedQKV, *, pv: str, is_causal: bool = False,
                              attn_mask: Optional[torch.Tensor] = None, return_lse: bool = False,
                              q: Optional[torch.Tensor] = None, sm_scale: Optional[float] = None,
-                             out_dtype: torch.dtype = torch.float32):
+                             out_dtype: torch.dtype = torch.float32, p_tile: Optional[int] = None,
+                             model_flushing_wmma: bool = False):
     """The attention half of the spec, fed by any prologue's output.
 
-    For the LSE's smooth_k correction pass the original `q` and `sm_scale`."""
+    For the LSE's smooth_k correction pass the original `q` and `sm_scale`. `p_tile` (FP8 only): None rounds P
+    against the row max; an int against each tile of p_tile keys' own max (`fp8_p_tops`), the kernels' one-pass
+    rule. The row sum adds the unrounded P either way. `model_flushing_wmma` is for verification only (the product
+    never passes it): P.V reads subnormal P (e4m3 below 2**-6, fp16 below 2**-14) as zero, as a matrix unit that
+    flushes subnormal inputs would, while the row sum still counts them."""
+    if p_tile is not None and (isinstance(p_tile, bool) or not isinstance(p_tile, int) or p_tile < 1):
+        raise ValueError(f"p_tile must be a positive int or None, got {p_tile!r}")
     b, hq, nq, _ = qq.q8.shape
     nk, dv = qq.k8.shape[2], qq.v.shape[3]
     device = qq.q8.device
@@ -83,13 +127,11 @@ def attention_from_quantized(qq: quant.QuantizedQKV, *, pv: str, is_causal: bool
         # Only a row that sees no key (max -inf) is empty and gives zeros; a NaN row max (NaN in q, k or
         # the mask) must stay NaN so bad inputs show instead of turning into a silent black patch.
         alive = row_max != -math.inf
-        p = torch.exp2(s - torch.where(alive, row_max, torch.zeros_like(row_max)))
+        safe_max = torch.where(alive, row_max, torch.zeros_like(row_max))
+        p = torch.exp2(s - safe_max)
         p = torch.where(alive, p, torch.zeros_like(p))
         row_sum = p.sum(dim=-1, keepdim=True)
-        if pv == "fp8":
-            acc = torch.matmul(quant.quantize_p_fp8(p), v_f) / quant.FP8_MAX
-        else:
-            acc = torch.matmul(p.half().float(), v_f)
+        acc = rounded_pv(s, safe_max, v_f, pv=pv, p_tile=p_tile, model_flushing_wmma=model_flushing_wmma)
         o = acc / row_sum * v_scale  # divide first: acc * v_scale overflows FP32 for V near the bf16/fp32 max
         if v_mean is not None:
             o = o + v_mean  # smooth_v: the rows of P sum to 1, so the mean comes back whole

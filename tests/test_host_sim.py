@@ -79,12 +79,11 @@ def test_fp8_p_stays_within_e4m3_range_without_saturation():
     P may reach the conversion above 448 (it would give NaN); the output is the spec's to within e4m3's rounding of
     the dominant P (half a step: 1/16), the LSE the spec's to FP32 rounding of the logit. Fails on the kernel whose
     softmax shift was rounded without a guard (NaN rows; saturating instead, 0.637 for the spec's 1 at 1e7)."""
-    from comfyui_sage_rdna4.kernels import reference
     logits = hip_checks.dominant_key_logits()
     qq = hip_checks.dominant_key_qq(logits)
     out, lse = hip_checks.attention(host_sim.runner(fp8_nonsat=1), qq, pv="fp8", is_causal=False,
                                     out_dtype=torch.float16, return_lse=True)
-    ref, ref_lse = reference.attention_from_quantized(qq, pv="fp8", return_lse=True, out_dtype=torch.float16)
+    ref, ref_lse = hip_checks.hip_spec(qq, pv="fp8", return_lse=True, out_dtype=torch.float16)
     out, ref = out.float()[0, 0], ref.float()[0, 0]
     bad = (~torch.isfinite(out)).any(dim=-1)
     assert not bad.any(), f"non-finite rows at logits {[logits[i] for i in bad.nonzero().flatten().tolist()]}"
@@ -145,6 +144,7 @@ def test_attention_matches_reference(pv, d, dtype, causal, nq, nk, hq, hkv, layo
     out, lse = hip_checks.attention(run, qq, pv=pv, is_causal=causal, out_dtype=dtype, return_lse=True, q=q,
                                     sm_scale=sm)
     rep = hip_checks.attention_report(out, lse, qq, q, k, v, pv=pv, is_causal=causal, sm_scale=sm)
+    print(pv, d, dtype, causal, nq, nk, {k_: f"{v_:.2e}" for k_, v_ in rep.items() if "vs_r" in k_})
     hip_checks.assert_attention_ok(rep, pv)
 
 
@@ -347,7 +347,7 @@ def test_attention_smooth_v_empty_rows_stay_zero(pv):
     """A row that sees no key gives zeros, without the mean, and LSE -inf (the spec's rule). Such rows cannot come
     from finite inputs, so the QuantizedQKV is crafted: causal, keys 0..19 with positive int8 rows and scale -inf
     (score -inf against the all-positive queries), so rows 0..19 see nothing and rows 20.. see keys 20..row."""
-    from comfyui_sage_rdna4.kernels import quant, reference
+    from comfyui_sage_rdna4.kernels import quant
     q, k, v = hip_checks.make_qkv(1, 2, 1, 50, 50, 64, torch.float16, CPU)
     _v_offset(v)
     qq = quant.quantize_qkv_torch(q, k, v, sm_scale=0.125, pv=pv, smooth_v=True)
@@ -357,8 +357,8 @@ def test_attention_smooth_v_empty_rows_stay_zero(pv):
     qq.k_scale[:, :, :20] = -math.inf
     out, lse = hip_checks.attention(run, qq, pv=pv, is_causal=True, out_dtype=torch.float16, return_lse=True, q=q,
                                     sm_scale=0.125)
-    ref, ref_lse = reference.attention_from_quantized(qq, pv=pv, is_causal=True, return_lse=True, q=q, sm_scale=0.125,
-                                                      out_dtype=torch.float16)
+    ref, ref_lse = hip_checks.hip_spec(qq, pv=pv, is_causal=True, return_lse=True, q=q, sm_scale=0.125,
+                                       out_dtype=torch.float16)
     assert torch.equal(out[:, :, :20], torch.zeros_like(out[:, :, :20])) and torch.equal(out[:, :, :20], ref[:, :, :20])
     assert torch.isneginf(lse[:, :, :20]).all() and torch.isneginf(ref_lse[:, :, :20]).all()
     o, r = out[:, :, 20:].float(), ref[:, :, 20:].float()
@@ -421,13 +421,14 @@ def test_two_level_accumulation_survives_a_truncating_accumulator():
     q, k, v = hip_checks.diffuse_qkv(1, 1, 16, 2048, 64, torch.bfloat16, CPU)
     exact, _ = reference.exact_attention(q, k, v)
     qq = quant.quantize_qkv_torch(q, k, v, sm_scale=0.125, pv="fp8")
-    ref, _ = reference.attention_from_quantized(qq, pv="fp8", out_dtype=torch.bfloat16)
+    ref, _ = hip_checks.hip_spec(qq, pv="fp8", out_dtype=torch.bfloat16)
     two, _ = hip_checks.attention(host_sim.runner(acc_trunc_bits=13), qq, pv="fp8", is_causal=False,
                                   out_dtype=torch.bfloat16)
     one, _ = hip_checks.attention(host_sim.runner(acc_trunc_bits=13, pv_single_chain=1), qq, pv="fp8",
                                   is_causal=False, out_dtype=torch.bfloat16)
     err_ref, err_two, err_one = (metrics.rel_l1(t.float(), exact) for t in (ref, two, one))
-    assert metrics.rel_l1(two.float(), ref.float()) < 2e-3, (err_two, err_ref)
+    # On the kernel's P grid (hip_spec): measured 8.1e-5 (against the row max's grid this was held to 2e-3).
+    assert metrics.rel_l1(two.float(), ref.float()) < 5e-4, (err_two, err_ref)
     assert err_two < err_ref * 1.2 + 1e-3, (err_two, err_ref)
     assert err_one > 0.015, f"the truncation model does not bite the single chain ({err_one})"
 

@@ -263,3 +263,146 @@ def test_smooth_v_keeps_empty_rows_zero():
     out, _ = reference_attention(q, k, v + 3.0, attn_mask=mask, smooth_v=True)
     assert out[:, :, 3].abs().max() == 0
     assert out[:, :, 2].abs().min() > 0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The P grid: FP8 P against the row max (p_tile None) or each key tile's own max (the kernels' one-pass rule)
+# ------------------------------------------------------------------------------------------------------------------
+def scored_qq(u: torch.Tensor, pv: str = "fp8", seed: int = 0) -> quant.QuantizedQKV:
+    """A QuantizedQKV (B1 H1, D64) whose base-2 scores are exactly -u (u: (Nq, Nk)); V = 1 + 0.25 noise, -1 at key 0."""
+    nq, nk = u.shape
+    g = torch.Generator().manual_seed(seed)
+    q8 = torch.zeros(1, 1, nq, 64, dtype=torch.int8)
+    q8[..., 0] = 1
+    k8 = torch.zeros(1, 1, nk, 64, dtype=torch.int8)
+    k8[..., 0] = -1
+    # Per-key scores need a per-(row, key) term: one query row per call, stacked below.
+    assert nq == 1
+    v = 1.0 + 0.25 * (2 * torch.rand(1, 1, nk, 64, generator=g) - 1)
+    v[:, :, 0] = -1.0
+    vq, vs = ((v * 224).to(torch.float8_e4m3fn), 1 / 224) if pv == "fp8" else ((v * 16384).half(), 1 / 16384)
+    return quant.QuantizedQKV(q8, torch.ones(1, 1, 1), k8, u.float().reshape(1, 1, nk), vq,
+                              torch.full((1, 1, 64), vs), None)
+
+
+def one_pass_fp8(qq: quant.QuantizedQKV, tile: int) -> torch.Tensor:
+    """An independent FP64 model of the kernels' online softmax: per key tile the shift is the tile's max, at least
+    the running max less 64; P = e4m3(448 * 2^(s - shift)); the accumulator and the row sum of unrounded P move to
+    each tile's shift."""
+    s = reference.qk_scores_base2(qq.q8, qq.q_scale, qq.k8, qq.k_scale).double()
+    v = qq.v.double()
+    acc = torch.zeros(*s.shape[:-1], v.shape[-1], dtype=torch.float64)
+    row = torch.zeros(*s.shape[:-1], 1, dtype=torch.float64)
+    shift = running = torch.full_like(row, -math.inf)
+    for t0 in range(0, s.shape[-1], tile):
+        st = s[..., t0:t0 + tile]
+        tile_max = st.amax(dim=-1, keepdim=True)
+        running = torch.maximum(running, tile_max)
+        new = torch.maximum(tile_max, running - 64)
+        p = torch.exp2(st - new) * 448
+        alpha = torch.exp2(shift - new)
+        acc = acc * alpha + p.float().to(torch.float8_e4m3fn).double() @ v[..., t0:t0 + tile, :]
+        row = row * alpha + p.sum(dim=-1, keepdim=True)
+        shift = new
+    return acc / row * qq.v_scale.double().unsqueeze(2)
+
+
+def test_fp8_tile_tops_follow_the_kernels_rule():
+    """Each key's top is its tile's max, floored 64 below the running max (a tile 75 below it takes max - 64; a
+    fully masked tile the floor too); a row before any live key has top 0; NaN stays in its row."""
+    inf = math.inf
+    s = torch.tensor([[-3.0, -5.0, 5.0, 1.0, -75.0, -80.0, -inf, -inf, -inf],
+                      [-inf, -inf, -2.0, -inf, -inf, -inf, -inf, -inf, -inf],
+                      [0.0, math.nan, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    top = reference.fp8_p_tops(s, 2)
+    assert top[0].tolist() == [-3.0, -3.0, 5.0, 5.0, -59.0, -59.0, -59.0, -59.0, -59.0]
+    assert top[1].tolist() == [0.0, 0.0, -2.0, -2.0, -66.0, -66.0, -66.0, -66.0, -66.0]
+    assert torch.isnan(top[2]).all()
+
+
+@pytest.mark.parametrize("tile", [32, 64])
+def test_fp8_tile_grid_is_the_one_pass_kernel(tile):
+    """The spec with p_tile equals the independent one-pass model (the max arrives late, tiles 70 below it, a tail
+    tile) to FP32 rounding, while the row max's grid differs from it by far more; p_tile >= Nk is the row grid."""
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for r in range(6):
+        u = 14 * torch.rand(1, 300, generator=g, dtype=torch.float64)
+        u[0, 200 + r] = -1.0          # the row max comes in a late tile
+        u[0, 70:130] += 70.0          # whole tiles far below it: their tops are floored
+        rows.append(u)
+    for u in rows:
+        qq = scored_qq(u)
+        model = one_pass_fp8(qq, tile)
+        tiled, _ = reference.attention_from_quantized(qq, pv="fp8", p_tile=tile)
+        row_grid, _ = reference.attention_from_quantized(qq, pv="fp8")
+        assert rel_l1(tiled.double(), model) < 1e-6, rel_l1(tiled.double(), model)
+        assert rel_l1(row_grid.double(), model) > 2e-4
+        assert torch.equal(reference.attention_from_quantized(qq, pv="fp8", p_tile=300)[0], row_grid)
+
+
+def test_p_tile_is_checked_and_fp16_ignores_it():
+    q, k, v = diffusion_like(nq=40, d=64, dtype=torch.float32)
+    for bad in (0, -64, 64.0, True):
+        with pytest.raises(ValueError, match="p_tile"):
+            reference_attention(q, k, v, p_tile=bad)
+    plain, _ = reference_attention(q, k, v, pv="fp16")
+    assert torch.equal(reference_attention(q, k, v, pv="fp16", p_tile=16)[0], plain)
+
+
+def test_fp16_p_tops_at_2_pow_15():
+    """FP16 P is fp16(p * 2^15) / 2^15: a weight of 2^-20 of the max keeps fp16's 11 bits (p.half() would leave it
+    a subnormal on a 2^-24 grid, 2^-26 and below would be zeros)."""
+    u = torch.zeros(1, 3, dtype=torch.float64)
+    u[0, 1], u[0, 2] = 20.0 + 1 / 3, 27.0
+    qq = scored_qq(u, pv="fp16")
+    qq.v = torch.zeros_like(qq.v)
+    qq.v[0, 0, :, 0] = torch.tensor([0.0, 1.0, 1.0], dtype=torch.float16)
+    qq.v_scale = torch.ones_like(qq.v_scale)
+    out = reference.attention_from_quantized(qq, pv="fp16")[0][0, 0, 0, 0].double()
+    w = 2.0 ** -u[0].double()
+    exact = (w[1] + w[2]) / w.sum()
+    assert abs(float(out - exact)) < 2.0 ** -11 * float(exact)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The verification-only model of a flushing WMMA (model_flushing_wmma)
+# ------------------------------------------------------------------------------------------------------------------
+def test_flush_model_zeroes_subnormal_p_only():
+    """Under the model P.V reads subnormal P (e4m3 below 2^-6, fp16 below 2^-14) as zero and the row sum keeps them:
+    three keys at 2^0, 2^-12 and 2^-18 of the max; the 2^-18 key's FP8 P (448 * 2^-18 = 2^-9.2) is a subnormal on
+    the row grid, so only its V drops out; FP16 P (2^15 top: 2^-3) stays."""
+    u = torch.tensor([[0.0, 12.0, 18.0]], dtype=torch.float64)
+    for pv in ("fp8", "fp16"):
+        qq = scored_qq(u, pv=pv)
+        qq.v = torch.zeros_like(qq.v)
+        qq.v[0, 0, :, 0] = torch.tensor([0.0, 0.0, 1.0]).to(qq.v.dtype)
+        qq.v_scale = torch.ones_like(qq.v_scale)
+        kept = reference.attention_from_quantized(qq, pv=pv)[0][0, 0, 0, 0]
+        flushed = reference.attention_from_quantized(qq, pv=pv, model_flushing_wmma=True)[0][0, 0, 0, 0]
+        assert float(kept) > 0.5 * 2.0 ** -18
+        assert float(flushed) == (0.0 if pv == "fp8" else float(kept)), (pv, float(flushed))
+
+
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+def test_tile_grid_survives_a_flushing_wmma_on_a_long_tail(pv):
+    """Long tail (every row's max in key 0, 2047 keys 2^-15..2^-16 below it): under the flush model the row max's grid
+    (FP8; FP16 P in [0, 1], the kernels before) loses 2.5e-2 / 5.1e-2 rel L1 against exact attention, the kernels'
+    grid now (FP8 p_tile = HIP's BN; FP16 topped at 2^15) 7.7e-4 / 3.9e-7."""
+    from comfyui_sage_rdna4.kernels.verify import subnormal_model as sm
+    qq, exact = sm.long_tail_qq(pv, 2048, (15.0, 16.0))
+    before = sm.rel_l1(sm.grid_model(qq, pv, "before", flush=True), exact)
+    after = sm.rel_l1(sm.grid_model(qq, pv, "after", flush=True), exact)
+    assert before > 1e-2 and after < 1e-3, (before, after)
+
+
+def test_flush_model_is_never_passed_by_the_product():
+    """model_flushing_wmma is verification only: no module outside kernels/verify/ and tests/ names it, except the
+    spec that defines it."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    users = [p.relative_to(root).as_posix() for p in root.rglob("*.py")
+             if "model_flushing_wmma" in p.read_text(encoding="utf-8")]
+    product = [p for p in users if not p.startswith(("tests/", "kernels/verify/")) and p != "kernels/reference.py"]
+    assert not product, product
+    assert "kernels/verify/subnormal_model.py" in users

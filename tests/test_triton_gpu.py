@@ -60,9 +60,16 @@ def test_flux_shape_accuracy(kernel):
     print(f"{kernel} flux: cos {cos:.6f} rel_l1 {err:.4f}")
     assert cos >= 0.999
     pv = kernel.rsplit("_", 1)[1]
-    spec, _ = reference.reference_attention(q, k, v, pv=pv)
-    # FP8 rounds P against the running row max (the spec: the final one): two roundings of P differ.
-    assert metrics.cosine(out.float(), spec.float()) >= (0.9995 if pv == "fp8" else 0.9999)
+    from comfyui_sage_rdna4.kernels.backends.triton.configs import attention_config
+    from comfyui_sage_rdna4.kernels.call_spec import device_arch
+    # The spec on the kernel's P grid (FP8: each key tile of the config's block_n keys against its own max). Apart
+    # from the prologue's rare one-step codes (CUDA's reciprocal) the two differ by summation order and exp2's last
+    # bit, both rounded to bf16; on the row max's grid FP8 differed by ~2.5 % (interpreter, CPU: 1e-4 on its grid).
+    p_tile = attention_config(device_arch(q.device), 128, pv).block_n
+    spec, _ = reference.reference_attention(q, k, v, pv=pv, p_tile=p_tile)
+    cos_spec, err_spec = metrics.cosine(out.float(), spec.float()), metrics.rel_l1(out.float(), spec.float())
+    print(f"{kernel} flux vs spec(p_tile={p_tile}): cos {cos_spec:.7f} rel_l1 {err_spec:.2e}")
+    assert cos_spec >= 0.99995 and err_spec <= 2e-3
     sdpa = sdpa_hnd(q, k, v, 128 ** -0.5)
     assert metrics.cosine(out.float(), sdpa.float()) >= 0.999
 

@@ -361,10 +361,20 @@ def attention(run: Callable, qq: quant.QuantizedQKV, *, pv, is_causal, out_dtype
     return out, lse
 
 
+# The HIP kernels' FP8 P grid: each key tile of BN keys takes its own max as its 448 (sage_attention.hip attend_tile).
+HIP_P_TILE = kernel_abi.ATT_BLOCK_N
+
+
+def hip_spec(qq: quant.QuantizedQKV, **kwargs):
+    """The spec's attention half on the HIP kernels' P grid (FP8: p_tile = BN; FP16 P has one grid)."""
+    return reference.attention_from_quantized(qq, p_tile=HIP_P_TILE, **kwargs)
+
+
 def attention_report(out, lse, qq, q, k, v, *, pv, is_causal, sm_scale) -> Dict[str, float]:
-    """Kernel output against the spec's attention half (same QuantizedQKV) and against exact attention."""
-    ref_o, ref_l = reference.attention_from_quantized(qq, pv=pv, is_causal=is_causal, return_lse=lse is not None,
-                                                      q=q, sm_scale=sm_scale, out_dtype=out.dtype)
+    """Kernel output against the spec's attention half on the kernel's P grid (same QuantizedQKV) and against exact
+    attention."""
+    ref_o, ref_l = hip_spec(qq, pv=pv, is_causal=is_causal, return_lse=lse is not None, q=q, sm_scale=sm_scale,
+                            out_dtype=out.dtype)
     ex_o, ex_l = reference.exact_attention(q, k, v, is_causal=is_causal, sm_scale=sm_scale, return_lse=True)
     o, r = out.float(), ref_o.float()
     rep = {
@@ -375,19 +385,22 @@ def attention_report(out, lse, qq, q, k, v, *, pv, is_causal, sm_scale) -> Dict[
         "ref_rel_l1_vs_exact": metrics.rel_l1(r, ex_o),
         "nonfinite": int((~torch.isfinite(o)).sum()),
     }
+    if pv == "fp8":  # for the record: the spec's row-max grid, which FP8 P no longer shares with the kernel
+        row_o, _ = reference.attention_from_quantized(qq, pv=pv, is_causal=is_causal, out_dtype=out.dtype)
+        rep["rel_l1_vs_row_grid_ref"] = metrics.rel_l1(o, row_o.float())
     if lse is not None:
         rep["lse_max_abs_vs_ref"] = float((lse - ref_l).abs().max())
         rep["lse_max_abs_vs_exact"] = float((lse - ex_l).abs().max())
     return rep
 
 
-# Tolerances of the kernel against the spec's attention half. FP16 P.V: the two agree to ~1e-4
-# (summation order, exp2 rounding). FP8 P.V: the spec rounds P = exp2(s - final row max) to e4m3, the
-# kernel (one pass, online softmax) rounds exp2(s - each key tile's max) to e4m3 and rescales the accumulator,
-# so many P entries land on a neighbouring e4m3 value: the two results differ by 0.5-2.5 % (relative
-# L1), growing with the number of key tiles, while each is equally far from exact attention (checked
-# below: the kernel may not be worse than the spec against exact attention).
-TOL_REL_L1_VS_REF = {"fp8": 0.03, "fp16": 2e-3}
+# Tolerances of the kernel against the spec's attention half on the kernel's P grid (hip_spec: FP8 P rounded against
+# each key tile's own max, as attend_tile does), same QuantizedQKV, outputs rounded to the same dtype. Both P.V kinds
+# then differ only by exp2's last bit, the summation order and the output roundings they move: host simulator (CPU),
+# tests/test_host_sim.py's attention cases: FP8 <= 2.4e-4, FP16 <= 9e-5 (figures:
+# docs/MEASUREMENTS.md#one-p-grid-for-the-spec-and-the-kernels). Against the row max's grid FP8 differed by
+# 0.5-3.3 % (held to 3 % then). The kernel may not be worse than the spec against exact attention either (below).
+TOL_REL_L1_VS_REF = {"fp8": 2e-3, "fp16": 2e-3}
 TOL_LSE = 2e-3
 
 
@@ -418,8 +431,8 @@ def assert_nonfinite_like_spec(out, lse, qq, q, k, v, *, where, pv, is_causal, s
     (tests/test_fuzz.py's rule); the LSE is NaN where the spec's is; all other outputs match the spec."""
     qq_cpu = quant.QuantizedQKV(*(None if getattr(qq, f) is None else getattr(qq, f).cpu() for f in QQ_FIELDS))
     q, k, v, out = q.cpu(), k.cpu(), v.cpu(), out.cpu().float()
-    ref, ref_lse = reference.attention_from_quantized(qq_cpu, pv=pv, is_causal=is_causal, return_lse=True, q=q,
-                                                      sm_scale=sm_scale, out_dtype=q.dtype)
+    ref, ref_lse = hip_spec(qq_cpu, pv=pv, is_causal=is_causal, return_lse=True, q=q, sm_scale=sm_scale,
+                            out_dtype=q.dtype)
     exact, _ = reference.exact_attention(q, k, v, is_causal=is_causal, sm_scale=sm_scale)
     bad_out, bad_ref = ~torch.isfinite(out), ~torch.isfinite(ref.float())
     assert torch.isnan(out[bad_out]).all(), "non-finite outputs must be NaN"
@@ -455,7 +468,7 @@ def assert_overflow_safe(out, qq, v, *, pv, is_causal):
     """Finite output; the constant channels come out as +-max|V| (FP8 rounding of P: within 7 %), never beyond
     the dtype's finite range; everything matches the spec's attention half."""
     qq_cpu = quant.QuantizedQKV(*(None if getattr(qq, f) is None else getattr(qq, f).cpu() for f in QQ_FIELDS))
-    ref, _ = reference.attention_from_quantized(qq_cpu, pv=pv, is_causal=is_causal, out_dtype=out.dtype)
+    ref, _ = hip_spec(qq_cpu, pv=pv, is_causal=is_causal, out_dtype=out.dtype)
     o, c = out.cpu().float(), POISON_CHANNEL
     assert torch.isfinite(o).all(), f"{int((~torch.isfinite(o)).sum())} non-finite outputs"
     top = float(v.float().abs().max())

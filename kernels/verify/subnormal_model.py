@@ -1,26 +1,23 @@
-"""Long-tail attention inputs and a torch model of the HIP kernels' P grid, with and without a flushing WMMA.
+"""Long-tail attention inputs and the kernels' P grid (the spec's, reference.py) with and without a flushing WMMA.
 
 Verification only. Nothing here has run on RDNA4: whether its WMMA flushes subnormal inputs is unknown; the
 emulation's emu_flush_subnormal option (kernel_abi.VERIFY_OPTIONS) models a unit that does.
 
 The inputs (long_tail_qq) put each row's largest score in key 0, so the kernels' running max is the final max
-from the first key tile on: the online softmax then rounds exactly the P that this one-pass model rounds (up to
-v_exp_f32's last bit and the summation order), which the tests check against the host simulator.
+from the first key tile on; the spec's one-pass P grid (p_tile = the kernel's key tile) is then the kernels' up to
+v_exp_f32's last bit and the summation order, which the tests check against the host simulator.
 
     python -m comfyui_sage_rdna4.kernels.verify.subnormal_model     (prints the table of docs/MEASUREMENTS.md)
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from .. import quant, reference
-
-E4M3_MIN_NORMAL = 2.0 ** -6
-F16_MIN_NORMAL = 2.0 ** -14
-FP8_P_LOG2_MAX = 8.80733967  # sage_attention.hip: the row max's FP8 P is exp2 of this (447.9953)
+from ..backends.hip import kernel_abi
 
 
 def long_tail_qq(pv: str, nk: int, tail_log2: Tuple[float, float], *, batch: int = 2, nq: int = 128, d: int = 64,
@@ -53,73 +50,58 @@ def long_tail_qq(pv: str, nk: int, tail_log2: Tuple[float, float], *, batch: int
     return qq, exact
 
 
-def kernel_p_model(qq: quant.QuantizedQKV, pv: str, *, flush: bool, fp16_p_log2_top: float = 0.0,
-                   fp8_tile_top: bool = False, tile: int = 64) -> torch.Tensor:
-    """The HIP kernels' output (FP32) on inputs whose max is in the first key tile. FP8: P = e4m3(exp2(s - m +
-    FP8_P_LOG2_MAX)), the row sum adds the unrounded P; `fp8_tile_top`: m is each key tile's own max instead (the
-    fixed kernel; tiles more than 64 below the row max are not modelled). FP16: P = fp16(exp2(s - m +
-    fp16_p_log2_top)), the row sum adds the fp16 P. `flush`: the WMMA reads subnormal P as zero (the row sum still
-    counts them)."""
+def spec_model(qq: quant.QuantizedQKV, pv: str, *, flush: bool, p_tile: Optional[int] = None) -> torch.Tensor:
+    """The spec's output (FP32) on its P grid: FP8 P against the row max (p_tile None: the kernels before the fix)
+    or each key tile's max (p_tile = the kernel's tile); `flush`: P.V reads subnormal P as zero, the row sum still
+    counts them (the spec's verification-only model_flushing_wmma)."""
+    return reference.attention_from_quantized(qq, pv=pv, p_tile=p_tile, model_flushing_wmma=flush)[0]
+
+
+def former_fp16_model(qq: quant.QuantizedQKV, *, flush: bool) -> torch.Tensor:
+    """The kernels' FP16 P before it topped at 2^15 (the spec no longer states it): P = fp16(2^(s - m)) in [0, 1],
+    the row sum adds the fp16 P; `flush` as in spec_model."""
     s = reference.qk_scores_base2(qq.q8, qq.q_scale, qq.k8, qq.k_scale)
-    m = s.amax(dim=-1, keepdim=True)
-    v = qq.v.float()
-    if pv == "fp8":
-        top = m
-        if fp8_tile_top:
-            nk = s.shape[-1]
-            tiles = torch.nn.functional.pad(s, (0, -nk % tile), value=-math.inf).unflatten(-1, (-1, tile))
-            top = tiles.amax(dim=-1, keepdim=True).expand_as(tiles).flatten(-2)[..., :nk]
-        p = torch.exp2(s - top + FP8_P_LOG2_MAX)
-        used = p.to(torch.float8_e4m3fn).float()
-        tiny = E4M3_MIN_NORMAL
-        weight = torch.exp2(top - m)  # each tile's P in units of the row max's
-        if flush:
-            used = torch.where(used < tiny, torch.zeros_like(used), used)
-        return ((used * weight) @ v) / (p * weight).sum(dim=-1, keepdim=True) * qq.v_scale.unsqueeze(2)
-    used = torch.exp2(s - m + fp16_p_log2_top).half().float()
+    used = torch.exp2(s - s.amax(dim=-1, keepdim=True)).half().float()
     row_sum = used.sum(dim=-1, keepdim=True)
     if flush:
-        used = torch.where(used < F16_MIN_NORMAL, torch.zeros_like(used), used)
-    return (used @ v) / row_sum * qq.v_scale.unsqueeze(2)
+        used = torch.where(used < quant.FP16_MIN_NORMAL, torch.zeros_like(used), used)
+    return (used @ qq.v.float()) / row_sum * qq.v_scale.unsqueeze(2)
+
+
+def grid_model(qq: quant.QuantizedQKV, pv: str, when: str, *, flush: bool) -> torch.Tensor:
+    """The kernels' P grid "before" the fix (FP8 against the row max, FP16 in [0, 1]) or "after" it (FP8 against
+    each HIP key tile's max, FP16 topped at 2^15): the output under `flush` or not."""
+    if pv == "fp16" and when == "before":
+        return former_fp16_model(qq, flush=flush)
+    p_tile = kernel_abi.ATT_BLOCK_N if pv == "fp8" and when == "after" else None
+    return spec_model(qq, pv, flush=flush, p_tile=p_tile)
 
 
 def rel_l1(out: torch.Tensor, exact: torch.Tensor) -> float:
     return float((out.double() - exact).abs().sum() / exact.abs().sum())
 
 
-def spec_output(qq: quant.QuantizedQKV, pv: str) -> torch.Tensor:
-    return reference.attention_from_quantized(qq, pv=pv)[0]
-
-
 TAILS = {"2^-8..2^-16": (8.0, 16.0), "2^-13..2^-17": (13.0, 17.0), "2^-15..2^-16": (15.0, 16.0)}
 
 
 def table(nks=(2048, 4096, 16384), tails=TAILS) -> Dict[tuple, Dict[str, float]]:
-    """rel L1 against exact attention per (pv, nk, tail): the spec, the kernel model kept/flushed, the FP8 kernel
-    with each tile's P topped at 448 and the FP16 kernel with P's top at 2^15 (kept/flushed)."""
+    """rel L1 against exact attention per (pv, nk, tail), kept / flushed: FP8 P on the row max's grid (the kernels
+    before the fix) and on each tile's (HIP's BN); FP16 P in [0, 1] (before) and topped at 2^15 (the spec now)."""
     rows = {}
     for pv in ("fp8", "fp16"):
         for nk in nks:
             for name, tail in tails.items():
                 qq, exact = long_tail_qq(pv, nk, tail)
-                row = {"spec": rel_l1(spec_output(qq, pv), exact),
-                       "kept": rel_l1(kernel_p_model(qq, pv, flush=False), exact),
-                       "flushed": rel_l1(kernel_p_model(qq, pv, flush=True), exact)}
-                if pv == "fp8":
-                    row["tiletop kept"] = rel_l1(kernel_p_model(qq, pv, flush=False, fp8_tile_top=True), exact)
-                    row["tiletop flushed"] = rel_l1(kernel_p_model(qq, pv, flush=True, fp8_tile_top=True), exact)
-                if pv == "fp16":
-                    row["top2^15 kept"] = rel_l1(kernel_p_model(qq, pv, flush=False, fp16_p_log2_top=15.0), exact)
-                    row["top2^15 flushed"] = rel_l1(kernel_p_model(qq, pv, flush=True, fp16_p_log2_top=15.0), exact)
-                rows[(pv, nk, name)] = row
+                rows[(pv, nk, name)] = {f"{when} {'flushed' if flush else 'kept'}": rel_l1(
+                    grid_model(qq, pv, when, flush=flush), exact) for when in ("before", "after") for flush in (0, 1)}
     return rows
 
 
 def main() -> None:
     for (pv, nk, name), row in table().items():
         print(f"{pv:5s} nk={nk:6d} tail {name:13s} " + "  ".join(f"{k} {v:.2e}" for k, v in row.items()))
-    print("(rel L1 against exact attention; FP8 P subnormal below 2^-6 = 2^%.1f of the row max)"
-          % (-6 - math.log2(447.9953)))
+    print("(rel L1 against exact attention; FP8 P subnormal below 2^-6 = 2^%.1f of its top)"
+          % (-6 - math.log2(quant.FP8_MAX)))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
 """The Triton attention kernel: INT8 Q.K^T -> INT32, exp2 online softmax, FP8 or FP16 P.V, FP32 accumulate.
 
 Input is a `quant.QuantizedQKV` (any prologue's). Scores are base 2 already (sm_scale*log2e lives in
-q_scale). For FP8 P.V the running row max is lowered by P_SHIFT = log2(447.797), so P = exp2(s - m)
-lands in [0, 447.8] and goes to e4m3 without a multiply; the row sum carries the same factor, so it
-cancels in acc / l. `row_max - P_SHIFT` rounds in FP32 (at |s| = 1e7 its ulp is 1), so the shifted max is
-rounded up by 2**-22 of itself (`_shifted_max`): then s - m <= P_SHIFT for every score of the row, also
-where s * q_scale - m is one FMA (exact product), and P <= 448 holds for every finite input.
+q_scale). P's grid is the spec's (reference.py, p_tile = BLOCK_N) and the HIP kernels': for FP8 P.V each
+key tile's own max, lowered by P_SHIFT = log2(448) - 2**-16, is the shift m of its P = exp2(s - m), which
+lands in [0, 447.9953] and goes to e4m3 without a multiply; m is floored FP8_TILE_SHIFT_RANGE below the
+running max's shift, and the accumulator and the row sum move to each tile's m (alpha may exceed 1), so the
+shifts cancel in acc / l and in the LSE. `row_max - P_SHIFT` rounds in FP32 (at |s| = 1e7 its ulp is 1), so
+the shifted max is rounded up by 2**-22 of itself (`_shifted_max`): then s - m <= P_SHIFT for every score of
+the tile, also where s * q_scale - m is one FMA (exact product), and P <= 448 holds for every finite input.
+FP16 P tops at 2**15 (the running max lowered by 15). Either way a matrix unit that flushes subnormal inputs
+drops no weight that counts (docs/MEASUREMENTS.md#one-p-grid-for-the-spec-and-the-kernels).
 Head dims are padded to a power of two inside the kernel (masked loads).
 Each program owns BLOCK_M query rows of one (batch, head); key tiles run in two stages: full tiles
 without masks, then the tail / causal-diagonal tiles with masks.
@@ -41,8 +45,12 @@ from .configs import AttentionConfig, ceil_div, padded_head_dim
 from .launcher import launch, tensor_key
 from .prologue import INTERPRETED, round_to_e4m3
 
-# exp2(P_SHIFT) stays below 448 even with an approximate exp2, so P never saturates e4m3.
-P_SHIFT = tl.constexpr(8.8067)  # log2(447.797)
+# exp2(P_SHIFT) = 447.9953 (the HIP kernels' FP8_P_LOG2_MAX): below 448 by 1.1e-5 relative, far more than exp2's
+# error (a few ulp on either target), so P never saturates e4m3; and 45x closer to the spec's 448 than log2(447.797)
+# was, whose 4.5e-4 bias on a peaked row's top P was the largest difference from the spec on the tile grid.
+P_SHIFT = tl.constexpr(8.80733967)  # log2(448) - 2**-16
+FP8_TILE_SHIFT_RANGE = tl.constexpr(quant.FP8_TILE_SHIFT_RANGE)
+FP16_P_LOG2_TOP = tl.constexpr(quant.FP16_P_LOG2_TOP)
 # Verification: a P above 448 at the FP8 conversion makes its row NaN (as gfx12's non-saturating conversion may),
 # so it reaches the output instead of saturating unseen. Always under the interpreter; compiled only where a test
 # sets it (and clears attention_launch's cache).
@@ -76,14 +84,14 @@ def _to_e4m3_gfx12(x):
 def _shifted_max(row_max):
     """fl(row_max - P_SHIFT) raised by 2**-22 of itself: at least the exact row_max - P_SHIFT plus the half ulp
     an FMA's unrounded s * q_scale can exceed the rounded row max by (|c| * 2**-22 is >= 2 ulp of c). The top P
-    then sits up to 2**-22 |c| binades below 447.8: nothing at ordinary scores, 3.4 binades at |s| = 1.4e7, where
-    the scores' own FP32 step is 1. A row with no key stays -inf."""
+    then sits up to 2**-22 |c| binades below 447.9953: nothing at ordinary scores, 3.4 binades at |s| = 1.4e7,
+    where the scores' own FP32 step is 1. A row with no key stays -inf."""
     c = row_max - P_SHIFT
     return tl.where(c == float("-inf"), c, c + tl.abs(c) * 2.384185791015625e-07)
 
 
 @triton.jit
-def _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
+def _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, start_n,
               offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -115,9 +123,15 @@ def _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
     if FOLD_Q_SCALE:
         row_max = row_max * q_scale
     if PV_FP8:
-        m_new = tl.maximum(m_i, _shifted_max(row_max))
+        # This tile's own max is its P's top, floored FP8_TILE_SHIFT_RANGE below the running max: P <= 448 as
+        # before (the shift is at least this tile's _shifted_max), and e4m3's normals reach 2^-14.8 of the tile's
+        # max instead of the row's (m_new: this tile's shift, m_run: the running max's).
+        tile_shift = _shifted_max(row_max)
+        m_run = tl.maximum(m_run, tile_shift)
+        m_new = tl.maximum(tile_shift, m_run - FP8_TILE_SHIFT_RANGE)
     else:
-        m_new = tl.maximum(m_i, row_max)
+        # FP16 P tops at 2^15: every weight above 2^-29 of the running max is an fp16 normal.
+        m_new = tl.maximum(m_i, row_max - FP16_P_LOG2_TOP)
     if FOLD_Q_SCALE:
         p = tl.math.exp2(s * q_scale[:, None] - m_new[:, None])
     else:
@@ -155,11 +169,11 @@ def _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
         acc = tl.dot(p, v, acc * alpha[:, None], max_num_imprecise_acc=BLOCK_N)
     else:
         acc = tl.dot(p, v, acc * alpha[:, None])
-    return acc, l_i, m_new
+    return acc, l_i, m_new, m_run
 
 
 @triton.jit
-def _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, lo, hi,
+def _key_tiles(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, lo, hi,
                offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -170,19 +184,19 @@ def _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, lo, hi,
         # Interpreter only: Triton 3.6's interpreter cannot take runtime range() bounds with numpy 2.
         start_n = lo
         while start_n < hi:
-            acc, l_i, m_i = _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
-                                      offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
-                                      HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, MASKED, IS_CAUSAL, PV_FP8, V_T,
-                                      EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P)
+            acc, l_i, m_i, m_run = _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, start_n,
+                                             offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
+                                             HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, MASKED, IS_CAUSAL, PV_FP8, V_T,
+                                             EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P)
             start_n += BLOCK_N
     else:
         # A for loop, so the software pipeliner can overlap loads with compute (num_stages > 1).
         for start_n in range(lo, hi, BLOCK_N):
-            acc, l_i, m_i = _key_tile(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, start_n,
-                                      offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
-                                      HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, MASKED, IS_CAUSAL, PV_FP8, V_T,
-                                      EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P)
-    return acc, l_i, m_i
+            acc, l_i, m_i, m_run = _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, start_n,
+                                             offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
+                                             HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, MASKED, IS_CAUSAL, PV_FP8, V_T,
+                                             EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P)
+    return acc, l_i, m_i, m_run
 
 
 @triton.jit
@@ -222,6 +236,7 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE,
     acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    m_run = m_i  # FP8: the running max's shift (FP16: unused)
 
     full_end = (Nk // BLOCK_N) * BLOCK_N
     if IS_CAUSAL:
@@ -230,14 +245,14 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE,
         full_end = tl.minimum(full_end, start_m)
     else:
         hi = Nk
-    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, 0, full_end,
-                               offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
-                               HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, False, IS_CAUSAL, PV_FP8, V_T,
-                               EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P, INTERPRETER)
-    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, full_end, hi,
-                               offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
-                               HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, True, IS_CAUSAL, PV_FP8, V_T,
-                               EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P, INTERPRETER)
+    acc, l_i, m_i, m_run = _key_tiles(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, 0, full_end,
+                                      offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
+                                      HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, False, IS_CAUSAL, PV_FP8, V_T,
+                                      EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P, INTERPRETER)
+    acc, l_i, m_i, m_run = _key_tiles(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, full_end, hi,
+                                      offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
+                                      HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, True, IS_CAUSAL, PV_FP8, V_T,
+                                      EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P, INTERPRETER)
 
     v_scale = tl.load(VS + (b64 * Hkv + hk64) * DV + offs_dv, mask=offs_dv < DV, other=0.0)
     inv_l = 1.0 / l_i
@@ -256,7 +271,8 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE,
     tl.store(O + b64 * sob + h64 * soh + offs_m[:, None] * son + offs_dv[None, :], out.to(O.dtype.element_ty),
              mask=m_live[:, None] & (offs_dv[None, :] < DV))
     if STORE_LSE:
-        # Natural-log LSE of the base-2 scores; for FP8 the shift cancels between m_i and l_i.
+        # Natural-log LSE of the base-2 scores; the last tile's shift (and FP8's 448, FP16's 2^15) cancels between
+        # m_i and l_i.
         lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
         tl.store(LSE + q_row0 + offs_m, lse, mask=m_live)
 
