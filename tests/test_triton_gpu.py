@@ -65,7 +65,7 @@ def test_flux_shape_accuracy(kernel):
     # The spec on the kernel's P grid (FP8: each key tile of the config's block_n keys against its own max). Apart
     # from the prologue's rare one-step codes (CUDA's reciprocal) the two differ by summation order and exp2's last
     # bit, both rounded to bf16; on the row max's grid FP8 differed by ~2.5 % (interpreter, CPU: 1e-4 on its grid).
-    p_tile = attention_config(device_arch(q.device), 128, pv).block_n
+    p_tile = attention_config(device_arch(q.device.type, q.device.index), 128, pv).block_n
     spec, _ = reference.reference_attention(q, k, v, pv=pv, p_tile=p_tile)
     cos_spec, err_spec = metrics.cosine(out.float(), spec.float()), metrics.rel_l1(out.float(), spec.float())
     print(f"{kernel} flux vs spec(p_tile={p_tile}): cos {cos_spec:.7f} rel_l1 {err_spec:.2e}")
