@@ -22,9 +22,10 @@ class SageAttentionBenchmarkRDNA4(io.ComfyNode):
             node_id="SageAttentionBenchmarkRDNA4",
             display_name="Sage Attention Benchmark (RDNA4)",
             category="model_patches/attention",
-            description="Samples twice with the same seed, once with exact SDPA and once with the patched "
-                        "attention, and reports per-step times, their ratio, the attention share of each step, "
-                        "and how close the patched result is to the SDPA one. The first step is warm-up and is "
+            description="Samples twice with the same seed, once with the model's own attention (as without "
+                        "the patch; SDPA in a default ComfyUI) and once with the patched attention, and reports "
+                        "per-step times, their ratio, the attention share of each step, and how close the "
+                        "patched result is to the unpatched one. The first step is warm-up and is "
                         "excluded from the totals. The JSON report goes to the output folder (sage_rdna4/).",
             inputs=[
                 io.Model.Input("model", tooltip="A model from the Patch Sage Attention (RDNA4) node (its settings "
