@@ -24,10 +24,15 @@ def device_arch(device_type: str, index: Optional[int]) -> str:
     """'cpu', 'sm_90' on NVIDIA, 'gfx1201' on ROCm (feature suffixes like ':sramecc+' dropped)."""
     if device_type != "cuda":
         return device_type
-    props = torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device())
+    return arch_from_properties(torch.cuda.get_device_properties(
+        index if index is not None else torch.cuda.current_device()))
+
+
+def arch_from_properties(props) -> str:
+    """The arch name of a GPU from its torch device properties (uncached: `device_arch` caches it per device)."""
     if getattr(torch.version, "hip", None):
         return str(getattr(props, "gcnArchName", "gfx_unknown")).split(":")[0]
-    return f"sm_{props.major}{props.minor}"
+    return f"sm_{getattr(props, 'major', 0)}{getattr(props, 'minor', 0)}"
 
 
 def is_rocm() -> bool:

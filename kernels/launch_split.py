@@ -25,6 +25,8 @@ from typing import Dict, Iterator, List, NamedTuple, Optional
 
 import torch
 
+from .call_spec import arch_from_properties
+
 # Dense INT8 WMMA / tensor-core operations per clock per CU (AMD) or SM (NVIDIA), a multiply-add counting 2:
 # peak TOPS / (CUs x clock) from each architecture's published figures (docs/MEASUREMENTS.md#split-launches).
 # AMD archs match by prefix; NVIDIA's exactly (sm_103 is not sm_100's rate).
@@ -123,10 +125,8 @@ def device_bound(device: Optional[torch.device]) -> LaunchBound:
     if bound is None:
         props = torch.cuda.get_device_properties(index)
         rocm = bool(getattr(torch.version, "hip", None))
-        # The arch as call_spec.device_arch names it (read here from these properties: that one is cached).
-        arch = (str(getattr(props, "gcnArchName", "")).split(":")[0] if rocm
-                else f"sm_{getattr(props, 'major', 0)}{getattr(props, 'minor', 0)}")
-        bound = _device_bounds[index] = launch_bound(arch, getattr(props, "multi_processor_count", 0),
+        bound = _device_bounds[index] = launch_bound(arch_from_properties(props),
+                                                     getattr(props, "multi_processor_count", 0),
                                                      getattr(props, "clock_rate", 0), host_os(), rocm)
     return bound
 
