@@ -65,17 +65,18 @@ def fp8_p_tops(s: torch.Tensor, p_tile: int) -> torch.Tensor:
     return top.repeat_interleave(p_tile, dim=-1)[..., :nk]
 
 
-def rounded_pv(s: torch.Tensor, row_max: torch.Tensor, v_f: torch.Tensor, *, pv: str, p_tile: Optional[int],
-               model_flushing_wmma: bool) -> torch.Tensor:
-    """P.V on the spec's P grid, in units of the row max's P (1 at the max). row_max: 0 in empty rows."""
+def rounded_pv(s: torch.Tensor, p: torch.Tensor, row_max: torch.Tensor, v_f: torch.Tensor, *, pv: str,
+               p_tile: Optional[int], model_flushing_wmma: bool) -> torch.Tensor:
+    """P.V on the spec's P grid, in units of the row max's P (1 at the max). p = exp2(s - row_max); row_max: 0 in
+    empty rows."""
     if pv == "fp16":
         top = 2.0 ** quant.FP16_P_LOG2_TOP
-        p = (torch.exp2(s - row_max) * top).half().float()
+        p = (p * top).half().float()
         if model_flushing_wmma:
             p = torch.where(p < quant.FP16_MIN_NORMAL, torch.zeros_like(p), p)
         return torch.matmul(p, v_f) / top
     top = row_max if p_tile is None else fp8_p_tops(s, p_tile)
-    p = quant.quantize_p_fp8(torch.exp2(s - top))
+    p = quant.quantize_p_fp8(p if p_tile is None else torch.exp2(s - top))
     if model_flushing_wmma:
         p = torch.where(p < quant.E4M3_MIN_NORMAL, torch.zeros_like(p), p)
     if p_tile is not None:
@@ -131,7 +132,7 @@ def attention_from_quantized(qq: quant.QuantizedQKV, *, pv: str, is_causal: bool
         p = torch.exp2(s - safe_max)
         p = torch.where(alive, p, torch.zeros_like(p))
         row_sum = p.sum(dim=-1, keepdim=True)
-        acc = rounded_pv(s, safe_max, v_f, pv=pv, p_tile=p_tile, model_flushing_wmma=model_flushing_wmma)
+        acc = rounded_pv(s, p, safe_max, v_f, pv=pv, p_tile=p_tile, model_flushing_wmma=model_flushing_wmma)
         o = acc / row_sum * v_scale  # divide first: acc * v_scale overflows FP32 for V near the bf16/fp32 max
         if v_mean is not None:
             o = o + v_mean  # smooth_v: the rows of P sum to 1, so the mean comes back whole
