@@ -7,8 +7,10 @@ import torch
 
 from . import backends  # noqa: F401  (registers every backend lazily)
 from .call_spec import describe_call
+from .dispatch import settled_route
 from .quant import default_sm_scale
-from .registry import KernelRefused, choose_backend
+from .registry import KernelRefused
+from .routing import REFUSE
 
 LAYOUTS = ("HND", "NHD")
 
@@ -27,7 +29,7 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_lay
     selects, floating is added to the scores (natural-log units); other dtypes raise ValueError. A call that
     needs a gradient (grad mode on, an input requiring grad) is refused by every quantized kernel: `auto`
     takes SDPA, an explicit quantized kernel raises KernelRefused. `kernel="auto"` picks the best backend that
-    accepts the call (on a GPU: the fastest measured at first use, kernels/autotune.py); an explicit
+    accepts the call (on a GPU: the fastest measured at first use, kernels/tuner.py); an explicit
     name runs exactly that backend or raises KernelRefused with the reason. `smooth_v` takes V's
     per-channel mean out before quantizing and adds it back to the output (exact; docs/MEASUREMENTS.md,
     "Why smooth_v is off", says when it helps). Returns the output in q's layout and dtype, and with
@@ -43,9 +45,9 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_lay
     # An autograd call is not measured: no quantized kernel takes it (registry.Backend.why_not), and an empty
     # decision made on it would keep auto from measuring that kind of call for the rest of the process.
     tensors = None if call.requires_grad else (qh, kh, vh)
-    selection = choose_backend(call, kernel, tensors=tensors, sm_scale=float(sm_scale), attn_mask=attn_mask)
-    if selection.refusal is not None:
-        raise KernelRefused(selection.backend.name, selection.refusal)
-    out, lse = selection.backend.launch(qh, kh, vh, call, float(sm_scale), attn_mask)
+    route = settled_route(call, kernel, tensors=tensors, sm_scale=float(sm_scale), attn_mask=attn_mask)
+    if route.kind == REFUSE:
+        raise KernelRefused(route.kernel, route.reason)
+    out, lse = route.backend.launch(qh, kh, vh, call, float(sm_scale), attn_mask)
     out = to_hnd(out, tensor_layout)
     return (out, lse) if return_lse else out

@@ -252,13 +252,12 @@ def bench_shape(shape: Shape, device: torch.device, backends: List[str], reps: i
 
 
 def auto_choice(q, k, v, call):
-    """What `auto` takes for this shape and why: on a GPU its first-use measurement (kernels/autotune.py)."""
-    from .autotune import default_tuner
-    from .registry import choose_backend
+    """What `auto` takes for this shape and why: on a GPU its first-use measurement (kernels/tuner.py)."""
+    from .dispatch import settled_route
 
-    backend = choose_backend(call, "auto", tensors=(q, k, v)).backend
-    decision = default_tuner().decision_for(call)
-    return backend, (decision.summary if decision is not None else "auto measured nothing here: static order")
+    route = settled_route(call, "auto", tensors=(q, k, v))
+    decision = route.decision
+    return route.backend, (decision.summary if decision is not None else "auto measured nothing here: static order")
 
 
 COLUMNS = """\

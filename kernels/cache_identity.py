@@ -1,6 +1,6 @@
 """What an entry cached on the user's machine is keyed by: the GPU and its driver, the pack version and
 the kernel sources. Shared by the self-check's pass cache (self_check.PassCache) and auto's measured
-choices (autotune.DecisionStore); imports nothing of the registry, so both can use it."""
+choices (decisions.DecisionStore); imports nothing of the registry, so both can use it."""
 from __future__ import annotations
 
 import ctypes

@@ -1,6 +1,6 @@
 """The pack's files on the user's disk, for every kind of entry: where they live, how they are keyed, and how
 one is written and read back. Kinds: HIP code objects (kernels/backends/hip), self-check passes
-(self_check.PassCache) and auto's measured choices (autotune.DecisionStore), each in its own subfolder.
+(pass_cache.PassCache) and auto's measured choices (decisions.DecisionStore), each in its own subfolder.
 
 Folder: $SAGE_RDNA4_CACHE if set; else %LOCALAPPDATA%\\comfyui_sage_rdna4 on Windows, $XDG_CACHE_HOME (or
 ~/.cache)/comfyui_sage_rdna4 elsewhere; then one subfolder per kind (`KINDS`). A kind whose folder cannot

@@ -29,8 +29,10 @@ import torch
 from . import benchmark as bench
 from . import launch_split, settings
 from .call_spec import describe_call
-from .registry import choose_backend, get_backend
-from .self_check import DEFAULT_CASES, Variant, _case_call, backend_attention, run_self_check
+from .dispatch import settled_route
+from .registry import get_backend
+from .routing import EXACT, RUN
+from .self_check import DEFAULT_CASES, Variant, backend_attention, case_call, run_self_check
 
 SCHEMA = 1
 QUANTIZED = ("hip_int8_fp8", "hip_int8_fp16", "triton_int8_fp8", "triton_int8_fp16")
@@ -189,7 +191,7 @@ def self_check_targets(device: torch.device) -> List[Dict]:
                         Variant(own, "token", True, True)):
             targets.append({"kernel": name, "variant": variant.describe(),
                             "attention": backend_attention(backend, variant),
-                            "refuse": lambda case, b=backend, v=variant: b.refuse(_case_call(case, like, v))})
+                            "refuse": lambda case, b=backend, v=variant: b.refuse(case_call(case, like, v))})
     if device.type != "cuda":
         targets.append({"kernel": "reference (the spec, CPU)", "variant": "torch prologue, per-token INT8, smooth_k on",
                         "attention": backend_attention(get_backend("reference"), Variant("auto", "token", True, False)),
@@ -282,11 +284,11 @@ def auto_section(device: torch.device, say: Callable[[str], None]) -> List[Dict]
         entry = {"shape": shape.name}
         try:
             q, k, v = bench.make_inputs(shape, device)
-            sel = choose_backend(describe_call(q, k, v), "auto", quantized_only=True, tensors=(q, k, v))
-            decision = getattr(sel.decision, "summary", None)
-            entry.update(chosen=sel.backend.name if sel.backend else "exact attention (the call site's own)",
-                         exact_reason=sel.exact_reason, measured=sel.measured, passed_over=dict(sel.passed_over),
-                         decision=decision)
+            route = settled_route(describe_call(q, k, v), "auto", quantized_only=True, tensors=(q, k, v))
+            decision = getattr(route.decision, "summary", None)
+            entry.update(chosen=route.ran or "exact attention (the call site's own)",
+                         exact_reason=None if route.kind == RUN else route.reason, measured=route.kind == EXACT,
+                         passed_over=dict(route.passed_over), decision=decision)
             del q, k, v
         except Exception as exc:
             entry.update(_error(exc))

@@ -4,23 +4,29 @@ A backend answers, each with a reason string or None:
   * `unavailable(device_type, index)`: can it run on this device at all (import, driver, arch)?
   * `refuse(call)`: can it take this particular call (dtype, head_dim, mask, ...)?
   * `why_not(call)`: both, plus a first-use verification already recorded as failed. A pure query.
-  * `ready(call)`: `why_not`, then the first-use verification (`verify`) where it has not run yet: the one
-    step that runs a kernel's self-check. `choose_backend` and `backend(q, k, v, call, ...)` ask it, so a
-    forced kernel can never be answered by another one, nor serve a call unverified.
+  * `check_pending(call)`: whether a first-use verification must still run before it may serve the call.
+  * `verify(call)`: that verification (kernels/gating.py runs it when a route asks for it); `ready(call)` is
+    `why_not`, then `verify`: what `backend(q, k, v, call, ...)` asks, so a forced kernel can never serve a
+    call unverified.
 
-`choose_backend` returns a `Selection`: the backend, the backends passed over and why, and whether (and why)
-exact attention was chosen instead. Callers that keep selections per call signature (the ComfyUI override)
-trust them only while `decision_generation()` is unchanged: a backend disabled by its verification bumps it.
+Where a call goes is kernels/routing.py's query over these answers. Callers that keep routes per call signature
+(the ComfyUI override) trust them only while `decision_generation()` is unchanged: a backend disabled by its
+verification bumps it.
 """
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from .call_spec import AUTOGRAD_REFUSAL, AttentionCall
+from .gating import first_use_check
+
+# Re-exported: every cache of decisions and every caller that catches a refusal reads them from here.
+from .generation import decision_generation, invalidate_decisions  # noqa: F401
+from .refusal import KernelRefused, named_reason  # noqa: F401
+from .self_check import Variant
 
 # Stable names, in the order the node lists them.
 BACKEND_NAMES = (
@@ -35,42 +41,12 @@ BACKEND_NAMES = (
 )
 
 
-_generation = 0
-_generation_lock = threading.Lock()
-
-
-def decision_generation() -> int:
-    """A number that changes whenever a decision made earlier may no longer hold: a backend disabled (by its
-    self-check or by hand) or a failed self-check verdict recorded. A cache of decisions compares it to the one
-    it read before deciding. (Replacing `_REGISTRY` entries or `_disabled` directly, as tests do, bumps nothing:
-    call `invalidate_decisions` after such a change.)"""
-    return _generation
-
-
-def invalidate_decisions() -> None:
-    """Tell every cache of backend decisions that its entries are stale (see `decision_generation`)."""
-    global _generation
-    with _generation_lock:  # two bumps at once must not collapse into one
-        _generation += 1
-
-
-class KernelRefused(RuntimeError):
-    """An explicitly requested backend cannot take this call; `reason` says why.
-
-    The message names the backend once, also when the reason already starts with its name."""
-
-    def __init__(self, backend: str, reason: str):
-        named = reason.startswith(f"{backend}:") or reason.startswith(f"{backend} ")
-        super().__init__(reason if named else f"{backend}: {reason}")
-        self.backend = backend
-        self.reason = reason
-
-
 class Backend:
     """Base class. Subclasses set `name`, `description`, and implement `_unavailable`, `refuse`, `launch`.
 
-    A backend built with a `selfcheck` (kernels.self_check.SelfCheck) proves itself on first use of each device
-    and variant (`verify`) wherever `needs_verification(call)` says so; `own_prologue` is the prologue its
+    A backend built with `verdicts` (kernels.gating.Verdicts) proves itself on first use of each device and
+    variant (`verify`) wherever `needs_verification(call)` says so; one built with a `probe` (the HIP backends:
+    the device's hardware probes) runs it first, once per device. `own_prologue` is the prologue its
     `prologue="auto"` means."""
 
     name: str = ""
@@ -78,11 +54,12 @@ class Backend:
     quantized: bool = True
     own_prologue: str = ""
 
-    def __init__(self, selfcheck=None) -> None:
+    def __init__(self, verdicts=None, probe=None) -> None:
         self._availability: Dict[tuple, Optional[str]] = {}
         self._disabled: Dict[tuple, str] = {}
         self._lock = threading.Lock()
-        self.selfcheck = selfcheck
+        self.verdicts = verdicts
+        self.probe = probe  # pending(device_type, index) -> bool, refusal(device_type, index) -> reason or None
 
     # -- environment -------------------------------------------------------------------------
     def _unavailable(self, device_type: str, index: Optional[int]) -> Optional[str]:
@@ -92,6 +69,8 @@ class Backend:
         key = (device_type, index)
         if key in self._disabled:
             return self._disabled[key]
+        if self.verdicts is not None and key in self.verdicts.disabled:  # failed its self-check there
+            return self.verdicts.disabled[key]
         if key not in self._availability:
             try:
                 reason = self._unavailable(device_type, index)
@@ -119,28 +98,33 @@ class Backend:
         if call.requires_grad and self.quantized:  # stated before availability: true of every quantized backend
             return AUTOGRAD_REFUSAL
         reason = self.unavailable(call.device_type, call.device_index) or self.refuse(call)
-        if reason or self.selfcheck is None:
+        if reason or self.verdicts is None:
             return reason
-        return self.selfcheck.verdict(call.device_type, call.device_index, self.variant(call))[1]
+        return self.verdicts.recorded.get((call.device_type, call.device_index, self.variant(call)))
 
     # -- first-use verification -------------------------------------------------------------------
-    def prologue_of(self, call: AttentionCall) -> str:
-        """The prologue that serves `call`: 'auto' is the backend's own."""
-        return self.own_prologue if call.prologue == "auto" else call.prologue
-
-    def variant(self, call: AttentionCall):
-        """What, besides the shape, selects the code serving `call` (kernels.self_check.Variant)."""
-        return self.selfcheck.variant_of(call, self.prologue_of(call))
+    def variant(self, call: AttentionCall) -> Variant:
+        """What, besides the shape, selects the code serving `call`: its prologue ('auto' is the backend's own) and
+        quantization options. The self-check runs, and its verdict is kept, once per device and variant."""
+        prologue = self.own_prologue if call.prologue == "auto" and self.own_prologue else call.prologue
+        return Variant(prologue, call.qk_group, bool(call.smooth_k), bool(call.smooth_v))
 
     def needs_verification(self, call: AttentionCall) -> bool:
         """Whether `call` runs code that must pass the self-check on its device first (no GPU interpreter)."""
-        return self.selfcheck is not None
+        return self.verdicts is not None
+
+    def check_pending(self, call: AttentionCall) -> bool:
+        """Whether `verify` must still run before the backend may serve `call` (probes or a verdict not recorded)."""
+        if self.probe is not None and self.probe.pending(call.device_type, call.device_index):
+            return True
+        if not self.needs_verification(call):
+            return False
+        return (call.device_type, call.device_index, self.variant(call)) not in self.verdicts.recorded
 
     def verify(self, call: AttentionCall) -> Optional[str]:
-        """The first-use step: the self-check of this call's device and variant, run once (or recalled)."""
-        if not self.needs_verification(call):
-            return None
-        return self.selfcheck.guard(self, call, self.variant(call))
+        """The first-use step (kernels/gating.py): the device's probes, then the self-check of this call's device
+        and variant, each run once (or recalled)."""
+        return first_use_check(self, call)
 
     def ready(self, call: AttentionCall) -> Optional[str]:
         """`why_not`, then `verify`: None only when the backend may serve `call` now."""
@@ -232,106 +216,44 @@ def auto_candidates(call: AttentionCall) -> List[str]:
     return order
 
 
-@dataclass(frozen=True)
-class Selection:
-    """What `choose_backend` decided for one call.
-
-    `backend` runs the call; None means the call site's own exact attention (only for `quantized_only`).
-    `passed_over`: backends `auto` considered ahead of the one taken, and why each was passed over.
-    `exact_reason`: why exact attention was chosen instead of a quantized kernel (None: it was not);
-    `measured` says it was auto's measurement (SDPA faster on this shape), not that nothing quantized takes
-    the call. `refusal`: why an explicitly named backend cannot take this call (None: it can).
-    `decision`: auto's measured decision for this kind of call (kernels.autotune.Decision), if it measured.
-    `trial` (in the step only): the kernels.step_trials.StepTrial measuring this kind of call (then `backend` is
-    None and nothing is decided yet), or the Watch kept on a quantized decision."""
-    backend: Optional[Backend]
-    passed_over: Mapping[str, str] = field(default_factory=dict)
-    exact_reason: Optional[str] = None
-    measured: bool = False
-    refusal: Optional[str] = None
-    decision: Optional[object] = None
-    trial: Optional[object] = None
+PENDING = "first-use checks not run yet"  # readiness: the backend may take the call once its checks have run
 
 
-def choose_backend(call: AttentionCall, kernel: str = "auto", quantized_only: bool = False, *,
-                   tensors=None, sm_scale: Optional[float] = None, attn_mask=None, tuner=None,
-                   in_step: bool = False) -> Selection:
-    """The backend that will run `call`, as a `Selection`.
+def readiness(backend: Backend, call: AttentionCall, checked: Mapping[str, Optional[str]]) -> Optional[str]:
+    """None when `backend` may serve `call` now, the reason when it cannot, or PENDING (its first-use checks have
+    not run). `checked`: first-use results of this very call (a check that could not run leaves no verdict)."""
+    if backend.name in checked:
+        return checked[backend.name]
+    reason = backend.why_not(call)
+    if reason is None and backend.check_pending(call):
+        return PENDING
+    return reason
 
-    An explicit kernel is selected as is, with its refusal when it cannot take the call (its first-use
-    verification runs here). `auto` given the call's `tensors` (q, k, v in HND) on a GPU takes the fastest
-    backend measured for this kind of call: measured alone (kernels/autotune.py), or with `in_step` on the
-    model's own calls inside the sampling step (kernels/step_trials.py: until that decides, the selection
-    carries the `trial` and no backend). Otherwise, and on the CPU, it takes the first backend in the device's
-    preference list that is `ready` for the call.
-    With `quantized_only` (the ComfyUI override, whose fallback is the call site's own exact attention)
-    exact backends are not candidates: the selection's backend is None, with `exact_reason`, when nothing
-    quantized takes the call or when SDPA measured fastest.
-    """
-    if kernel != "auto":
-        backend = get_backend(kernel)
-        return Selection(backend, refusal=backend.ready(call))
-    if tensors is not None:
-        measured = (_in_step_selection(call, quantized_only, tensors, attn_mask, tuner) if in_step else
-                    _measured_selection(call, quantized_only, tensors, sm_scale, attn_mask, tuner))
-        if measured is not None:
-            return measured
-    passed_over: Dict[str, str] = {}
-    for name in auto_order(call):
+
+def readiness_in_order(names: Sequence[str], call: AttentionCall, checked: Mapping[str, Optional[str]],
+                       quantized_only: bool) -> List[Tuple[Backend, Optional[str]]]:
+    """(backend, readiness) in `names`' order, up to and including the first that is ready or PENDING: what a
+    preference order asks, and no more (a later backend's rule is not asked)."""
+    found = []
+    for name in names:
         backend = get_backend(name)
         if quantized_only and not backend.quantized:
             continue
-        reason = backend.ready(call)
-        if reason is None:
-            exact = None if backend.quantized else _none_takes(call, passed_over)
-            return Selection(backend, passed_over, exact_reason=exact)
-        passed_over[name] = reason
-    exact = _none_takes(call, passed_over)
-    if quantized_only:
-        return Selection(None, passed_over, exact_reason=exact)
-    # SDPA is last everywhere; reaching here means even it refused (e.g. LSE was asked for).
-    reference = get_backend("reference")
-    return Selection(reference, passed_over, exact_reason=exact, refusal=reference.ready(call))
+        state = readiness(backend, call, checked)
+        found.append((backend, state))
+        if state is None or state is PENDING:
+            break
+    return found
 
 
-def _none_takes(call: AttentionCall, passed_over: Mapping[str, str]) -> str:
+def quantized_candidates(call: AttentionCall) -> List[Backend]:
+    """The quantized backends a measuring `auto` weighs for `call` (auto_candidates, SDPA aside)."""
+    return [b for b in (get_backend(n) for n in auto_candidates(call) if n != "sdpa") if b.quantized]
+
+
+def none_takes(call: AttentionCall, passed_over: Mapping[str, str]) -> str:
     detail = "; ".join(f"{n}: {r}" for n, r in passed_over.items()) or f"none is built for {call.arch}"
     return f"auto: no quantized kernel takes this call ({detail})"
-
-
-def _measured_selection(call, quantized_only, tensors, sm_scale, attn_mask, tuner) -> Optional[Selection]:
-    """choose_backend's answer from a measured decision, or None where nothing was measured."""
-    names = [n for n in auto_candidates(call) if n != "sdpa"]
-    candidates = [b for b in (get_backend(n) for n in names) if b.quantized]
-    sdpa = get_backend("sdpa")
-    from . import autotune  # imported on first use: it reads the disk cache and cache identity
-    tuner = tuner or autotune.default_tuner()
-    picked = tuner.choose(call, candidates, sdpa, tensors, sm_scale, attn_mask)  # None where it does not measure
-    if picked is None:
-        return None
-    backend, passed_over, decision = picked
-    if backend is not sdpa:
-        return Selection(backend, passed_over, decision=decision)
-    return Selection(None if quantized_only else sdpa, passed_over, exact_reason=decision.sdpa_reason(),
-                     measured=True, decision=decision)
-
-
-def _in_step_selection(call, quantized_only, tensors, attn_mask, tuner) -> Optional[Selection]:
-    """choose_backend's answer in the step: a decision (with its watch), a trial still measuring, or None."""
-    names = [n for n in auto_candidates(call) if n != "sdpa"]
-    candidates = [b for b in (get_backend(n) for n in names) if b.quantized]
-    sdpa = get_backend("sdpa")
-    from . import step_trials  # imported on first use: it reads the disk cache and cache identity
-    tuner = tuner or step_trials.default_tuner()
-    answer = tuner.choose_in_step(call, candidates, sdpa, tensors, attn_mask, on_change=invalidate_decisions)
-    if answer is None:
-        return None
-    if answer.decision is None:  # measuring: the trial hands each call to a backend
-        return Selection(None, answer.skipped, trial=answer.trial)
-    if answer.backend is not None:
-        return Selection(answer.backend, answer.skipped, decision=answer.decision, trial=answer.trial)
-    return Selection(None if quantized_only else sdpa, answer.skipped, exact_reason=answer.decision.sdpa_reason(),
-                     measured=True, decision=answer.decision)
 
 
 def available_backends(device=None) -> Dict[str, Optional[str]]:

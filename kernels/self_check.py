@@ -27,16 +27,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from . import quant, settings
-from .cache_identity import code_digest, gpu_identity, pack_version  # PassCache keys; tests patch them here
-from .disk_cache import SELF_CHECK_PASSES, EntryStore, cache_key
+from . import quant
 from .reference import exact_attention
 
 log = logging.getLogger(__name__)
@@ -90,19 +87,6 @@ SCALE_LOSS_MUST_FAIL = 0.05  # the output scale loss the probe is built to rejec
 # row max is subnormal (FP16 P in [0, 1]: below 2^-14).
 LONG_TAIL_LOG2 = (8.4, 16.8)
 LONG_TAIL_STRETCH = (121, 127)
-
-# What a sampled real call (the A/B node) may reach before it is flagged, by P.V precision: FP8 at the
-# scale loss the probe must reject, FP16 (and exact fallbacks) at the per-call accuracy target. A sound
-# kernel sits far below: 0.0007-0.003 on real self-attention (peers, our FP16), FP8 ~0.002-0.03.
-FLAG_REL_L1 = {"fp8": SCALE_LOSS_MUST_FAIL, "fp16": 0.02}
-
-
-def flag_level(backend: str) -> float:
-    """The rel L1 above which a sampled call run by `backend` is flagged (see FLAG_REL_L1)."""
-    name = backend.lower()
-    # The reference is the spec of the FP8 path (INT8 Q.K, FP8 P.V): it is judged as an FP8 kernel.
-    exact = name.startswith(("sdpa", "fallback", "exact")) and "fp8" not in name
-    return FLAG_REL_L1["fp16"] if exact or name.endswith("fp16") else FLAG_REL_L1["fp8"]
 
 
 @dataclass(frozen=True)
@@ -433,12 +417,7 @@ class Variant(NamedTuple):
                 f"smooth_v {'on' if self.smooth_v else 'off'}")
 
 
-def call_variant(call, prologue: Optional[str] = None) -> Variant:
-    """The variant serving `call`; `prologue` overrides the call's own (a backend resolves 'auto')."""
-    return Variant(prologue or call.prologue, call.qk_group, bool(call.smooth_k), bool(call.smooth_v))
-
-
-def _case_call(case: Case, like_call, variant):
+def case_call(case: Case, like_call, variant):
     """The call a case makes, described without allocating it on the device (for `refuse`)."""
     from .call_spec import describe_call
     meta = torch.device("meta")
@@ -454,7 +433,7 @@ def _case_call(case: Case, like_call, variant):
 def backend_attention(backend, variant: Variant) -> Callable:
     """`attention(q, k, v, is_causal=False, return_lse=False)` through `backend.launch` with the variant's options."""
     from .call_spec import describe_call
-    from .registry import KernelRefused
+    from .refusal import KernelRefused
 
     def attention(q, k, v, is_causal=False, return_lse=False):
         call = describe_call(q, k, v, is_causal=is_causal, return_lse=return_lse, smooth_k=variant.smooth_k,
@@ -465,160 +444,3 @@ def backend_attention(backend, variant: Variant) -> Callable:
         out, lse = backend.launch(q, k, v, call, 1.0 / math.sqrt(q.shape[-1]), None)
         return (out, lse) if return_lse else out
     return attention
-
-
-class SelfCheck:
-    """Once-per-(device, variant) verdicts of one backend; thread-safe.
-
-    The first call of a device and variant (prologue, qk_group, smooth_k, smooth_v) runs `self_check`
-    through the backend's own `refuse` and `launch`; concurrent first calls wait for that one result. A
-    failure, an exception or a NaN disables the backend on that device for the process (`Backend.disable`:
-    `unavailable`, `available_backends` and every later call report the reason; the dispatcher falls back).
-    Memory running out during the check is no verdict: that call is refused (NOT_CHECKED), nothing is
-    recorded, and the next call checks again.
-    A pass may come from the disk (`PassCache`): only passes are kept there, keyed by everything that could
-    change the verdict."""
-
-    def __init__(self, cases: Sequence[Case] = DEFAULT_CASES, cache: Optional["PassCache"] = None):
-        self.cases = tuple(cases)
-        self.cache = cache if cache is not None else PassCache()
-        self._verdicts: Dict[tuple, Optional[str]] = {}
-        self._locks: Dict[tuple, threading.Lock] = {}
-        self._guard = threading.Lock()
-        self.last_result: Optional[SelfCheckResult] = None
-
-    variant_of = staticmethod(call_variant)
-
-    def verdict(self, device_type: str, index: Optional[int], variant: Optional[Variant] = None
-                ) -> Tuple[bool, Optional[str]]:
-        """(checked, reason) without running anything."""
-        key = (device_type, index, variant)
-        return key in self._verdicts, self._verdicts.get(key)
-
-    def guard(self, backend, call, variant: Optional[Variant] = None) -> Optional[str]:
-        """`Backend.verify`: the verdict for this call's device and variant, checking on first use."""
-        variant = variant or call_variant(call)
-        key = (call.device_type, call.device_index, variant)
-        if key in self._verdicts:
-            return self._verdicts[key]
-        if not settings.self_check_enabled():  # developers measuring a kernel that fails it
-            log.warning("%s on %s:%s serves calls WITHOUT its first-use self-check (%s)", backend.name,
-                        call.device_type, call.device_index, f"{settings.SELF_CHECK.name}=0")
-            self._verdicts[key] = None
-            return None
-
-        def accepts(case: Case) -> bool:
-            return backend.refuse(_case_call(case, call, variant)) is None
-
-        return self.ensure(backend, call.device_type, call.device_index, backend_attention(backend, variant),
-                           accepts, variant)
-
-    def ensure(self, backend, device_type: str, index: Optional[int], attention: Callable,
-               accepts: Optional[Callable[[Case], bool]] = None, variant: Optional[Variant] = None) -> Optional[str]:
-        """Run the check on first use of (device, variant); a failure disables `backend` there. Returns the reason."""
-        key = (device_type, index, variant)
-        if key in self._verdicts:
-            return self._verdicts[key]
-        with self._guard:
-            lock = self._locks.setdefault(key, threading.Lock())
-        with lock:
-            if key in self._verdicts:  # another thread finished it while we waited
-                return self._verdicts[key]
-            device = torch.device(device_type, index) if index is not None else torch.device(device_type)
-            options = variant.describe() if variant else "default options"
-            cache_key = self.cache.key(backend.name, variant, device, self.cases) if device.type == "cuda" else None
-            if cache_key and self.cache.has_pass(cache_key, backend.name):
-                log.info("%s (%s): self-check passed earlier on this GPU, driver and code (cached)", backend.name,
-                         options)
-                self._verdicts[key] = None
-                return None
-            try:
-                result = run_self_check(attention, device, self.cases, accepts)
-                self.last_result = result
-                reason = result.reason
-            except Exception as exc:
-                if out_of_memory(exc):  # this moment's memory, not the kernel: no verdict, tried again later
-                    return self._not_checked(backend, device, options, exc)
-                reason, result = f"self-check crashed: {type(exc).__name__}: {exc}", None
-            if reason:
-                reason = f"{backend.name} disabled on {device}: {FAILED} ({options}): {reason}"
-                log.warning("%s; calls fall back to the next backend", reason)
-                # A kernel failing with the accurate options is broken: out of service on this device. Weaker
-                # options can miss bounds the spec itself misses (docs/VERIFICATION.md): only calls with those
-                # options are refused (`guard` returns this verdict for them).
-                if variant is None or variant.accurate:
-                    backend.disable(device_type, index, reason)
-            else:
-                log.info("%s (%s) passed its self-check on %s: %d cases in %.2f s", backend.name, options, device,
-                         len(result.results), result.seconds)
-                if cache_key:
-                    self.cache.store_pass(cache_key, backend.name, result)
-            self._verdicts[key] = reason
-            if reason:
-                from .registry import invalidate_decisions
-                invalidate_decisions()  # calls with this variant are refused from now on
-            return reason
-
-    @staticmethod
-    def _not_checked(backend, device: torch.device, options: str, exc: BaseException) -> str:
-        """The reason for a call whose check ran out of memory; no verdict is recorded."""
-        reason = (f"{backend.name} on {device}: {NOT_CHECKED} for lack of memory ({options}): "
-                  f"{type(exc).__name__}: {exc}; it will be tried again on a later call")
-        log.warning("%s; this call falls back", reason)
-        from .registry import invalidate_decisions
-        invalidate_decisions()  # a plan made on this answer (the override's) must ask again on its next call
-        return reason
-
-
-# -- passes cached on disk ---------------------------------------------------------------------------------
-
-class PassCache:
-    """Self-check passes on disk, in the cache folder's self_check_passes/ (kernels/disk_cache.py; `root`:
-    another folder for them). A key hashes the backend, the variant, the code digest, the cases, the GPU's
-    name and arch, the driver/runtime versions and the pack version: any change is a new key and the check
-    runs again. Failures are never cached. SAGE_RDNA4_SELF_CHECK_CACHE=0 turns it off (kernels/settings.py)."""
-
-    PASS = "pass"
-
-    def __init__(self, root: Optional[str] = None, enabled: Optional[bool] = None):
-        self._root = root
-        self.enabled = enabled if enabled is not None else settings.self_check_cache_enabled()
-        self._store: Optional[EntryStore] = None
-
-    def _entries(self) -> EntryStore:
-        if self._store is None:
-            self._store = EntryStore(SELF_CHECK_PASSES, self._root)
-        return self._store
-
-    def key(self, backend: str, variant, device: Optional[torch.device], cases=DEFAULT_CASES,
-            identity: Optional[dict] = None) -> Optional[str]:
-        """The entry's key, or None (nothing cached) when disabled or when the GPU or driver cannot be told."""
-        if not self.enabled:
-            return None
-        try:
-            identity = identity if identity is not None else gpu_identity(device)
-            if identity is None:
-                return None
-            return cache_key(kind="self-check pass", backend=backend, variant=list(variant or ()),
-                             code=code_digest(), cases=[repr(c) for c in cases], bounds=repr(BOUNDS),
-                             pack=pack_version(), **identity)
-        except Exception:
-            return None
-
-    def has_pass(self, key: str, backend: str) -> bool:
-        try:
-            entry = self._entries().load_json(key, f"selfcheck-{backend}")
-        except Exception:
-            return False
-        return isinstance(entry, dict) and entry.get("verdict") == self.PASS
-
-    def store_pass(self, key: str, backend: str, result: Optional[SelfCheckResult] = None) -> Optional[str]:
-        entry = {"verdict": self.PASS, "backend": backend}
-        if result is not None:  # what the pass measured, for whoever reads the file
-            entry.update(seconds=round(result.seconds, 3),
-                         cases={r.case.name: {"rel_l1": r.worst_rel_l1, "cosine": r.worst_cosine}
-                                for r in result.results})
-        try:
-            return self._entries().store_json(key, f"selfcheck-{backend}", entry)
-        except Exception:
-            return None

@@ -1,12 +1,12 @@
 """`auto` measured on the model's own calls inside the sampling step (the ComfyUI override's way).
 
 A transformer step calls attention with one shape once per block (Flux 57 times per model call, Wan 40). While a
-kind of call (autotune.TuneKey) is undecided, a `StepTrial` hands its calls in turn to SDPA (the call site's own
+kind of call (decisions.TuneKey) is undecided, a `StepTrial` hands its calls in turn to SDPA (the call site's own
 attention) and to each candidate that accepts it and passed its self-check, so every call still returns a
 correct output: the one of the backend that ran it. Each call is bracketed by two device events on the model's
 current stream; nothing waits for them inside the step. At the step boundary (sage_patch/timing.py) the events
 are read, after one wait for the last of them. Once every backend has SAMPLES timed calls, their trimmed means
-decide (autotune.Decision: SDPA unless a quantized backend measured at most 1 - MARGIN times SDPA). Deciding only
+decide (decisions.Decision: SDPA unless a quantized backend measured at most 1 - MARGIN times SDPA). Deciding only
 at a boundary means each backend's calls cover the whole step, every kind of block in it. A candidate already
 over 1 + MARGIN times SDPA after ELIMINATE_AFTER timed calls takes no more turns (it could not win, and each of
 its turns costs the step time); when none is left, SDPA is decided at that boundary.
@@ -16,20 +16,19 @@ SDPA and as many on the chosen backend, in adjacent pairs spread over the step, 
 newest of them show the choice over
 1 + MARGIN times SDPA, the kind of call reverts to SDPA, and the stored decision says so.
 
-Nothing here depends on a GPU model: `events` is injectable (tests script the elapsed times). Never imports
-ComfyUI or the registry.
+Nothing here depends on a GPU model: `events` is injectable (tests script the elapsed times). The tuner
+(kernels/tuner.py) makes them and keeps them per kind of call. Never imports ComfyUI or the registry.
 """
 from __future__ import annotations
 
 import logging
 import math
 import threading
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .autotune import _NOT_DECIDED, IN_STEP, MARGIN, SDPA, Autotuner, Decision, TuneKey, _DecideLater
+from .decisions import IN_STEP, MARGIN, SDPA, Decision, TuneKey
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +72,31 @@ class DeviceEvents:
         return float(start.elapsed_time(end))
 
 
-class _Timed:
-    """What a trial and a watch share: timed calls pending until the step boundary."""
+class Measurement:
+    """What a trial and a watch share: the calls they hand out (`pick`), timed with device events and read at the
+    step boundary (`end_step`)."""
 
     def __init__(self, device, events):
         self.device = device
         self.events = events
         self._pending: List[tuple] = []  # (backend name, start mark, end mark)
         self._lock = threading.Lock()
+
+    SDPA_TURN = ""  # why a call handed to exact attention runs it (the stats count the call under this)
+    passed_over: Dict[str, str]  # the candidates not measured, and why
+
+    def pick(self) -> Optional[str]:
+        """Who runs (and times) this call; None: the untimed default."""
+        raise NotImplementedError
+
+    def backend(self, name: str):
+        raise NotImplementedError
+
+    def fail(self, name: str, reason: str) -> None:
+        raise NotImplementedError
+
+    def end_step(self) -> Optional[Decision]:
+        raise NotImplementedError
 
     def begin(self):
         return self.events.mark(self.device)
@@ -105,15 +121,16 @@ class _Timed:
         return out
 
 
-class StepTrial(_Timed):
-    """Measures one kind of call on the model's own calls; decides through `on_decided(decision, device)`."""
+class StepTrial(Measurement):
+    """Measures one kind of call on the model's own calls; decides through `on_decided(decision, keep)` (`keep`:
+    whether the decision may be stored on disk)."""
 
     SDPA_TURN = "auto: measuring this kind of call in the step (exact attention's turn)"
 
-    def __init__(self, key: TuneKey, device, candidates: Sequence, refused: Dict[str, str], events, on_decided):
+    def __init__(self, key: TuneKey, device, candidates: Sequence, passed_over: Dict[str, str], events, on_decided):
         super().__init__(device, events)
         self.key = key
-        self.refused = dict(refused)
+        self.passed_over = dict(passed_over)
         self.backends = {b.name: b for b in candidates}
         self.names = [SDPA] + [b.name for b in candidates]
         self.failed: Dict[str, str] = {}
@@ -175,17 +192,18 @@ class StepTrial(_Timed):
         if len(running) > 1 and any(len(self.samples[n]) < SAMPLES for n in running):
             return None
         timings = {n: trimmed_mean(self.samples[n]) for n in active}
-        decision = Decision(self.key, timings, dict(self.failed), dict(self.refused), method=IN_STEP,
+        decision = Decision(self.key, timings, dict(self.failed), dict(self.passed_over), method=IN_STEP,
                             samples={n: len(self.samples[n]) for n in active},
                             candidates=tuple(n for n in self.names if n != SDPA))
         self.done = True
+        # An out-of-memory is this moment's, not the shape's: such a decision is not kept on disk.
         transient = any("OutOfMemoryError" in reason for reason in self.failed.values())
-        self._on_decided(decision, None if transient else self.device)
+        self._on_decided(decision, not transient)
         return decision
 
 
-class Watch(_Timed):
-    """Keeps checking a quantized choice; reverts it through `on_revert(decision, device)`."""
+class Watch(Measurement):
+    """Keeps checking a quantized choice; reverts it through `on_revert(decision, keep)`."""
 
     SDPA_TURN = "auto: watching its choice (exact attention's turn, timed against it)"
 
@@ -194,7 +212,7 @@ class Watch(_Timed):
         self.decision = decision
         self.backend_name = backend.name
         self._backend = backend
-        self.refused = dict(decision.refused)
+        self.passed_over = dict(decision.passed_over)
         self.samples: Dict[str, List[float]] = {SDPA: [], backend.name: []}
         self.last_ratio: Optional[float] = None
         self._on_revert = on_revert
@@ -251,116 +269,8 @@ class Watch(_Timed):
                   f"(over {len(chosen)} and {len(sdpa)} watched calls), slower than SDPA by more than "
                   f"{MARGIN:.0%}; it had measured {old.ratio(self.backend_name):.2f}x")
         decision = Decision(old.key, {SDPA: sdpa_ms, self.backend_name: chosen_ms}, dict(old.failed),
-                            dict(old.refused), method=IN_STEP,
+                            dict(old.passed_over), method=IN_STEP,
                             samples={SDPA: len(sdpa), self.backend_name: len(chosen)}, reverted=reason,
                             candidates=old.candidates)
-        self._on_revert(decision, self.device)
+        self._on_revert(decision, True)
         return decision
-
-
-@dataclass
-class InStepAnswer:
-    """`InStepTuner.choose_in_step`'s answer: a decided backend (None with `decision`: SDPA) and what it passed
-    over, or a `trial` that measures (no decision yet). `trial` is also set with a quantized decision: its watch."""
-    backend: Optional[object]
-    skipped: Dict[str, str]
-    decision: Optional[Decision]
-    trial: Optional[object] = None
-
-
-class InStepTuner(Autotuner):
-    """`Autotuner` that also decides in the step: trials and watches per (device, TuneKey), decisions kept in
-    memory and on disk (autotune.DecisionStore, entries marked as measured in the step). `events` is injectable."""
-
-    def __init__(self, *args, events=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.events = events if events is not None else DeviceEvents()
-        self._trials: Dict[tuple, object] = {}  # a trial measuring, or the watch of a quantized choice
-
-    def clear(self) -> None:
-        super().clear()
-        with self._lock:
-            self._trials.clear()
-
-    def choose_in_step(self, call, candidates: Sequence, sdpa, tensors, attn_mask=None,
-                       on_change: Optional[Callable[[], None]] = None) -> Optional[InStepAnswer]:
-        """A decided backend (with its watch), a trial to measure this kind of call with, or None: the static
-        order. `on_change` is called when a trial decides or a watch reverts (the caller's plans are stale)."""
-        if not self.applies(call, tensors):
-            return None
-        key = self._key(call, IN_STEP)
-        decision = self._decisions.get(key, _NOT_DECIDED)
-        judged_here = False
-        if decision is _NOT_DECIDED:
-            trial = self._trials.get(key)
-            if trial is None:
-                if not self.may_measure_now(call, attn_mask):
-                    return None
-                decision, trial = self._start(key, call, candidates, sdpa, tensors, on_change)
-                judged_here = True
-            if trial is not None:
-                return InStepAnswer(None, dict(trial.refused), None, trial)
-        if decision is None:
-            return None
-        backend, skipped, decision = self._pick(decision, call, candidates, sdpa, judged_here)
-        watch = None
-        if backend is not sdpa:
-            watch = self._watch(key, decision, backend, tensors[0].device, on_change)
-        return InStepAnswer(None if backend is sdpa else backend, skipped, decision, watch)
-
-    def _start(self, key, call, candidates, sdpa, tensors, on_change):
-        """(decision, None) from memory or disk, or (None, a new trial); (None, None): the static order."""
-        with self._lock:
-            if key in self._decisions or key in self._trials:  # another thread got here first
-                return self._decisions.get(key), self._trials.get(key)
-            try:
-                found = self._accepted(call, candidates, sdpa)
-            except _DecideLater as exc:  # nothing kept: the static order serves this call, a later one measures
-                log.info("auto measures %s on a later call: %s", call.short(), exc)
-                return None, None
-            if found is None:
-                self._decisions[key] = None
-                return None, None
-            accepted, refused = found
-            names = tuple(b.name for b in accepted)
-            device = tensors[0].device
-            decision = self.store.load(device, key[3], names, IN_STEP)
-            if decision is None:
-                trial = StepTrial(key[3], device, accepted, refused, self.events,
-                                  lambda d, where: self._decided(key, d, on_change, where))
-                self._trials[key] = trial
-                return None, trial
-            decision.refused, decision.candidates = refused, names
-            self._decisions[key] = decision
-        log.info("%s", decision.summary)
-        return decision, None
-
-    def _watch(self, key, decision: Decision, backend, device, on_change) -> "Watch":
-        """The watch of a quantized choice: made once per choice, kept with the key."""
-        with self._lock:
-            watch = self._trials.get(key)
-            if watch is None or watch.backend_name != backend.name:
-                watch = Watch(decision, backend, device, self.events,
-                              lambda d, where: self._decided(key, d, on_change, where))
-                self._trials[key] = watch
-            return watch
-
-    def _decided(self, key, decision: Decision, on_change, device) -> None:
-        """A trial decided, or a watch reverted: kept in memory and on disk; the caller's plans are remade."""
-        with self._lock:
-            self._decisions[key] = decision
-            self._trials.pop(key, None)
-        if device is not None:  # None: not stored (a candidate ran out of memory: this moment's, not the shape's)
-            self.store.save(device, decision, decision.candidates)
-        log.log(logging.WARNING if decision.reverted else logging.INFO, "%s", decision.summary)
-        if on_change is not None:
-            on_change()
-
-
-# Made at import (it is cheap: no device or disk is touched before its first decision), so threads making the
-# first plans at once share one tuner and its decisions.
-_DEFAULT = InStepTuner()
-
-
-def default_tuner() -> InStepTuner:
-    return _DEFAULT

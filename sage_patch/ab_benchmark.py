@@ -21,8 +21,9 @@ from typing import Callable, List, Optional
 import torch
 
 from ..kernels import metrics
+from ..kernels.accuracy_flags import flag_level
 from ..kernels.reference import exact_attention
-from ..kernels.self_check import BOUNDS, flag_level
+from ..kernels.self_check import BOUNDS
 from .config import PatchConfig
 from .install import OVERRIDE_KEY, find_override, patch_model
 from .layouts import expand_mask, to_hnd

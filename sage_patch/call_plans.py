@@ -4,9 +4,9 @@ A Flux step makes ~57 attention calls of a handful of signatures; describing eac
 backend's rule again (arch, availability, shape limits, the self-check verdict) cost more host time than
 some of those calls take on the GPU. A signature is everything those decisions read: shapes, strides,
 dtypes and devices of q, k, v and the mask, `heads`, `skip_reshape` and whether the call needs a gradient;
-the patch's config is fixed per cache. A plan keeps the `registry.Selection` it was made from and is
-trusted only while `registry.decision_generation()` is the one it was made under, so a backend that its
-self-check (or anything else) disables is never served from here.
+the patch's config is fixed per cache. A plan keeps the final `routing.Route` of its calls and is trusted only
+while `registry.decision_generation()` is the one it was made under, so a backend that its self-check (or
+anything else) disables is never served from here.
 
 What depends on the call itself and not on its signature (transformer_options: step, block_index;
 `scale`, `enable_gqa`, `low_precision_attention`) is not in a plan: the override reads it on every call.
@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import torch
 
 from ..kernels.call_spec import AttentionCall
-from ..kernels.registry import Backend, Selection, decision_generation
+from ..kernels.registry import decision_generation
+from ..kernels.routing import Route
 
 MAX_PLANS = 256  # distinct signatures kept per patch; a long session of changing sizes evicts the oldest
 
@@ -29,19 +30,10 @@ MAX_PLANS = 256  # distinct signatures kept per patch; a long session of changin
 class CallPlan:
     view_shapes: Optional[tuple]      # layouts.head_split_shapes, None when the call came HND (skip_reshape)
     call: AttentionCall
-    selection: Selection              # choose_backend's answer; the fields below are read off it once
-    backend: Optional[Backend]        # None: no quantized backend runs the call
-    skipped: Mapping[str, str]        # backends `auto` passed over -> why; counted on every call (never mutated)
-    refusal: Optional[Tuple[str, str]]  # (fallback reason, kernel named when raising), or None: the backend runs
+    route: Route                      # where these calls go (final: no step left to take)
     default_scale: float              # 1/sqrt(head_dim), for calls without `scale`
-    generation: int                   # registry.decision_generation() before the decision was made
-    routed: Optional[str] = None      # auto measured SDPA faster: the call site's own attention runs, this says why
+    generation: int                   # registry.decision_generation() before the route was asked for
     strided: Optional[tuple] = None   # layouts.strided_layout of the HND views, None: take view_shapes' path
-    trial: Optional[object] = None    # auto measuring in the step (a StepTrial) or watching its choice (a Watch)
-
-    @property
-    def ran(self) -> Optional[str]:
-        return self.backend.name if self.backend is not None else None
 
 
 def call_signature(bound: Dict[str, Any]) -> Optional[tuple]:
@@ -101,7 +93,8 @@ class PlanCache:
     def trials(self) -> list:
         """The distinct trials and watches of the plans kept (stale ones too: a finished trial ignores a boundary)."""
         with self._lock:
-            found = {id(p.trial): p.trial for p in self._plans.values() if p.trial is not None}
+            found = {id(p.route.measurement): p.route.measurement for p in self._plans.values()
+                     if p.route.measurement is not None}
         return list(found.values())
 
     def __len__(self) -> int:

@@ -75,3 +75,25 @@ def expand_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     if mask.ndim == 3:
         mask = mask.unsqueeze(1)
     return mask
+
+
+# What reading a call ComfyUI sent can raise when the call is not one we can read (heads not dividing the width, a
+# batch of 0, parts that are not tensors): the override hands such a call on unchanged.
+MALFORMED = (RuntimeError, ValueError, TypeError, AttributeError, IndexError, ZeroDivisionError)
+
+
+def hnd_inputs(bound: dict, plan=None):
+    """(q, k, v, mask, view shapes) of a bound ComfyUI call (override.bind_attention_args) as HND views, and its
+    mask as ComfyUI's attention broadcasts it. `plan` (call_plans.CallPlan) is the one kept for the call's
+    signature: its views are remade from its strides. The view shapes are None when the call came HND."""
+    q, k, v = bound["q"], bound["k"], bound["v"]
+    if plan is not None and plan.strided is not None:
+        q, k, v = strided_hnd(q, k, v, plan.strided)  # the miss's views: cannot fail
+        view_shapes = plan.view_shapes
+    else:
+        if plan is not None:
+            view_shapes = plan.view_shapes
+        else:
+            view_shapes = None if bound["skip_reshape"] else head_split_shapes(q, k, v, bound["heads"])
+        q, k, v = hnd_views(q, k, v, view_shapes)
+    return q, k, v, expand_mask(bound["mask"]), view_shapes

@@ -26,12 +26,15 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from ..kernels.call_spec import AttentionCall, describe_call
+from ..kernels.call_spec import describe_call
+from ..kernels.dispatch import settled_route
 from ..kernels.quant import default_sm_scale
-from ..kernels.registry import KernelRefused, Selection, choose_backend, decision_generation
+from ..kernels.registry import KernelRefused, decision_generation
+from ..kernels.routing import EXACT, MEASURE, RUN
+from ..kernels.tuner import Tuner, default_tuner
 from .call_plans import CallPlan, PlanCache, call_signature
 from .config import PatchConfig
-from .layouts import expand_mask, from_hnd, head_split_shapes, hnd_views, strided_hnd, strided_layout
+from .layouts import MALFORMED, from_hnd, hnd_inputs, strided_layout
 from .policies import CallPolicies
 from .stats import PatchStats
 
@@ -62,25 +65,20 @@ def bind_attention_args(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[s
     return bound
 
 
-def _view_shapes(bound: Dict[str, Any]):
-    """How q, k, v are viewed as HND (layouts.head_split_shapes), None when they came HND already."""
-    if bound["skip_reshape"]:
-        return None
-    return head_split_shapes(bound["q"], bound["k"], bound["v"], bound["heads"])
-
-
 # How the stats count the calls of an A/B baseline run (every call goes where it went without this patch).
 BASELINE_CALLS = "own attention"
 
 
 class SageAttentionOverride:
     def __init__(self, config: PatchConfig, stats: Optional[PatchStats] = None, previous=None,
-                 baseline: bool = False):
+                 baseline: bool = False, tuner: Optional[Tuner] = None):
         """`previous`: the override that was on the model before this patch (the "Model Attention
         Backend" node's, another pack's), called as `previous(func, *args, **kwargs)` for every call this
         patch does not run, so those calls do what they did before the patch. `baseline`: run every call as
-        without this patch, timed like a kernel call (the A/B benchmark's run A)."""
+        without this patch, timed like a kernel call (the A/B benchmark's run A). `tuner`: auto's measuring
+        (default: the process's one, kernels.tuner.default_tuner)."""
         self.config = config
+        self._tuner = tuner
         self.baseline = baseline
         self.stats = stats or PatchStats()
         self.policies = CallPolicies(config)
@@ -104,26 +102,13 @@ class SageAttentionOverride:
         self.stats.record_fallback(reason)
         return self._pass_on(func, args, kwargs)
 
-    @staticmethod
-    def _make_plan(call: AttentionCall, view_shapes, generation: int, selection: Selection,
-                   strided=None) -> CallPlan:
-        """What the override does with calls of this signature, read off the selection `choose_backend` made."""
-        refusal = routed = None
-        if selection.refusal is not None:  # the named kernel cannot take the call
-            refusal = (f"{selection.backend.name}: {selection.refusal}", selection.backend.name)
-        elif selection.backend is None and selection.trial is not None:  # measuring: calls the trial leaves untimed
-            routed = selection.trial.SDPA_TURN
-        elif selection.backend is None and selection.measured:  # SDPA measured fastest: exact attention by choice
-            routed = selection.exact_reason
-        elif selection.backend is None:  # nothing quantized takes the call
-            refusal = (selection.exact_reason, "auto")
-        return CallPlan(view_shapes=view_shapes, call=call, selection=selection, backend=selection.backend,
-                        skipped=selection.passed_over, refusal=refusal, default_scale=default_sm_scale(call.head_dim),
-                        generation=generation, routed=routed, strided=strided, trial=selection.trial)
+    @property
+    def tuner(self) -> Tuner:
+        return self._tuner or default_tuner()
 
     def _plan_call(self, key, q, k, v, mask, view_shapes, scale):
-        """Describe a call not seen before and decide its backend; the plan is stored for its signature. A str
-        is the reason the call is malformed."""
+        """Describe a call not seen before and find its route; the plan is stored for its signature. A str is the
+        reason the call is malformed."""
         try:
             call = describe_call(q, k, v, attn_mask=mask, smooth_k=self.config.smooth_k,
                                  prologue=self.config.prologue, qk_group=self.config.qk_group,
@@ -132,16 +117,16 @@ class SageAttentionOverride:
             return f"malformed call: {exc}"
         generation = decision_generation()  # read before deciding: a change meanwhile leaves the plan stale
         sm_scale = float(scale) if scale is not None else default_sm_scale(call.head_dim)
-        # With the tensors, `auto` on a GPU measures this kind of call on its own calls in the step (the plan's
+        # With the tensors, `auto` on a GPU measures this kind of call on its own calls in the step (the route's
         # trial), then runs what measured fastest. Not for an autograd call: nothing quantized takes it, and that
         # empty decision would stick to its kind of call.
-        selection = choose_backend(call, self.config.kernel, quantized_only=True,
-                                   tensors=None if call.requires_grad else (q, k, v), sm_scale=sm_scale,
-                                   attn_mask=mask, in_step=True)
-        if selection.decision is not None:  # new, or changed (a watch reverted it): the stats show and log it
-            self.stats.record_choice(selection.decision)
-        plan = self._make_plan(call, view_shapes, generation, selection,
-                               strided_layout(q, k, v) if view_shapes is not None else None)
+        route = settled_route(call, self.config.kernel, quantized_only=True, tuner=self.tuner,
+                              tensors=None if call.requires_grad else (q, k, v), sm_scale=sm_scale, attn_mask=mask,
+                              in_step=True)
+        if route.decision is not None:  # new, or changed (a watch reverted it): the stats show and log it
+            self.stats.record_choice(route.decision)
+        plan = CallPlan(view_shapes, call, route, default_sm_scale(call.head_dim), generation,
+                        strided_layout(q, k, v) if view_shapes is not None else None)
         self.plans.store(key, plan)
         return plan
 
@@ -158,9 +143,9 @@ class SageAttentionOverride:
     def _measured_call(self, plan: CallPlan, name: str, func, args, kwargs, q, k, v, mask, skip_output_reshape):
         """One call `auto`'s trial (or watch) handed to `name`, bracketed by its device events. SDPA's turn is the
         call site's own attention, as when SDPA is chosen; a candidate's turn includes its output reshape."""
-        trial = plan.trial
-        if plan.skipped:
-            self.stats.record_skips(plan.skipped, name)
+        trial = plan.route.measurement
+        if plan.route.passed_over:
+            self.stats.record_skips(plan.route.passed_over, name)
         start = trial.begin()
         if name == "sdpa":
             out = self._pass_on(func, args, kwargs)
@@ -212,56 +197,52 @@ class SageAttentionOverride:
         # cannot know (policies, scale, enable_gqa) is judged again below.
         key = call_signature(a)
         plan = self.plans.get(key)
-        if plan is not None and plan.strided is not None:
-            q, k, v = strided_hnd(a["q"], a["k"], a["v"], plan.strided)  # the miss's views: cannot fail
-        else:
-            try:
-                view_shapes = plan.view_shapes if plan is not None else _view_shapes(a)
-                q, k, v = hnd_views(a["q"], a["k"], a["v"], view_shapes)
-            except (RuntimeError, ValueError, TypeError, AttributeError, IndexError, ZeroDivisionError) as exc:
-                # A call we cannot read (heads not dividing the width, a batch of 0, not tensors) is handed to
-                # the call site unchanged: it is ComfyUI's to accept or reject, never ours to crash on.
-                return self._fallback(func, args, kwargs, f"malformed call: {type(exc).__name__}: {exc}",
-                                      self.config.kernel)
-        if plan is not None:  # the shapes the plan was made for (shape reads cost host time)
-            call = plan.call
-            q_heads, kv_heads, q_len, kv_len = call.q_heads, call.kv_heads, call.q_len, call.kv_len
-        else:
-            q_heads, kv_heads, q_len, kv_len = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+        try:
+            q, k, v, mask, view_shapes = hnd_inputs(a, plan)
+        except MALFORMED as exc:
+            # A call we cannot read (heads not dividing the width, a batch of 0, not tensors) is handed to the
+            # call site unchanged: it is ComfyUI's to accept or reject, never ours to crash on.
+            return self._fallback(func, args, kwargs, f"malformed call: {type(exc).__name__}: {exc}",
+                                  self.config.kernel)
+        call = plan.call if plan is not None else None  # the shapes the plan was made for (shape reads cost time)
+        q_heads, kv_heads = (call.q_heads, call.kv_heads) if call is not None else (q.shape[1], k.shape[1])
         if kv_heads != q_heads and not kwargs.get("enable_gqa", False):
             # ComfyUI only groups heads when the call says so; anything else is the call site's to judge.
             return self._fallback(func, args, kwargs, f"malformed call: k/v have {kv_heads} heads, q {q_heads}, "
                                   "without enable_gqa", self.config.kernel)
         if self.policies.active:  # no policy configured: nothing to ask per call
+            q_len, kv_len = (call.q_len, call.kv_len) if call is not None else (q.shape[2], k.shape[2])
             policy, inactive = self.policies.route_exact(kwargs.get("transformer_options"), q_len, kv_len)
             if inactive:
                 self.stats.note(inactive)
             if policy:
                 self.stats.record_routed(policy)
                 return self._pass_on(func, args, kwargs)
-        mask = a["mask"]
-        if mask is not None:
-            mask = expand_mask(mask)
         if plan is None:
             plan = self._plan_call(key, q, k, v, mask, view_shapes, kwargs.get("scale"))
             if isinstance(plan, str):
                 return self._fallback(func, args, kwargs, plan, self.config.kernel)
-        if plan.trial is not None:  # auto measuring this kind of call in the step, or watching its choice
-            name = plan.trial.pick()
+        return self._follow(plan, func, args, kwargs, q, k, v, mask, a["skip_output_reshape"])
+
+    def _follow(self, plan: CallPlan, func, args, kwargs, q, k, v, mask, skip_output_reshape):
+        """Run one call the way its plan's route says."""
+        route = plan.route
+        if route.measurement is not None:  # auto measuring this kind of call in the step, or watching its choice
+            name = route.measurement.pick()
             if name is not None:
-                return self._measured_call(plan, name, func, args, kwargs, q, k, v, mask, a["skip_output_reshape"])
+                return self._measured_call(plan, name, func, args, kwargs, q, k, v, mask, skip_output_reshape)
         # Why each preferred backend did not take the call (not available, refused, failed its self-check).
-        if plan.skipped:
-            self.stats.record_skips(plan.skipped, plan.ran)
-        if plan.routed is not None:
-            self.stats.record_routed(plan.routed)
+        if route.passed_over:
+            self.stats.record_skips(route.passed_over, route.ran)
+        if route.kind == EXACT or route.kind == MEASURE:  # exact attention by auto's choice, or its untimed turn
+            self.stats.record_routed(route.reason if route.kind == EXACT else route.measurement.SDPA_TURN)
             return self._pass_on(func, args, kwargs)
-        if plan.refusal is not None:
-            return self._fallback(func, args, kwargs, *plan.refusal)
-        backend = plan.backend
+        if route.kind != RUN:
+            return self._fallback(func, args, kwargs, route.message, route.kernel)
+        backend = route.backend
         try:
-            # The plan holds this backend's `ready` answer, made under the current decision generation, so
-            # launch directly (calling the backend would ask again).
+            # The plan holds this backend's answer, made under the current decision generation: launch directly
+            # (calling the backend would ask again).
             out = self._launch(backend, plan, q, k, v, mask, kwargs)
         except KernelRefused as exc:
             return self._fallback(func, args, kwargs, f"{backend.name}: {exc.reason}", backend.name)
@@ -271,4 +252,4 @@ class SageAttentionOverride:
             return self._fallback(func, args, kwargs, f"{backend.name} failed: {type(exc).__name__}: {exc}",
                                   backend.name)
         self.stats.record_call(backend.name)
-        return from_hnd(out, a["skip_output_reshape"])
+        return from_hnd(out, skip_output_reshape)

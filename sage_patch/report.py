@@ -87,7 +87,7 @@ def _pct(x) -> str:
 
 
 def format_decision_row(row: dict) -> str:
-    """One kind of call's decision (kernels.autotune.Decision.as_row) in a line."""
+    """One kind of call's decision (kernels.decisions.Decision.as_row) in a line."""
     ratios = row.get("ratios") or {}
     best = min(((r, n) for n, r in ratios.items() if n != "sdpa"), default=None)
     if row.get("chosen") != "sdpa":

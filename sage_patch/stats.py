@@ -120,7 +120,7 @@ class PatchStats:
                     self.label, name, reason, then)
 
     def record_choice(self, decision) -> None:
-        """What a measuring `auto` chose for one kind of call (kernels.autotune.Decision): kept per kind, logged
+        """What a measuring `auto` chose for one kind of call (kernels.decisions.Decision): kept per kind, logged
         when new or changed (a watch that reverted it to SDPA), never cleared by `reset` (it outlives a run)."""
         label, summary = decision.key.ident(), decision.summary
         if self._choices.get(label) == summary:  # the common case: no lock taken

@@ -5,7 +5,14 @@ import time
 import pytest
 import torch
 
-from comfyui_sage_rdna4.kernels import BACKEND_NAMES, KernelRefused, available_backends, registry, sage_attention
+from comfyui_sage_rdna4.kernels import (
+    BACKEND_NAMES,
+    KernelRefused,
+    available_backends,
+    registry,
+    routing,
+    sage_attention,
+)
 from comfyui_sage_rdna4.kernels.call_spec import describe_call
 from comfyui_sage_rdna4.kernels.metrics import cosine
 from comfyui_sage_rdna4.kernels.reference import exact_attention
@@ -53,26 +60,26 @@ def test_sdpa_refuses_lse_and_auto_moves_on():
 
 def test_auto_on_cpu_is_sdpa():
     q, k, v = qkv()
-    selection = registry.choose_backend(describe_call(q, k, v), "auto")
-    assert selection.backend.name == "sdpa"
-    assert selection.refusal is None and not selection.measured
-    assert selection.exact_reason == "auto: no quantized kernel takes this call (none is built for cpu)"
+    route = routing.route(describe_call(q, k, v), "auto")
+    assert route.kind == routing.RUN and route.backend.name == "sdpa" and route.decision is None
+    assert route.reason == "auto: no quantized kernel takes this call (none is built for cpu)"
 
 
 def test_quantized_only_selection_says_why_exact_attention_runs():
     q, k, v = qkv()
-    selection = registry.choose_backend(describe_call(q, k, v), "auto", quantized_only=True)
-    assert selection.backend is None and not selection.measured and selection.decision is None
-    assert selection.exact_reason.startswith("auto: no quantized kernel takes this call")
+    route = routing.route(describe_call(q, k, v), "auto", quantized_only=True)
+    assert route.kind == routing.REFUSE and route.backend is None and route.decision is None
+    assert route.kernel == "auto" and route.reason.startswith("auto: no quantized kernel takes this call")
 
 
 def test_explicit_kernel_selection_carries_its_refusal():
     q, k, v = qkv()
     call = describe_call(q, k, v)
-    selection = registry.choose_backend(call, "hip_int8_fp8")
-    assert selection.backend.name == "hip_int8_fp8"
-    assert selection.refusal == registry.get_backend("hip_int8_fp8").why_not(call) and selection.refusal
-    assert registry.choose_backend(call, "reference").refusal is None
+    route = routing.route(call, "hip_int8_fp8")
+    reason = registry.get_backend("hip_int8_fp8").why_not(call)
+    assert route.kind == routing.REFUSE and route.backend.name == route.kernel == "hip_int8_fp8"
+    assert reason and route.reason == reason and route.message == f"hip_int8_fp8: {reason}"
+    assert routing.route(call, "reference").kind == routing.RUN
 
 
 def test_kernel_refused_names_the_backend_once():
@@ -217,14 +224,14 @@ def test_one_rule_used_by_dispatcher_and_wrapper(monkeypatch):
     monkeypatch.setitem(registry._REGISTRY, "sdpa", picky)
     q, k, v = qkv(d=32)
     call = describe_call(q, k, v)
-    selection = registry.choose_backend(call, "auto")
-    assert selection.backend is not picky
-    assert selection.passed_over["sdpa"] == "head_dim 32 is not 64"
+    route = routing.route(call, "auto")
+    assert route.backend is not picky
+    assert route.passed_over["sdpa"] == "head_dim 32 is not 64"
     with pytest.raises(KernelRefused, match="head_dim 32 is not 64"):
         picky(q, k, v, call, 1.0)
     assert picky.runs == 0
     q, k, v = qkv(d=64)
-    assert registry.choose_backend(describe_call(q, k, v), "auto").backend is picky
+    assert routing.route(describe_call(q, k, v), "auto").backend is picky
 
 
 def test_every_backend_name_has_a_loader():

@@ -1,4 +1,5 @@
-"""`auto` that measures (kernels/autotune.py), with fake backends and an injected timer: no GPU needed.
+"""`auto` that measures alone (kernels/tuner.py, decisions.py, routing.py), with fake backends and an injected
+timer: no GPU needed.
 
 The fake call says it is on a ROCm GPU (so the real rules for measuring apply) while its tensors stay on
 the CPU; the timer returns each fake backend's set time for the backend that just ran.
@@ -14,8 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from comfyui_sage_rdna4.kernels import autotune, disk_cache, registry, settings
+from comfyui_sage_rdna4.kernels import decisions, disk_cache, registry, routing, settings
+from comfyui_sage_rdna4.kernels import tuner as tuner_mod
 from comfyui_sage_rdna4.kernels.call_spec import describe_call
+from comfyui_sage_rdna4.kernels.dispatch import settled_route
 from fakes import FakeBackend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,13 +56,21 @@ def setup(times, refuse=None, raises=None):
     backends = {name: FakeBackend(name, ran=ran, quantized=name != "sdpa", refuse=(refuse or {}).get(name),
                                   raises=(raises or {}).get(name)) for name in times}
     clock = Clock(ran, times)
-    tuner = autotune.Autotuner(timer=clock, store=autotune.DecisionStore(enabled=False), enabled=True)
+    tuner = tuner_mod.Tuner(timer=clock, store=decisions.DecisionStore(enabled=False), enabled=True)
     return backends, clock, tuner
 
 
 def choose(tuner, backends, call, qkv):
-    quantized = [b for n, b in backends.items() if n != "sdpa"]
-    return tuner.choose(call, quantized, backends["sdpa"], qkv)
+    """(backend, passed over, decision) of auto's route with `backends` registered in the static order given,
+    or None where it measured nothing (the static order decides)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name, backend in backends.items():
+            mp.setitem(registry._REGISTRY, name, backend)
+        mp.setattr(registry, "auto_order", lambda c: [n for n in backends if n != "sdpa"] + ["sdpa"])
+        found = settled_route(call, "auto", tensors=qkv, tuner=tuner)
+    if found.decision is None:
+        return None
+    return found.backend, dict(found.passed_over), found.decision
 
 
 def test_the_fastest_is_chosen_and_ranked_against_sdpa():
@@ -70,11 +81,11 @@ def test_the_fastest_is_chosen_and_ranked_against_sdpa():
     assert decision.ranking == ("triton_int8_fp16", "triton_int8_fp8", "sdpa")
     assert decision.ratio("triton_int8_fp16") == pytest.approx(0.5)
     assert decision.summary.startswith("auto chose triton_int8_fp16: 0.50x SDPA at (float16, D64, Nq<=4096")
-    assert decision.method == autotune.ALONE and "[measured alone: " in decision.summary
+    assert decision.method == decisions.ALONE and "[measured alone: " in decision.summary
     # one untimed warm-up and TIMED_REPEATS timed calls each, SDPA (the yardstick) first
     names = ("sdpa", "triton_int8_fp8", "triton_int8_fp16")
-    assert clock.timed == [name for name in names for _ in range(autotune.TIMED_REPEATS)]
-    assert clock.ran == [name for name in names for _ in range(1 + autotune.TIMED_REPEATS)]
+    assert clock.timed == [name for name in names for _ in range(tuner_mod.TIMED_REPEATS)]
+    assert clock.ran == [name for name in names for _ in range(1 + tuner_mod.TIMED_REPEATS)]
 
 
 def test_a_quantized_backend_slower_than_sdpa_is_never_chosen():
@@ -108,15 +119,15 @@ def test_sdpa_raising_means_no_measurement_and_the_static_order():
 
 
 def test_length_buckets_and_keys():
-    assert [autotune.length_bucket(n) for n in (1, 2, 3, 64, 65, 4096, 4097, 75600)] == [1, 2, 4, 64, 128, 4096,
+    assert [decisions.length_bucket(n) for n in (1, 2, 3, 64, 65, 4096, 4097, 75600)] == [1, 2, 4, 64, 128, 4096,
                                                                                           8192, 131072]
-    key = autotune.tune_key(gpu_call(tensors(nq=3000, nk=4000)))
-    assert key == autotune.tune_key(gpu_call(tensors(nq=4096, nk=2049)))
+    key = decisions.tune_key(gpu_call(tensors(nq=3000, nk=4000)))
+    assert key == decisions.tune_key(gpu_call(tensors(nq=4096, nk=2049)))
     assert (key.q_bucket, key.k_bucket, key.gqa, key.causal) == (4096, 4096, False, False)
     for other in (gpu_call(tensors(nq=4097)), gpu_call(tensors(nk=300)), gpu_call(tensors(hkv=1)),
                   gpu_call(tensors(d=128)), gpu_call(tensors(dtype=torch.bfloat16)),
                   gpu_call(tensors(), is_causal=True), gpu_call(tensors(), smooth_k=False)):
-        assert autotune.tune_key(other) != key
+        assert decisions.tune_key(other) != key
 
 
 def test_one_measurement_per_key_in_memory():
@@ -148,7 +159,17 @@ def test_a_candidate_whose_self_check_ran_out_of_memory_is_measured_on_a_later_c
     fp8 = backends["triton_int8_fp8"]
     answers = ["triton_int8_fp8 on cuda:0: self-check could not run for lack of memory (...); it will be tried "
                "again on a later call"]
-    fp8.ready = lambda call: answers.pop(0) if answers else None
+
+
+    class FirstUseCheck:  # a fake keeps no verdict: its check is asked for on every first call of a kind
+        @staticmethod
+        def pending(device_type, index):
+            return True
+
+        @staticmethod
+        def refusal(device_type, index):
+            return answers.pop(0) if answers else None
+    fp8.probe = FirstUseCheck()
     qkv = tensors()
     call = gpu_call(qkv)
     assert choose(tuner, backends, call, qkv) is None and clock.timed == []
@@ -157,7 +178,7 @@ def test_a_candidate_whose_self_check_ran_out_of_memory_is_measured_on_a_later_c
     assert backend is fp8 and skipped == {} and set(decision.timings) == set(backends)
 
 
-# -- through choose_backend (the real registry, fakes under real names) -------------------------------------
+# -- through settled_route (the real registry, fakes under real names) -------------------------------------
 
 @pytest.fixture
 def registered(monkeypatch):
@@ -173,32 +194,33 @@ def registered(monkeypatch):
 def test_quantized_only_gets_none_and_the_reason_when_sdpa_is_fastest(registered):
     _, _, tuner = registered({"sdpa": 5.0, "triton_int8_fp8": 6.0})
     qkv = tensors()
-    selection = registry.choose_backend(gpu_call(qkv), "auto", quantized_only=True, tensors=qkv, tuner=tuner)
-    assert selection.backend is None and selection.measured and selection.passed_over == {}
-    assert selection.exact_reason == ("auto: SDPA measured faster on this shape (best quantized: triton_int8_fp8 "
-                                      "1.20x SDPA)")
-    selection = registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner)
-    assert selection.backend.name == "sdpa" and selection.passed_over == {} and selection.measured
+    found = settled_route(gpu_call(qkv), "auto", quantized_only=True, tensors=qkv, tuner=tuner)
+    assert found.kind == routing.EXACT and found.backend is None and found.passed_over == {}
+    assert found.reason == ("auto: SDPA measured faster on this shape (best quantized: triton_int8_fp8 "
+                            "1.20x SDPA)")
+    found = settled_route(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner)
+    assert found.kind == routing.RUN and found.backend.name == "sdpa" and found.passed_over == {}
+    assert found.decision is not None and found.reason.startswith("auto: SDPA measured faster")
 
 
-def test_choose_backend_reports_the_decision(registered):
+def test_the_route_reports_the_decision(registered):
     _, _, tuner = registered({"sdpa": 5.0, "triton_int8_fp8": 4.0})
     qkv = tensors()
-    selection = registry.choose_backend(gpu_call(qkv), "auto", quantized_only=True, tensors=qkv, tuner=tuner)
-    assert selection.backend.name == "triton_int8_fp8" and selection.exact_reason is None
-    assert selection.decision.ranking == ("triton_int8_fp8", "sdpa")
+    found = settled_route(gpu_call(qkv), "auto", quantized_only=True, tensors=qkv, tuner=tuner)
+    assert found.kind == routing.RUN and found.backend.name == "triton_int8_fp8" and found.reason is None
+    assert found.decision.ranking == ("triton_int8_fp8", "sdpa")
 
 
 def test_env_switch_off_keeps_the_static_order(registered, monkeypatch):
     # the static order prefers the slow one: measuring would not
     backends, clock, _ = registered({"sdpa": 5.0, "triton_int8_fp8": 50.0, "triton_int8_fp16": 1.0})
-    tuner = autotune.Autotuner(timer=clock, store=autotune.DecisionStore(enabled=False))
+    tuner = tuner_mod.Tuner(timer=clock, store=decisions.DecisionStore(enabled=False))
     qkv = tensors()
     monkeypatch.setenv(settings.AUTOTUNE.name, "0")
-    assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp8"
+    assert settled_route(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp8"
     assert clock.timed == []
     monkeypatch.setenv(settings.AUTOTUNE.name, "1")
-    assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp16"
+    assert settled_route(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp16"
 
 
 def test_no_tensors_cpu_or_a_first_call_in_capture_keep_the_static_order(registered, monkeypatch):
@@ -206,17 +228,17 @@ def test_no_tensors_cpu_or_a_first_call_in_capture_keep_the_static_order(registe
     qkv = tensors()
     cpu_call = describe_call(*qkv)
     assert cpu_call.device_type == "cpu"
-    assert registry.choose_backend(cpu_call, "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp8"
-    assert registry.choose_backend(gpu_call(qkv), "auto", tuner=tuner).backend.name == "triton_int8_fp8"
+    assert settled_route(cpu_call, "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp8"
+    assert settled_route(gpu_call(qkv), "auto", tuner=tuner).backend.name == "triton_int8_fp8"
     capturing = [True]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp8"
+    assert settled_route(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp8"
     assert clock.timed == [] and clock.ran == []
     capturing[0] = False
-    assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp16"
+    assert settled_route(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp16"
     timed = len(clock.timed)
     capturing[0] = True  # a decision made before a capture serves the captured calls, without timing
-    assert registry.choose_backend(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp16"
+    assert settled_route(gpu_call(qkv), "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp16"
     assert len(clock.timed) == timed
 
 
@@ -225,9 +247,9 @@ def test_a_masked_call_is_measured_only_with_its_mask(registered):
     qkv = tensors()
     mask = torch.ones(4000, 4000, dtype=torch.bool)
     call = gpu_call(qkv, attn_mask=mask)
-    assert registry.choose_backend(call, "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp8"
+    assert settled_route(call, "auto", tensors=qkv, tuner=tuner).backend.name == "triton_int8_fp8"
     assert clock.timed == []
-    assert registry.choose_backend(call, "auto", tensors=qkv, attn_mask=mask, tuner=tuner).backend.name == \
+    assert settled_route(call, "auto", tensors=qkv, attn_mask=mask, tuner=tuner).backend.name == \
         "triton_int8_fp16"
 
 
@@ -242,8 +264,8 @@ def test_nvidia_weighs_our_triton_kernels_and_comfy_kitchen_too():
 
 def disk_tuner(tmp_path, times, identity=IDENTITY, **kw):
     backends, clock, _ = setup(times, **kw)
-    store = autotune.DecisionStore(str(tmp_path), enabled=True, identity=lambda device: identity)
-    return backends, clock, autotune.Autotuner(timer=clock, store=store, enabled=True)
+    store = decisions.DecisionStore(str(tmp_path), enabled=True, identity=lambda device: identity)
+    return backends, clock, tuner_mod.Tuner(timer=clock, store=store, enabled=True)
 
 
 TIMES = {"sdpa": 10.0, "triton_int8_fp8": 4.0, "triton_int8_fp16": 6.0}
@@ -271,7 +293,7 @@ def test_a_decision_survives_on_disk_and_is_reused(tmp_path):
 
 def test_the_default_folder_is_the_cache_folders_auto_decisions(tmp_path, monkeypatch):
     monkeypatch.setenv(settings.CACHE.name, str(tmp_path))
-    store = autotune.DecisionStore(enabled=True, identity=lambda device: IDENTITY)
+    store = decisions.DecisionStore(enabled=True, identity=lambda device: IDENTITY)
     assert store.entries().folder == str(tmp_path / disk_cache.AUTO_DECISIONS)
 
 
@@ -289,7 +311,7 @@ def test_the_disk_cache_is_per_gpu_driver_pack_version_and_candidates(tmp_path, 
     assert measured_again(identity={**IDENTITY, "gpu": "AMD Radeon RX 9060 XT"})
     assert measured_again(identity={**IDENTITY, "driver": 60400000})
     with monkeypatch.context() as m:
-        m.setattr(autotune, "pack_version", lambda: "99.0.0")
+        m.setattr(decisions, "pack_version", lambda: "99.0.0")
         assert measured_again()
     assert not measured_again()  # none of the above replaced the first entry
     assert measured_again(times={**TIMES, "comfy_kitchen": 3.0})  # a backend came: measure again
@@ -338,7 +360,7 @@ def test_an_implausible_timing_on_disk_is_a_miss_and_measured_again(tmp_path, ca
     entry["timings"].update(timings)
     path.write_bytes(disk_cache.encode_entry(key, json.dumps(entry).encode()))  # sound entry, planted numbers
     backends, clock, tuner = disk_tuner(tmp_path, TIMES)
-    with caplog.at_level("INFO", logger=autotune.__name__):
+    with caplog.at_level("INFO", logger=tuner_mod.__name__):
         backend, _, again = choose(tuner, backends, gpu_call(qkv), qkv)
     assert clock.timed and again.source == "measured", again.summary
     assert backend.name == "triton_int8_fp8" and again.timings == measured.timings
@@ -373,10 +395,10 @@ pack = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = pack
 spec.loader.exec_module(pack)
 import torch
-from comfyui_sage_rdna4.kernels import autotune
-key = autotune.TuneKey("float16", 64, 64, False, False, 2 ** (index + 6), 4096, "none", "opts")
-decision = autotune.Decision(key, {"sdpa": 10.0, "triton_int8_fp8": 1.0 + index / 4})
-store = autotune.DecisionStore(folder, enabled=True, identity=lambda device: {"gpu": "concurrent writers"})
+from comfyui_sage_rdna4.kernels import decisions
+key = decisions.TuneKey("float16", 64, 64, False, False, 2 ** (index + 6), 4096, "none", "opts")
+decision = decisions.Decision(key, {"sdpa": 10.0, "triton_int8_fp8": 1.0 + index / 4})
+store = decisions.DecisionStore(folder, enabled=True, identity=lambda device: {"gpu": "concurrent writers"})
 open(os.path.join(sync, f"ready-{index}"), "w").close()
 while not os.path.exists(os.path.join(sync, "go")):
     time.sleep(0.001)
@@ -407,10 +429,10 @@ def test_twelve_processes_saving_at_once_lose_no_decision(tmp_path):
                 w.kill()
     assert [w.returncode for w in writers] == [0] * 12, [err[-2000:] for _, err in outputs]
     assert len(list(sync.glob("ready-*"))) == 12
-    store = autotune.DecisionStore(str(folder), enabled=True, identity=lambda device: {"gpu": "concurrent writers"})
+    store = decisions.DecisionStore(str(folder), enabled=True, identity=lambda device: {"gpu": "concurrent writers"})
     found = {}
     for i in range(12):
-        key = autotune.TuneKey("float16", 64, 64, False, False, 2 ** (i + 6), 4096, "none", "opts")
+        key = decisions.TuneKey("float16", 64, 64, False, False, 2 ** (i + 6), 4096, "none", "opts")
         decision = store.load(torch.device("cpu"), key, ["triton_int8_fp8"])
         if decision is not None:
             found[i] = decision.timings["triton_int8_fp8"]
@@ -428,9 +450,9 @@ def test_no_identity_means_memory_only(tmp_path):
 def test_the_cache_env_switch_keeps_decisions_in_memory(tmp_path, monkeypatch):
     monkeypatch.setenv(settings.AUTOTUNE_CACHE.name, "0")
     backends, clock, _ = setup(TIMES)
-    store = autotune.DecisionStore(str(tmp_path), identity=lambda device: IDENTITY)
+    store = decisions.DecisionStore(str(tmp_path), identity=lambda device: IDENTITY)
     qkv = tensors()
-    choose(autotune.Autotuner(timer=clock, store=store, enabled=True), backends, gpu_call(qkv), qkv)
+    choose(tuner_mod.Tuner(timer=clock, store=store, enabled=True), backends, gpu_call(qkv), qkv)
     assert clock.timed and entries(tmp_path) == []
 
 
@@ -445,7 +467,7 @@ def test_the_benchmark_has_a_row_for_what_auto_takes(registered, monkeypatch):
                                                                          "static order")]
     _, _, tuner = registered({"sdpa": 5.0, "triton_int8_fp8": 2.0})
     tuner.require_cuda = False
-    monkeypatch.setattr(autotune, "_DEFAULT", tuner)
+    monkeypatch.setattr(tuner_mod, "_DEFAULT", tuner)
     rows = benchmark.bench_shape(tiny, cpu, ["sdpa"], reps=1, warmup=0, with_auto=True)
     auto = [r for r in rows if r["backend"].startswith("auto=")]
     assert len(auto) == 1 and auto[0]["backend"] == "auto=triton_int8_fp8" and auto[0]["status"] == "ok"
@@ -456,17 +478,17 @@ def test_the_benchmark_has_a_row_for_what_auto_takes(registered, monkeypatch):
 def test_on_a_gpu_auto_measures_real_backends_and_is_never_slower_than_sdpa():
     from comfyui_sage_rdna4.kernels import sage_attention
 
-    tuner = autotune.Autotuner(store=autotune.DecisionStore(enabled=False), enabled=True)
+    tuner = tuner_mod.Tuner(store=decisions.DecisionStore(enabled=False), enabled=True)
     q, k, v = (t.cuda() for t in tensors(nq=2048, nk=2048, d=128, dtype=torch.bfloat16))
     call = describe_call(q, k, v)
-    selection = registry.choose_backend(call, "auto", quantized_only=True, tensors=(q, k, v), tuner=tuner)
-    backend = selection.backend
+    found = settled_route(call, "auto", quantized_only=True, tensors=(q, k, v), tuner=tuner)
+    backend = found.backend
     decision = tuner.decision_for(call)
     assert decision is not None and "sdpa" in decision.timings and all(ms > 0 for ms in decision.timings.values())
     if backend is None:
-        assert selection.measured and selection.exact_reason.startswith("auto: SDPA")
+        assert found.kind == routing.EXACT and found.reason.startswith("auto: SDPA")
     else:
-        assert decision.ratio(backend.name) < autotune.QUANTIZED_MUST_BEAT
+        assert decision.ratio(backend.name) < decisions.QUANTIZED_MUST_BEAT
         # measuring does not change the result: the chosen backend's output, as when named explicitly
         torch.testing.assert_close(sage_attention(q, k, v, kernel=backend.name),
                                    backend(q, k, v, call, q.shape[-1] ** -0.5)[0], rtol=0, atol=0)
@@ -480,9 +502,9 @@ def test_a_first_call_asks_each_candidate_once(registered):
         real = backend.why_not
         backend.why_not = lambda call, real=real, name=backend.name: asked.append(name) or real(call)
     qkv = tensors()
-    selection = registry.choose_backend(gpu_call(qkv), "auto", quantized_only=True, tensors=qkv, tuner=tuner)
-    assert selection.backend.name == "triton_int8_fp8"
+    found = settled_route(gpu_call(qkv), "auto", quantized_only=True, tensors=qkv, tuner=tuner)
+    assert found.backend.name == "triton_int8_fp8"
     assert sorted(asked) == ["sdpa", "triton_int8_fp16", "triton_int8_fp8"]
     asked.clear()  # another call of the same kind: the decision is kept, the chosen backend asked about this call
-    registry.choose_backend(gpu_call(qkv), "auto", quantized_only=True, tensors=qkv, tuner=tuner)
+    settled_route(gpu_call(qkv), "auto", quantized_only=True, tensors=qkv, tuner=tuner)
     assert asked == ["triton_int8_fp8"]

@@ -1,14 +1,17 @@
 """The override's per-signature plans (issue 11 item 2): a call whose signature was seen before skips
 describing the call and asking the backends again, and must end exactly where the uncached path ends.
 
-Proven by counting calls to describe_call / choose_backend, never by timing."""
+Proven by counting calls to describe_call / settled_route, never by timing."""
 import importlib
 
 import pytest
 import torch
 
 from comfyui_sage_rdna4.kernels import registry
-from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride, call_plans
+from comfyui_sage_rdna4.kernels.dispatch import settled_route
+from comfyui_sage_rdna4.kernels.gating import Verdicts
+from comfyui_sage_rdna4.kernels.routing import REFUSE, RUN
+from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride, call_plans, layouts
 from comfyui_sage_rdna4.sage_patch import override as override_mod
 from comfyui_sage_rdna4.sage_patch.call_plans import PlanCache
 from fakes import FakeBackend
@@ -40,9 +43,9 @@ def call(ov, q, k=None, v=None, heads=2, **kwargs):
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Counts of describe_call and choose_backend made by the override."""
+    """Counts of describe_call and settled_route made by the override."""
     counts = {"describe": 0, "choose": 0}
-    real_describe, real_choose = override_mod.describe_call, override_mod.choose_backend
+    real_describe, real_choose = override_mod.describe_call, override_mod.settled_route
 
     def describe(*a, **k):
         counts["describe"] += 1
@@ -52,7 +55,7 @@ def counted(monkeypatch):
         counts["choose"] += 1
         return real_choose(*a, **k)
     monkeypatch.setattr(override_mod, "describe_call", describe)
-    monkeypatch.setattr(override_mod, "choose_backend", choose)
+    monkeypatch.setattr(override_mod, "settled_route", choose)
     return counts
 
 
@@ -102,16 +105,15 @@ def test_the_plan_is_the_uncached_decision(kernel):
     qh = q.view(1, -1, 2, 32).transpose(1, 2)
     fresh = override_mod.describe_call(qh, qh, qh, smooth_k=True, prologue="auto", qk_group="token", smooth_v=False)
     assert plan.call == fresh
-    selection = registry.choose_backend(fresh, kernel, quantized_only=True)
-    assert plan.selection == selection
-    backend = selection.backend
-    assert plan.backend is backend and dict(plan.skipped) == dict(selection.passed_over)
+    route = settled_route(fresh, kernel, quantized_only=True)
+    assert plan.route == route and route.final
+    backend = route.backend
     reason = backend.why_not(fresh) if backend is not None else "none"
-    assert (plan.refusal is None) == (reason is None)
+    assert (route.kind == RUN) == (reason is None)
     if reason and backend is not None:
-        assert plan.refusal == (f"{backend.name}: {reason}", backend.name)
+        assert route.kind == REFUSE and route.reason == reason and route.kernel == backend.name
     if backend is None:
-        assert plan.refusal == (selection.exact_reason, "auto") and plan.routed is None
+        assert route.kind == REFUSE and route.kernel == "auto" and route.reason.startswith("auto: no quantized")
 
 
 SEQUENCE = [  # (kernel, calls): signatures repeated, changed, and calls each path ends differently
@@ -207,7 +209,7 @@ def test_a_failed_self_check_verdict_invalidates_plans():
         raise RuntimeError("planted")
 
     backend = FakeBackend("fake_int8")
-    check = sc.SelfCheck(cases=(sc.Case("tiny", "peaked", torch.float16, 64, 1, 1, 1, 16, 16),))
+    check = Verdicts(cases=(sc.Case("tiny", "peaked", torch.float16, 64, 1, 1, 1, 16, 16),))
     before = registry.decision_generation()
     reason = check.ensure(backend, "cpu", None, broken, variant=sc.Variant("triton", "block64", True, False))
     assert reason and backend.unavailable("cpu", None) is None  # these options refused, the backend not disabled
@@ -308,12 +310,12 @@ def test_a_hit_remakes_the_views_with_as_strided_at_the_tensors_own_offset(monke
         return [call(ov, *slices(seed)) for seed in (1, 2, 3)]
 
     views = {"n": 0}
-    real_views = override_mod.hnd_views
+    real_views = layouts.hnd_views
 
     def counted_views(*a):
         views["n"] += 1
         return real_views(*a)
-    monkeypatch.setattr(override_mod, "hnd_views", counted_views)
+    monkeypatch.setattr(layouts, "hnd_views", counted_views)
     cached = run()
     assert views["n"] == 1  # the miss only: both hits took strided_hnd
     uncached()

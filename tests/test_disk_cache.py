@@ -1,13 +1,13 @@
 """kernels/disk_cache.py: the cache folder, keys, atomic writes and the one entry format every kind uses
 (HIP code objects, self-check passes, auto's decisions): round trips, corrupt and stale entries as misses
 that are removed, and an unwritable disk degrading to memory."""
-import importlib
 import json
 import os
 
 import pytest
 
 from comfyui_sage_rdna4.kernels import disk_cache
+from comfyui_sage_rdna4.kernels.pass_cache import PassCache
 from comfyui_sage_rdna4.kernels.settings import CACHE
 
 BASE = dict(source="s" * 64, target="gfx1201", compiler="hiprtc-7.0", runtime="hip-70000", flags=["-O3"])
@@ -241,9 +241,8 @@ def test_a_temp_fallback_others_can_write_or_own_is_refused(tmp_path, monkeypatc
 @posix_only
 def test_a_planted_pass_in_a_shared_temp_folder_is_no_pass(tmp_path, monkeypatch):
     """End to end through the pass cache: a pass another user could have written never skips a self-check."""
-    sc = importlib.import_module("comfyui_sage_rdna4.kernels.self_check")  # kernels.self_check is the function
     unusable_cache(tmp_path, monkeypatch)
-    cache = sc.PassCache(enabled=True)
+    cache = PassCache(enabled=True)
     key = cache.key("hip_int8_fp8", None, None, identity={"gpu": "AMD Radeon RX 9070 XT", "arch": "gfx1201"})
     folder = disk_cache.fallback_folder(disk_cache.SELF_CHECK_PASSES)
     os.makedirs(folder)

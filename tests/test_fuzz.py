@@ -65,7 +65,8 @@ from comfyui_sage_rdna4.kernels import KernelRefused, sage_attention
 from comfyui_sage_rdna4.kernels.call_spec import describe_call
 from comfyui_sage_rdna4.kernels.metrics import cosine
 from comfyui_sage_rdna4.kernels.reference import exact_attention
-from comfyui_sage_rdna4.kernels.registry import choose_backend, get_backend
+from comfyui_sage_rdna4.kernels.registry import get_backend
+from comfyui_sage_rdna4.kernels.routing import route
 from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride
 from fakes import comfy_attention, wrap_attn
 
@@ -726,7 +727,7 @@ def api_call(tally: Tally, case: Case, kernel: str, device):
         call = describe_call(q, k, v, attn_mask=mask, is_causal=case.is_causal, smooth_k=case.smooth_k,
                              qk_group=case.qk_group, return_lse=case.return_lse, smooth_v=case.smooth_v,
                              prologue=case.prologue)
-        ran = choose_backend(call, "auto").backend.name
+        ran = route(call, "auto").backend.name
     judge(tally, case, out, q, k, v, mask, get_backend(ran).quantized, case.is_causal, sm_scale=case.sm_scale(),
           label=f"{kernel}->{ran}" if kernel != ran else kernel, lse=lse, want_lse=case.return_lse)
 

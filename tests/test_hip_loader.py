@@ -12,8 +12,10 @@ from comfyui_sage_rdna4.kernels.backends.hip import backend as hip_backend
 from comfyui_sage_rdna4.kernels.backends.hip import compiler, runtime, shipped_objects
 from comfyui_sage_rdna4.kernels.backends.hip import prologue as hip_prologue
 from comfyui_sage_rdna4.kernels.call_spec import describe_call
+from comfyui_sage_rdna4.kernels.gating import Verdicts
 from comfyui_sage_rdna4.kernels.reference import attention_from_quantized
-from comfyui_sage_rdna4.kernels.self_check import CALLS_PER_CASE, DEFAULT_CASES, Case, SelfCheck, call_variant
+from comfyui_sage_rdna4.kernels.routing import route
+from comfyui_sage_rdna4.kernels.self_check import CALLS_PER_CASE, DEFAULT_CASES, Case
 from comfyui_sage_rdna4.kernels.verify import cuda_twin  # the loader on NVIDIA, for the tests that use it
 from fakes import CompilerFactory, FakeCompiler, FakeRuntime, write_prebuilt
 
@@ -566,17 +568,17 @@ def cpu_hip_backend(monkeypatch):
     monkeypatch.setattr(hip_prologue, "hip_prologue_refusal", lambda call: None)
     monkeypatch.setattr(hip_prologue, "hip_quantize_qkv", quant.quantize_qkv_torch)
     b = hip_backend.make_backend("fp8")
-    b.selfcheck = SelfCheck(SMALL_CASES)
+    b.verdicts = Verdicts(SMALL_CASES)
     monkeypatch.setattr(b, "_unavailable", lambda device_type, index: None)
     return b
 
 
 def test_selfcheck_passes_a_correct_kernel(cpu_hip_backend):
     cpu_hip_backend.attention_impl = good_attention
-    cpu_hip_backend.selfcheck = SelfCheck()  # the full default set, as on a user's GPU
+    cpu_hip_backend.verdicts = Verdicts()  # the full default set, as on a user's GPU
     assert cpu_hip_backend.ready(_call()) is None
-    assert cpu_hip_backend.selfcheck.verdict("cpu", None, call_variant(_call(), "hip")) == (True, None)
-    assert [r.case for r in cpu_hip_backend.selfcheck.last_result.results] == list(DEFAULT_CASES)  # LSE too
+    assert cpu_hip_backend.verdicts.verdict("cpu", None, cpu_hip_backend.variant(_call())) == (True, None)
+    assert [r.case for r in cpu_hip_backend.verdicts.last_result.results] == list(DEFAULT_CASES)  # LSE too
 
 
 def _nan_attention(qq, call, pv, s, q=None):
@@ -602,8 +604,8 @@ def test_selfcheck_disables_a_broken_kernel(cpu_hip_backend, monkeypatch, broken
     # auto falls back past it, and records why
     monkeypatch.setitem(registry._REGISTRY, "hip_int8_fp8", cpu_hip_backend)
     monkeypatch.setattr(registry, "auto_order", lambda c: ["hip_int8_fp8", "sdpa"])
-    selection = registry.choose_backend(call)
-    assert selection.backend.name == "sdpa" and "self-check failed" in selection.passed_over["hip_int8_fp8"]
+    found = route(call)
+    assert found.backend.name == "sdpa" and "self-check failed" in found.passed_over["hip_int8_fp8"]
 
 
 def test_selfcheck_catches_a_wrong_lse(cpu_hip_backend):
@@ -648,7 +650,7 @@ def test_selfcheck_without_acceptable_case_disables(cpu_hip_backend, monkeypatch
     # the real call is refused by the prologue rule before the self-check is reached
     assert "nothing fits" in cpu_hip_backend.ready(_call())
     # the self-check itself, as if the call had been accepted: no case of it is
-    reason = cpu_hip_backend.selfcheck.guard(cpu_hip_backend, _call(), cpu_hip_backend.variant(_call()))
+    reason = cpu_hip_backend.verdicts.guard(cpu_hip_backend, _call(), cpu_hip_backend.variant(_call()))
     assert reason and "no case" in reason
 
 

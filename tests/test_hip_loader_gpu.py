@@ -181,7 +181,7 @@ def test_emulated_backend_matches_reference(pv, monkeypatch):
     t0 = time.perf_counter()
     first = torch.empty(1, 1, 1, 64, device=dev, dtype=torch.float16)
     assert backend.ready(describe_call(first, first, first)) is None  # the first-use check passes for real
-    print(f"\n[selfcheck] {backend.name}: first use (compile or cache load + {len(backend.selfcheck.cases)} cases) "
+    print(f"\n[selfcheck] {backend.name}: first use (compile or cache load + {len(backend.verdicts.cases)} cases) "
           f"{time.perf_counter() - t0:.2f} s")
     # Against the spec: fp16 P.V matches to rounding; fp8 P is quantized against the running row max of the
     # online softmax (the spec uses the final max), so its e4m3 roundings differ slightly.

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from comfyui_sage_rdna4.kernels import field_report as fr
-from comfyui_sage_rdna4.kernels import registry
+from comfyui_sage_rdna4.kernels import gating, registry, routing
 from comfyui_sage_rdna4.kernels.backends.hip import backend as hip_backend
 from comfyui_sage_rdna4.kernels.backends.hip import kernel_abi, probes
 from comfyui_sage_rdna4.kernels.backends.hip import prologue as hip_prologue
@@ -180,7 +180,8 @@ def test_a_probe_failure_disables_the_dependents_for_auto_explicit_and_stats(hip
     run = PLANTED["f16 D x 1.01"][0]()
     monkeypatch.setattr(probes, "device_runner", lambda device_type, index: (run, CPU))
     ran_selfcheck = []
-    monkeypatch.setattr(registry.Backend, "verify", lambda self, call: ran_selfcheck.append(self.name))
+    monkeypatch.setattr(gating.Verdicts, "guard", lambda self, backend, call, variant=None: ran_selfcheck.append(
+        backend.name))
     call = _cuda_call()
     with caplog.at_level(logging.INFO, logger=probes.log.name):
         reason = hip_pair[FP16].ready(call)
@@ -190,14 +191,14 @@ def test_a_probe_failure_disables_the_dependents_for_auto_explicit_and_stats(hip
     assert hip_pair[FP8].unavailable("cuda", 0) is None
     assert hip_pair[FP8].ready(call) is None and ran_selfcheck == [FP8]  # fp8 passes on to its self-check
     # an explicit request and auto both see it; the stats keep the reason auto passed over
-    assert registry.choose_backend(call, FP16).refusal == reason
+    assert routing.route(call, FP16).reason == reason
     monkeypatch.setattr(registry, "auto_order", lambda c: [FP16, "fake_exact"])
     monkeypatch.setitem(registry._REGISTRY, "fake_exact", FakeBackend("fake_exact", quantized=False))
     monkeypatch.setattr(registry, "BACKEND_NAMES", (*registry.BACKEND_NAMES, "fake_exact"))
-    selection = registry.choose_backend(call)
-    assert selection.backend.name == "fake_exact" and selection.passed_over[FP16] == reason
+    found = routing.route(call)
+    assert found.backend.name == "fake_exact" and found.passed_over[FP16] == reason
     stats = PatchStats()
-    stats.record_skips(selection.passed_over, "fake_exact")
+    stats.record_skips(found.passed_over, "fake_exact")
     assert "wmma_f16_layout" in repr(stats.snapshot())
     # the log: one INFO summary for the device, a WARNING naming the probe
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]

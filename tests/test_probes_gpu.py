@@ -71,7 +71,7 @@ def test_first_use_runs_the_probes_before_the_self_check(monkeypatch):
         order.append("probes")
         return real(device_type, idx)
     monkeypatch.setattr(probes, "probe_device", probe)
-    monkeypatch.setattr(backend.selfcheck, "guard", lambda *a, **k: order.append("self-check"))
+    monkeypatch.setattr(backend.verdicts, "guard", lambda *a, **k: order.append("self-check"))
     x = torch.empty(1, 1, 1, 64, device=torch.device("cuda", index), dtype=torch.float16)
     assert backend.ready(describe_call(x, x, x)) is None
     assert order == ["probes", "self-check"] and probes.recorded("cuda", index).failures() == []

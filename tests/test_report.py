@@ -159,8 +159,8 @@ def test_attention_accuracy_against_exact():
 def test_accuracy_flags_a_planted_bad_call(caplog):
     """Issue 10 item 6: a sampled call far above what its kernel reaches on the self-check is flagged, on the
     report (text and JSON) and in the console; sound calls are not."""
+    from comfyui_sage_rdna4.kernels.accuracy_flags import FLAG_REL_L1, flag_level
     from comfyui_sage_rdna4.kernels.reference import reference_attention
-    from comfyui_sage_rdna4.kernels.self_check import FLAG_REL_L1, flag_level
 
     g = torch.Generator().manual_seed(0)
     # Video-like: near-uniform attention over many keys, V with a channel offset.

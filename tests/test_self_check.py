@@ -10,11 +10,25 @@ import pytest
 import torch
 
 from comfyui_sage_rdna4 import kernels
-from comfyui_sage_rdna4.kernels import disk_cache, quant, registry, settings
+from comfyui_sage_rdna4.kernels import (
+    accuracy_flags,
+    disk_cache,
+    gating,
+    pass_cache,
+    quant,
+    registry,
+    routing,
+    settings,
+)
 from comfyui_sage_rdna4.kernels.reference import expand_kv_heads, qk_scores_base2, reference_attention
 from fakes import FakeBackend
 
 sc = importlib.import_module("comfyui_sage_rdna4.kernels.self_check")  # kernels.self_check is the function
+
+
+def variant_of(call):
+    """The variant a backend without a prologue of its own serves `call` with."""
+    return FakeBackend().variant(call)
 
 
 def reference(q, k, v, is_causal=False, return_lse=False):
@@ -260,7 +274,7 @@ SMALL = (sc.Case("small", "peaked", torch.float16, 64, 2, 2, 2, 140, 70),
 
 def test_selfcheck_guard_once_per_variant_and_threads():
     backend = fake_backend(reference)
-    check = sc.SelfCheck(SMALL)
+    check = gating.Verdicts(SMALL)
     results = []
     threads = [threading.Thread(target=lambda: results.append(check.guard(backend, _call()))) for _ in range(3)]
     for t in threads:
@@ -271,37 +285,37 @@ def test_selfcheck_guard_once_per_variant_and_threads():
     calls = sc.CALLS_PER_CASE * len(accepted)
     assert results == [None] * 3 and backend.runs == calls
     assert check.guard(backend, _call()) is None and backend.runs == calls  # not run again
-    assert check.verdict("cpu", None, sc.call_variant(_call())) == (True, None)
+    assert check.verdict("cpu", None, variant_of(_call())) == (True, None)
     # another prologue is another combination: checked on its own first use
     assert check.guard(backend, _call(prologue="triton")) is None and backend.runs == 2 * calls
 
 
 def test_selfcheck_can_be_skipped_by_developers_with_a_warning(monkeypatch, caplog):
-    monkeypatch.setenv(sc.settings.SELF_CHECK.name, "0")
+    monkeypatch.setenv(settings.SELF_CHECK.name, "0")
     backend = fake_backend(planted(repeated_batch))
     with caplog.at_level("WARNING"):
-        assert sc.SelfCheck(SMALL).guard(backend, _call()) is None
+        assert gating.Verdicts(SMALL).guard(backend, _call()) is None
     assert backend.runs == 0 and "WITHOUT its first-use self-check" in caplog.text
 
 
 def test_selfcheck_failure_disables_the_backend_with_the_reason(monkeypatch):
     backend = fake_backend(planted(repeated_batch))
-    check = sc.SelfCheck(SMALL)
+    check = gating.Verdicts(SMALL)
     reason = check.guard(backend, _call(prologue="hip"))
     assert reason.startswith("fake_int8 disabled on cpu: self-check failed (hip prologue, qk_group token")
     assert "batch 1" in reason
     assert backend.unavailable("cpu", None) == reason  # Backend.disable: stats and available_backends show it
     monkeypatch.setitem(registry._REGISTRY, "hip_int8_fp8", backend)
     monkeypatch.setattr(registry, "auto_order", lambda c: ["hip_int8_fp8", "sdpa"])
-    selection = registry.choose_backend(_call())
-    assert selection.backend.name == "sdpa" and "self-check failed" in selection.passed_over["hip_int8_fp8"]
+    found = routing.route(_call())
+    assert found.backend.name == "sdpa" and "self-check failed" in found.passed_over["hip_int8_fp8"]
 
 
 def VerifiedFake(attention):
     """A backend that proves itself on first use through the Backend base class (as Triton and HIP do)."""
     backend = fake_backend(attention)
     backend.own_prologue = "hip"
-    backend.selfcheck = sc.SelfCheck(SMALL)
+    backend.verdicts = gating.Verdicts(SMALL)
     return backend
 
 
@@ -309,7 +323,7 @@ def test_why_not_runs_nothing_and_verify_is_the_one_step_that_checks():
     backend = VerifiedFake(reference)
     call = _call()
     assert backend.why_not(call) is None and backend.runs == 0  # a pure query: no self-check ran
-    assert backend.selfcheck.verdict("cpu", None, backend.variant(call)) == (False, None)
+    assert backend.verdicts.verdict("cpu", None, backend.variant(call)) == (False, None)
     assert backend.variant(call) == sc.Variant("hip", "token", True, False)  # 'auto' is the backend's own
     assert backend.ready(call) is None and backend.runs > 0
     runs = backend.runs
@@ -327,10 +341,10 @@ def test_why_not_reports_a_recorded_failure_without_checking_again():
 
 
 def test_variant_is_named():
-    variant = sc.call_variant(_call(prologue="triton", qk_group="block64"))
+    variant = variant_of(_call(prologue="triton", qk_group="block64"))
     assert (variant.prologue, variant.qk_group, variant.smooth_k, variant.smooth_v) == ("triton", "block64", True,
                                                                                         False)
-    assert not variant.accurate and sc.call_variant(_call()).accurate
+    assert not variant.accurate and variant_of(_call()).accurate
     assert variant.describe() == "triton prologue, qk_group block64, smooth_k on, smooth_v off"
 
 
@@ -341,34 +355,35 @@ IDENTITY = {"gpu": "AMD Radeon RX 9070 XT", "arch": "gfx1201", "driver": "hip-60
 
 
 def test_pass_cache_roundtrip_and_key_parts(tmp_path):
-    cache = sc.PassCache(str(tmp_path), enabled=True)
-    variant = sc.call_variant(_call(prologue="hip"))
+    cache = pass_cache.PassCache(str(tmp_path), enabled=True)
+    variant = variant_of(_call(prologue="hip"))
     key = cache.key("hip_int8_fp8", variant, torch.device("cuda", 0), identity=IDENTITY)
     assert key and not cache.has_pass(key, "hip_int8_fp8")
     assert cache.store_pass(key, "hip_int8_fp8") and os.listdir(tmp_path)
-    assert sc.PassCache(str(tmp_path), enabled=True).has_pass(key, "hip_int8_fp8")  # a new process reads it
+    assert pass_cache.PassCache(str(tmp_path), enabled=True).has_pass(key, "hip_int8_fp8")  # a new process reads it
     for part, other in (("gpu", "AMD Radeon RX 9070"), ("arch", "gfx1200"), ("driver", "hip-70000"),
                         ("triton", "3.5")):
         assert cache.key("hip_int8_fp8", variant, None, identity={**IDENTITY, part: other}) != key
     assert cache.key("hip_int8_fp16", variant, None, identity=IDENTITY) != key
-    assert cache.key("hip_int8_fp8", sc.call_variant(_call(prologue="triton")), None, identity=IDENTITY) != key
+    assert cache.key("hip_int8_fp8", variant_of(_call(prologue="triton")), None, identity=IDENTITY) != key
     assert cache.key("hip_int8_fp8", variant, None, cases=sc.DEFAULT_CASES[:2], identity=IDENTITY) != key
-    assert sc.PassCache(str(tmp_path), enabled=False).key("hip_int8_fp8", variant, None, identity=IDENTITY) is None
+    off = pass_cache.PassCache(str(tmp_path), enabled=False)
+    assert off.key("hip_int8_fp8", variant, None, identity=IDENTITY) is None
 
 
 def test_pass_cache_key_follows_the_code_and_pack_version(tmp_path, monkeypatch):
-    cache = sc.PassCache(str(tmp_path), enabled=True)
+    cache = pass_cache.PassCache(str(tmp_path), enabled=True)
     key = cache.key("x", None, None, identity=IDENTITY)
-    monkeypatch.setattr(sc, "code_digest", lambda: "0" * 64)
+    monkeypatch.setattr(pass_cache, "code_digest", lambda: "0" * 64)
     assert cache.key("x", None, None, identity=IDENTITY) != key
-    monkeypatch.setattr(sc, "pack_version", lambda: "9.9.9")
+    monkeypatch.setattr(pass_cache, "pack_version", lambda: "9.9.9")
     assert cache.key("x", None, None, identity=IDENTITY) not in (key,)
 
 
 def test_a_pass_is_a_json_entry_in_the_cache_folders_self_check_passes(tmp_path, monkeypatch):
     monkeypatch.setenv(settings.CACHE.name, str(tmp_path))
     monkeypatch.delenv(settings.SELF_CHECK_CACHE.name, raising=False)
-    cache = sc.PassCache()
+    cache = pass_cache.PassCache()
     assert cache.enabled
     key = cache.key("hip_int8_fp8", None, None, identity=IDENTITY)
     result = sc.SelfCheckResult(None, [sc.CaseResult(sc.DEFAULT_CASES[0], None, 0.01, 0.9999)], seconds=1.23456)
@@ -379,31 +394,31 @@ def test_a_pass_is_a_json_entry_in_the_cache_folders_self_check_passes(tmp_path,
     assert entry["cases"][sc.DEFAULT_CASES[0].name] == {"rel_l1": 0.01, "cosine": 0.9999}
     # an entry of this key that is no pass (or no JSON object) is not a pass
     disk_cache.EntryStore(disk_cache.SELF_CHECK_PASSES).store_json(key, "selfcheck-hip_int8_fp8", ["pass"])
-    assert not sc.PassCache().has_pass(key, "hip_int8_fp8")
+    assert not pass_cache.PassCache().has_pass(key, "hip_int8_fp8")
     monkeypatch.setenv(settings.SELF_CHECK_CACHE.name, "0")
-    assert not sc.PassCache().enabled
+    assert not pass_cache.PassCache().enabled
 
 
 def test_cached_pass_skips_the_check_and_a_failure_is_never_cached(tmp_path, monkeypatch):
-    monkeypatch.setattr(sc, "gpu_identity", lambda device: dict(IDENTITY))
+    monkeypatch.setattr(pass_cache, "gpu_identity", lambda device: dict(IDENTITY))
     cases = SMALL[:1]
     call = _call()
     good = fake_backend(reference)
     # a "cuda" device is only a key here: the check itself runs on the CPU tensors of this fake
     call_gpu = type(call)(**{**call.__dict__, "device_type": "cuda", "device_index": 0})
-    monkeypatch.setattr(sc, "run_self_check", lambda attention, device, cases, accepts: sc.SelfCheckResult(
+    monkeypatch.setattr(gating, "run_self_check", lambda attention, device, cases, accepts: sc.SelfCheckResult(
         None, [sc.CaseResult(cases[0], None)]))
-    check = sc.SelfCheck(cases, cache=sc.PassCache(str(tmp_path), enabled=True))
+    check = gating.Verdicts(cases, cache=pass_cache.PassCache(str(tmp_path), enabled=True))
     assert check.guard(good, call_gpu) is None
     assert any(n.startswith("selfcheck-fake_int8") for n in os.listdir(tmp_path))
     ran = []
-    monkeypatch.setattr(sc, "run_self_check", lambda *a, **k: ran.append(1))
-    again = sc.SelfCheck(cases, cache=sc.PassCache(str(tmp_path), enabled=True))  # a new process
+    monkeypatch.setattr(gating, "run_self_check", lambda *a, **k: ran.append(1))
+    again = gating.Verdicts(cases, cache=pass_cache.PassCache(str(tmp_path), enabled=True))  # a new process
     assert again.guard(good, call_gpu) is None and not ran  # the pass came from the disk
     # a failing verdict is not stored
     other = tmp_path / "other"
-    monkeypatch.setattr(sc, "run_self_check", lambda attention, device, cases, accepts: sc.SelfCheckResult("bad"))
-    failing = sc.SelfCheck(cases, cache=sc.PassCache(str(other), enabled=True))
+    monkeypatch.setattr(gating, "run_self_check", lambda attention, device, cases, accepts: sc.SelfCheckResult("bad"))
+    failing = gating.Verdicts(cases, cache=pass_cache.PassCache(str(other), enabled=True))
     assert "self-check failed" in failing.guard(fake_backend(reference), call_gpu)
     assert not [n for n in os.listdir(other) if n.startswith("selfcheck-")]
 
@@ -418,13 +433,14 @@ def test_the_spec_without_smooth_k_passes_too():
 
 
 def test_flag_levels_follow_the_p_v_precision():
-    assert sc.flag_level("reference") == sc.flag_level("triton_int8_fp8") == sc.FLAG_REL_L1["fp8"]
-    assert sc.flag_level("hip_int8_fp16") == sc.flag_level("sdpa") == sc.FLAG_REL_L1["fp16"]
+    flag, levels = accuracy_flags.flag_level, accuracy_flags.FLAG_REL_L1
+    assert flag("reference") == flag("triton_int8_fp8") == levels["fp8"]
+    assert flag("hip_int8_fp16") == flag("sdpa") == levels["fp16"]
 
 
 def test_a_failure_with_weaker_options_refuses_only_those_options():
     backend = fake_backend(planted(repeated_batch))
-    check = sc.SelfCheck(SMALL)
+    check = gating.Verdicts(SMALL)
     reason = check.guard(backend, _call(qk_group="block64"))
     assert reason and "self-check failed" in reason
     assert backend.unavailable("cpu", None) is None  # the accurate options still get their own check
@@ -457,13 +473,13 @@ def test_out_of_memory_during_the_check_is_no_verdict_and_a_later_call_checks_ag
     assert reason and "memory" in reason and "tried again" in reason, reason
     assert sc.FAILED not in reason
     assert backend.unavailable("cpu", None) is None  # not disabled
-    assert backend.selfcheck.verdict("cpu", None, variant) == (False, None)  # nothing recorded
+    assert backend.verdicts.verdict("cpu", None, variant) == (False, None)  # nothing recorded
     assert backend.why_not(call) is None
     # plans made while it ran (the override's) are stale: their next call asks again
     assert registry.decision_generation() != generation
     runs = backend.runs
     assert backend.ready(call) is None  # the second call runs the check, and it passes
-    assert backend.runs > runs and backend.selfcheck.verdict("cpu", None, variant) == (True, None)
+    assert backend.runs > runs and backend.verdicts.verdict("cpu", None, variant) == (True, None)
 
 
 def test_an_error_that_is_not_out_of_memory_still_disables():

@@ -9,8 +9,10 @@ import logging
 import pytest
 import torch
 
-from comfyui_sage_rdna4.kernels import autotune, registry, settings, step_trials
+from comfyui_sage_rdna4.kernels import decisions, registry, settings, step_trials
+from comfyui_sage_rdna4.kernels import tuner as tuner_mod
 from comfyui_sage_rdna4.kernels.call_spec import describe_call
+from comfyui_sage_rdna4.kernels.dispatch import settled_route
 from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride
 from comfyui_sage_rdna4.sage_patch.report import format_report_text
 from comfyui_sage_rdna4.sage_patch.timing import attach_step_timer
@@ -41,10 +43,9 @@ class Scene:
         for name, backend in self.backends.items():
             monkeypatch.setitem(registry._REGISTRY, name, backend)
         monkeypatch.setattr(registry, "auto_order", lambda call: names[1:] + ["sdpa"])
-        self.store = store or autotune.DecisionStore(enabled=False)
-        self.tuner = step_trials.InStepTuner(store=self.store, enabled=True, require_cuda=require_cuda,
-                                             events=self.events)
-        monkeypatch.setattr(step_trials, "_DEFAULT", self.tuner)
+        self.store = store or decisions.DecisionStore(enabled=False)
+        self.tuner = tuner_mod.Tuner(store=self.store, enabled=True, require_cuda=require_cuda, events=self.events)
+        monkeypatch.setattr(tuner_mod, "_DEFAULT", self.tuner)
         self.override = SageAttentionOverride(PatchConfig(kernel="auto"))
         g = torch.Generator().manual_seed(0)
         self.q, self.k, self.v = (torch.randn(1, 256, HEADS * 64, generator=g).half() for _ in range(3))
@@ -87,15 +88,15 @@ def test_a_backend_that_wins_alone_but_loses_in_the_step_keeps_sdpa(monkeypatch)
     times alone, takes it; the override, which times the step's own calls, keeps SDPA."""
     scene = Scene(monkeypatch, {"sdpa": 10.0, "triton_int8_fp8": 10.5, "triton_int8_fp16": 12.0})
     alone_ms = {"sdpa": 10.0, "triton_int8_fp8": 9.0, "triton_int8_fp16": 12.0}
-    alone = autotune.Autotuner(timer=lambda fn, device: (fn(), alone_ms[scene.ran[-1]])[1],
-                               store=autotune.DecisionStore(enabled=False), enabled=True, require_cuda=False)
+    alone = tuner_mod.Tuner(timer=lambda fn, device: (fn(), alone_ms[scene.ran[-1]])[1],
+                            store=decisions.DecisionStore(enabled=False), enabled=True, require_cuda=False)
     hnd = tuple(t.view(1, 256, HEADS, 64).transpose(1, 2) for t in (scene.q, scene.k, scene.v))
-    assert registry.choose_backend(describe_call(*hnd), "auto", tensors=hnd, tuner=alone).backend.name == \
+    assert settled_route(describe_call(*hnd), "auto", tensors=hnd, tuner=alone).backend.name == \
         "triton_int8_fp8"
 
     first = scene.step()
     decision = scene.decision()
-    assert decision is not None and decision.method == autotune.IN_STEP and decision.chosen == "sdpa"
+    assert decision is not None and decision.method == decisions.IN_STEP and decision.chosen == "sdpa"
     assert decision.ratio("triton_int8_fp8") == pytest.approx(1.05)
     assert decision.sdpa_reason() == ("auto: SDPA measured faster in the step on this shape (best quantized: "
                                       "triton_int8_fp8 1.05x SDPA)")
@@ -235,7 +236,7 @@ def watched(monkeypatch, store=None):
 
 
 def test_the_watch_reverts_a_choice_that_turns_slow(monkeypatch, tmp_path, caplog):
-    store = autotune.DecisionStore(str(tmp_path), enabled=True, identity=lambda device: IDENTITY)
+    store = decisions.DecisionStore(str(tmp_path), enabled=True, identity=lambda device: IDENTITY)
     scene = watched(monkeypatch, store)
     scene.in_step["triton_int8_fp16"] = 12.0  # now 1.20x SDPA inside the step
     with caplog.at_level(logging.WARNING):
@@ -269,7 +270,7 @@ def test_the_watch_keeps_a_choice_that_stays_fast(monkeypatch):
 
 
 def test_decisions_persist_per_way_of_measuring_and_are_reused(monkeypatch, tmp_path):
-    store = autotune.DecisionStore(str(tmp_path), enabled=True, identity=lambda device: IDENTITY)
+    store = decisions.DecisionStore(str(tmp_path), enabled=True, identity=lambda device: IDENTITY)
     scene = Scene(monkeypatch, {"sdpa": 10.0, "triton_int8_fp8": 8.0}, store=store)
     scene.step()
     assert scene.decision().chosen == "triton_int8_fp8"
@@ -277,8 +278,8 @@ def test_decisions_persist_per_way_of_measuring_and_are_reused(monkeypatch, tmp_
     assert again.step(5) == ["triton_int8_fp8"] * 5 and again.events.marks == 0  # no trial: from disk
     assert again.decision().source == "disk" and again.decision().samples == scene.decision().samples
     # a decision measured alone (the public API) is another entry: the step is measured all the same
-    store_alone = autotune.DecisionStore(str(tmp_path / "alone"), enabled=True, identity=lambda device: IDENTITY)
-    alone_decision = autotune.Decision(scene.decision().key, {"sdpa": 10.0, "triton_int8_fp8": 1.0})
+    store_alone = decisions.DecisionStore(str(tmp_path / "alone"), enabled=True, identity=lambda device: IDENTITY)
+    alone_decision = decisions.Decision(scene.decision().key, {"sdpa": 10.0, "triton_int8_fp8": 1.0})
     store_alone.save(torch.device("cpu"), alone_decision, ["triton_int8_fp8"])
     third = Scene(monkeypatch, {"sdpa": 10.0, "triton_int8_fp8": 12.0}, store=store_alone)
     assert "sdpa" in third.step(4) and third.events.marks == 8
@@ -316,7 +317,8 @@ def test_only_candidates_that_accept_the_call_take_turns(monkeypatch):
                   refuse={"triton_int8_fp8": "triton_int8_fp8 disabled on cuda:0: self-check failed: NaN"})
     assert set(scene.step()) == {"sdpa", "triton_int8_fp16"} and scene.backends["triton_int8_fp8"].runs == 0
     assert scene.decision().chosen == "triton_int8_fp16"
-    assert scene.decision().refused == {"triton_int8_fp8": "triton_int8_fp8 disabled on cuda:0: self-check failed: NaN"}
+    assert scene.decision().passed_over == {
+        "triton_int8_fp8": "triton_int8_fp8 disabled on cuda:0: self-check failed: NaN"}
     assert scene.override.stats.snapshot()["skipped"]["triton_int8_fp8"] == {
         "triton_int8_fp8 disabled on cuda:0: self-check failed: NaN": FLUX_CALLS}
 
@@ -333,11 +335,11 @@ def test_an_autograd_call_first_does_not_keep_auto_from_measuring_that_kind(monk
 
 
 def test_an_in_step_decision_round_trips_through_json():
-    key = autotune.TuneKey("float16", 64, 64, False, False, 4096, 4096, "none", "o")
-    decision = autotune.Decision(key, {"sdpa": 10.0, "triton_int8_fp8": 12.0}, method=autotune.IN_STEP,
+    key = decisions.TuneKey("float16", 64, 64, False, False, 4096, 4096, "none", "o")
+    decision = decisions.Decision(key, {"sdpa": 10.0, "triton_int8_fp8": 12.0}, method=decisions.IN_STEP,
                                  samples={"sdpa": 3, "triton_int8_fp8": 3}, reverted="reverted to SDPA: slow")
-    back = autotune.Decision.from_json(key, decision.to_json(["triton_int8_fp8"]))
-    assert (back.method, back.samples, back.reverted, back.ranking) == (autotune.IN_STEP, decision.samples,
+    back = decisions.Decision.from_json(key, decision.to_json(["triton_int8_fp8"]))
+    assert (back.method, back.samples, back.reverted, back.ranking) == (decisions.IN_STEP, decision.samples,
                                                                         "reverted to SDPA: slow", ("sdpa",))
     assert back.sdpa_reason() == "auto: reverted to SDPA: slow"
 
@@ -346,9 +348,8 @@ def test_an_in_step_decision_round_trips_through_json():
 def test_on_a_gpu_the_override_measures_in_the_step_and_every_output_is_right(monkeypatch):
     from fakes import comfy_attention
 
-    tuner = step_trials.InStepTuner(store=autotune.DecisionStore(enabled=False), enabled=True)
-    monkeypatch.setattr(step_trials, "_DEFAULT", tuner)
-    override = SageAttentionOverride(PatchConfig(kernel="auto"))
+    tuner = tuner_mod.Tuner(store=decisions.DecisionStore(enabled=False), enabled=True)
+    override = SageAttentionOverride(PatchConfig(kernel="auto"), tuner=tuner)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, 4096, 24 * 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     exact = comfy_attention(q, k, v, 24, _inside_attn_wrapper=True).float()
@@ -358,10 +359,10 @@ def test_on_a_gpu_the_override_measures_in_the_step_and_every_output_is_right(mo
             assert torch.nn.functional.cosine_similarity(out.flatten(), exact.flatten(), dim=0) > 0.999
         override.step_boundary()
     (decision,) = tuner.decisions()
-    assert decision.method == autotune.IN_STEP and all(n >= step_trials.SAMPLES for n in decision.samples.values())
+    assert decision.method == decisions.IN_STEP and all(n >= step_trials.SAMPLES for n in decision.samples.values())
     assert all(ms > 0 for ms in decision.timings.values())
     if decision.chosen != "sdpa":
-        assert decision.ratio(decision.chosen) <= autotune.QUANTIZED_MUST_BEAT
+        assert decision.ratio(decision.chosen) <= decisions.QUANTIZED_MUST_BEAT
 
 
 @pytest.mark.gpu
@@ -385,9 +386,8 @@ def test_on_a_gpu_the_watch_reverts_a_choice_that_turns_slow_with_real_events(mo
     monkeypatch.setitem(registry._REGISTRY, "triton_int8_fp8", backend)
     # the fake alone: on NVIDIA auto_candidates would add the real Triton kernels to the trial
     monkeypatch.setattr(registry, "auto_candidates", lambda call: ["triton_int8_fp8", "sdpa"])
-    tuner = step_trials.InStepTuner(store=autotune.DecisionStore(enabled=False), enabled=True)
-    monkeypatch.setattr(step_trials, "_DEFAULT", tuner)
-    override = SageAttentionOverride(PatchConfig(kernel="auto"))
+    tuner = tuner_mod.Tuner(store=decisions.DecisionStore(enabled=False), enabled=True)
+    override = SageAttentionOverride(PatchConfig(kernel="auto"), tuner=tuner)
     site = sleepy_sdpa(1.0)
 
     def call_site(q, k, v, heads, **kwargs):  # the model's own attention: 1 ms slower than the backend at first

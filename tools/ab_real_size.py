@@ -59,7 +59,7 @@ def main() -> int:
     # comfy_api import needs PyAV (absent on the GPU machine). sage_patch imports comfy only when used.
     load_pack()
     harness.comfy_import(cpu=args.tiny)
-    from comfyui_sage_rdna4.kernels import step_trials
+    from comfyui_sage_rdna4.kernels import tuner
     from comfyui_sage_rdna4.sage_patch.ab_benchmark import run_ab
     from comfyui_sage_rdna4.sage_patch.report import report_json
 
@@ -93,7 +93,7 @@ def main() -> int:
     for kernel in [k for k in args.kernels.split(",") if k]:
         t1 = time.time()
         if args.remeasure:
-            step_trials.default_tuner().clear()
+            tuner.default_tuner().clear()
         try:
             _, report, text, plot, path = run_ab(model, positive, negative, latent, seed=0, steps=args.steps,
                                                  cfg=cfg_scale, sampler_name="euler", scheduler="simple",

@@ -50,8 +50,9 @@ def main():
     from comfyui_sage_rdna4.kernels import benchmark as bench
     from comfyui_sage_rdna4.kernels.api import sage_attention
     from comfyui_sage_rdna4.kernels.call_spec import describe_call
+    from comfyui_sage_rdna4.kernels.dispatch import settled_route
     from comfyui_sage_rdna4.kernels.quant import default_sm_scale
-    from comfyui_sage_rdna4.kernels.registry import choose_backend, get_backend
+    from comfyui_sage_rdna4.kernels.registry import get_backend
 
     device = torch.device("cuda")
     sync = torch.cuda.synchronize
@@ -86,7 +87,7 @@ def main():
             c = describe_call(q, k, v)
             scale = default_sm_scale(c.head_dim)
             row["describe_us"] = host_us(lambda: describe_call(q, k, v), sync)
-            row["choose_us"] = host_us(lambda: choose_backend(c, name, tensors=(q, k, v), sm_scale=scale), sync)
+            row["route_us"] = host_us(lambda: settled_route(c, name, tensors=(q, k, v), sm_scale=scale), sync)
             be = get_backend(name)
             row["why_not_us"] = host_us(lambda: be.why_not(c), sync)
             if name.startswith("triton_"):

@@ -23,8 +23,8 @@ import torch
 
 from ... import quant
 from ...call_spec import AttentionCall
+from ...gating import Verdicts
 from ...registry import Backend, KernelRefused, get_backend
-from ...self_check import SelfCheck
 from . import probes
 from . import prologue as hip_prologue
 from .runtime import environment_refusal, kernel_bundle, run_launches
@@ -101,12 +101,27 @@ def launch_attention(qq, *, pv, is_causal, return_lse, sm_scale, q, out_dtype):
     return out, lse
 
 
+class _HardwareProbes:
+    """The HIP part of a first use (`Backend.probe`): the device's hardware probes, once per process, before any
+    self-check there."""
+
+    def __init__(self, backend: "HipBackend"):
+        self.backend = backend
+
+    @staticmethod
+    def pending(device_type: str, index: Optional[int]) -> bool:
+        return device_type == "cuda" and probes.recorded(device_type, index) is None
+
+    def refusal(self, device_type: str, index: Optional[int]) -> Optional[str]:
+        return self.backend.probe_refusal(device_type, index)
+
+
 class HipBackend(Backend):
     quantized = True
     own_prologue = "hip"
 
     def __init__(self, pv: str):
-        super().__init__(SelfCheck())
+        super().__init__(Verdicts(), probe=_HardwareProbes(self))
         if pv not in PV_MODES:
             raise ValueError(f"pv must be one of {PV_MODES}, got {pv!r}")
         self.pv = pv
@@ -132,10 +147,6 @@ class HipBackend(Backend):
         return attention_refusal(call, self.pv) or prologue_refusal(call)
 
     # -- first use ------------------------------------------------------------------------------
-    def verify(self, call: AttentionCall) -> Optional[str]:
-        """The hardware probes of the call's device (once per process), then the self-check."""
-        return self.probe_refusal(call.device_type, call.device_index) or super().verify(call)
-
     def probe_refusal(self, device_type: str, index: Optional[int]) -> Optional[str]:
         """The probes' verdict for this backend on one device; a failure disables it, and every other HIP backend
         it concerns, there (so `auto`, an explicit request and the stats all see the reason). HIP devices only

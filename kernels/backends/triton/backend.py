@@ -13,8 +13,8 @@ from typing import Optional
 import torch
 
 from ... import launch_split
+from ...gating import Verdicts
 from ...registry import Backend
-from ...self_check import SelfCheck
 from .configs import MAX_HEAD_DIM, attention_config
 
 CPU_REASON = "Triton needs a GPU; on CPU it runs only under TRITON_INTERPRET=1"
@@ -65,7 +65,7 @@ class TritonBackend(Backend):
     own_prologue = "triton"
 
     def __init__(self, pv: str):
-        super().__init__(SelfCheck())
+        super().__init__(Verdicts())
         if pv not in ("fp8", "fp16"):
             raise ValueError(f"pv must be 'fp8' or 'fp16', got {pv!r}")
         self.pv = pv

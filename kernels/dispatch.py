@@ -1,0 +1,46 @@
+"""A call's final route: `routing.route`, after the explicit steps it asks for.
+
+Used by the public API, the benchmark, the field report and the ComfyUI override alike, so each takes the same
+steps in the same order: the first-use checks of the backends the route would take (`gating.first_use_checks`:
+probes and self-checks), then auto's measuring of a kind of call it has no decision for (`Tuner.begin_in_step`
+inside a sampling step, `Tuner.measure_alone` elsewhere). Each step leaves a verdict or a decision behind, so
+the route is asked again until it needs none.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from .call_spec import AttentionCall
+from .decisions import IN_STEP
+from .gating import first_use_checks
+from .registry import BACKEND_NAMES
+from .routing import MEASURE, VERIFY, Route, route
+from .tuner import Tuner, default_tuner
+
+# Each VERIFY round records at least one new verdict and a measuring step always leaves a decision or a
+# measurement behind: more rounds than this would be a bug, which is reported rather than looped on.
+MAX_ROUNDS = len(BACKEND_NAMES) + 3
+
+
+def settled_route(call: AttentionCall, kernel: str = "auto", *, quantized_only: bool = False,
+                  tuner: Optional[Tuner] = None, tensors=None, sm_scale: Optional[float] = None, attn_mask=None,
+                  in_step: bool = False) -> Route:
+    """The final route of `call` (routing.route's arguments; `tensors`: q, k, v in HND, which auto measures on a
+    GPU; `in_step`: measure on the model's own calls inside the sampling step, the ComfyUI override's way)."""
+    tuner = tuner or default_tuner()
+    method = tuner.method_for(call, tensors, in_step) if kernel == "auto" else None
+    checked: Dict[str, Optional[str]] = {}
+    for _ in range(MAX_ROUNDS):
+        found = route(call, kernel, quantized_only=quantized_only, tuner=tuner, method=method, attn_mask=attn_mask,
+                      checked=checked)
+        if found.kind == VERIFY:  # gating: the first-use checks of the backends this route would take
+            checked.update(first_use_checks(found.unverified, call))
+        elif found.kind == MEASURE and found.measurement is None:  # measuring: auto's decision for this kind
+            if method == IN_STEP:
+                tuner.begin_in_step(found, call, tensors[0].device)
+            else:
+                tuner.measure_alone(found, call, tensors, sm_scale, attn_mask)
+            checked.update({b.name: None for b in found.candidates})  # just found ready for this very call
+        else:
+            return found
+    raise RuntimeError(f"the route of {call.short()} did not settle in {MAX_ROUNDS} rounds")

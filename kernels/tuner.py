@@ -1,0 +1,227 @@
+"""auto's measuring: the explicit step a route asks for when a kind of call has no decision yet.
+
+Two ways to measure, one decision format (kernels/decisions.py):
+  * **in the step** (the ComfyUI override, `IN_STEP`): `begin_in_step` recalls a stored decision or starts a
+    `StepTrial` (kernels/step_trials.py) that spreads the model's own calls of that kind over SDPA and every ready
+    candidate. When it decides, a quantized choice gets a `Watch`, which reverts it to SDPA when it turns slow.
+  * **alone** (`ALONE`: the public API and the benchmark, where there is no step): `measure_alone` times, on the
+    call's own tensors, SDPA and every ready candidate: one untimed warm-up, then TIMED_REPEATS timed calls, the
+    median kept. Inside a model step a kernel can run at other clocks than alone (docs/MEASUREMENTS.md, "Clocks
+    under the power cap"), so the ComfyUI path never uses these.
+Either way a quantized backend is taken only when it measured at most 1 - MARGIN times SDPA. A candidate that
+raises while measured is left out with its reason; nothing here raises to the caller.
+
+One `Tuner` per process (`default_tuner()`); the override and tests may hand another one in.
+SAGE_RDNA4_AUTOTUNE=0 turns measuring off (the static order decides). Never imports ComfyUI.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from . import settings
+from .decisions import ALONE, IN_STEP, NOT_DECIDED, SDPA, Decision, DecisionBook, DecisionStore
+from .quant import default_sm_scale
+from .registry import get_backend, invalidate_decisions
+from .step_trials import DeviceEvents, Measurement, StepTrial, Watch
+
+log = logging.getLogger(__name__)
+
+TIMED_REPEATS = 3  # alone: timed calls per candidate after its warm-up; the median is kept
+
+# timer(fn, device) -> milliseconds of one call of fn; injectable so tests need no GPU.
+Timer = Callable[[Callable[[], object], torch.device], float]
+
+
+def cuda_event_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """One call of fn timed with CUDA events on the current stream (waits for it: `alone` only)."""
+    stream = torch.cuda.current_stream(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    fn()
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def capturing_or_compiling() -> bool:
+    """Timing would break a CUDA graph capture or a torch.compile trace: a kind of call first seen there is not
+    measured (a decision made earlier still serves it)."""
+    try:
+        if torch.cuda.is_current_stream_capturing():
+            return True
+    except Exception:
+        pass
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling and is_compiling())
+
+
+class Tuner:
+    """auto's decisions (a DecisionBook in memory, a DecisionStore on disk) and the trials and watches measuring
+    them in the step. `timer`, `store` and `events` are injectable so tests need no GPU; `require_cuda=False`
+    runs the GPU logic on CPU tensors; `on_change` is told when a trial decides or a watch reverts (default:
+    `registry.invalidate_decisions`, so plans made on the old answer are remade)."""
+
+    def __init__(self, timer: Optional[Timer] = None, store: Optional[DecisionStore] = None,
+                 enabled: Optional[bool] = None, require_cuda: bool = True, events=None,
+                 on_change: Optional[Callable[[], None]] = None):
+        self.timer = timer or cuda_event_ms
+        self.store = store if store is not None else DecisionStore()
+        self.events = events if events is not None else DeviceEvents()
+        self.book = DecisionBook()
+        self.require_cuda = require_cuda
+        self._enabled = enabled
+        self._on_change = on_change or invalidate_decisions
+        self._measuring: Dict[tuple, Measurement] = {}  # in the step: a key's trial, or the watch of its choice
+        self._lock = threading.Lock()
+
+    # -- what routing reads (no side effect) ---------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return self._enabled if self._enabled is not None else settings.autotune_enabled()
+
+    def method_for(self, call, tensors, in_step: bool) -> Optional[str]:
+        """How `auto` measures this call: IN_STEP, ALONE, or None (the static order: no tensors, off, the CPU)."""
+        if not self.enabled or tensors is None:
+            return None
+        if call.device_type != "cuda" and self.require_cuda:
+            return None
+        return IN_STEP if in_step else ALONE
+
+    @staticmethod
+    def may_measure_now(call, attn_mask) -> bool:
+        if capturing_or_compiling():
+            return False
+        return call.mask == "none" or attn_mask is not None  # a masked call is timed with its mask only
+
+    def decision(self, method: str, call):
+        """The decision for this call's kind: a Decision, None (the static order), or decisions.NOT_DECIDED."""
+        return self.book.get(DecisionBook.key(method, call))
+
+    def measuring(self, call) -> Optional[Measurement]:
+        """In the step: the trial measuring this call's kind, or the watch kept on its quantized choice."""
+        return self._measuring.get(DecisionBook.key(IN_STEP, call))
+
+    def decisions(self) -> List[Decision]:
+        """Every decision made or loaded in this process (for reports and the benchmark)."""
+        return self.book.all()
+
+    def decision_for(self, call, method: str = ALONE) -> Optional[Decision]:
+        found = self.decision(method, call)
+        return None if found is NOT_DECIDED else found
+
+    def clear(self) -> None:
+        with self._lock:
+            self.book.clear()
+            self._measuring.clear()
+
+    # -- measuring in the step ------------------------------------------------------------------
+    def begin_in_step(self, route, call, device) -> None:
+        """The measuring step of a route that asks for it (routing.MEASURE without a measurement): the decision
+        stored for this kind of call, or a new trial among `route.candidates`."""
+        key = DecisionBook.key(IN_STEP, call)
+        names = tuple(b.name for b in route.candidates)
+        with self._lock:
+            if self.book.get(key) is not NOT_DECIDED or key in self._measuring:  # another thread got here first
+                return
+            decision = self.store.load(device, key[3], names, IN_STEP)
+            if decision is None:
+                self._measuring[key] = StepTrial(key[3], device, route.candidates, route.passed_over, self.events,
+                                                 self._on_decided(key, device, route.candidates))
+                return
+            decision.passed_over, decision.candidates = dict(route.passed_over), names
+            self._keep(key, decision, device, route.candidates)
+        log.info("%s", decision.summary)
+
+    def _keep(self, key, decision: Decision, device, candidates) -> None:
+        """Record a decision (under the lock); a quantized choice is watched from now on."""
+        self.book.put(key, decision)
+        self._measuring.pop(key, None)
+        chosen = next((b for b in candidates if b.name == decision.chosen), None)
+        if chosen is not None:
+            self._measuring[key] = Watch(decision, chosen, device, self.events,
+                                         self._on_decided(key, device, candidates))
+
+    def _on_decided(self, key, device, candidates):
+        def decided(decision: Decision, keep: bool) -> None:
+            """A trial decided, or a watch reverted: kept in memory and (with `keep`) on disk; plans are remade."""
+            with self._lock:
+                self._keep(key, decision, device, candidates)
+            if keep:
+                self.store.save(device, decision, decision.candidates)
+            log.log(logging.WARNING if decision.reverted else logging.INFO, "%s", decision.summary)
+            self._on_change()
+        return decided
+
+    # -- measuring alone (the public API, the benchmark) -------------------------------------------
+    def measure_alone(self, route, call, tensors, sm_scale: Optional[float] = None, attn_mask=None) -> None:
+        """The measuring step of a route that asks for it, without a step: time SDPA and `route.candidates` on the
+        call's own tensors (or recall the stored decision) and keep the decision."""
+        key = DecisionBook.key(ALONE, call)
+        with self._lock:
+            if self.book.get(key) is not NOT_DECIDED:  # another thread measured it while we waited
+                return
+            started = time.perf_counter()
+            try:
+                decision = self._measure_or_load(key[3], route, call, tensors, sm_scale, attn_mask)
+            except Exception as exc:  # measuring must never take the call down: the static order serves it
+                log.warning("auto could not measure %s: %s: %s; using the static order", call.short(),
+                            type(exc).__name__, exc)
+                decision = None
+            self.book.put(key, decision)
+        if decision is not None:  # the time says what measuring cost this first call
+            log.info("%s (%.2f s)", decision.summary, time.perf_counter() - started)
+
+    def _measure_or_load(self, key, route, call, tensors, sm_scale, attn_mask) -> Optional[Decision]:
+        names = [b.name for b in route.candidates]
+        device = tensors[0].device
+        stored = self.store.load(device, key, names, ALONE)
+        if stored is not None:
+            stored.passed_over = dict(route.passed_over)
+            return stored
+        if sm_scale is None:
+            sm_scale = default_sm_scale(tensors[0].shape[-1])
+        timings, failed, transient = self._time([get_backend(SDPA)] + list(route.candidates), call, tensors,
+                                                sm_scale, attn_mask)
+        if SDPA not in timings:
+            return None
+        decision = Decision(key, timings, failed, dict(route.passed_over),
+                            samples={n: TIMED_REPEATS for n in timings})
+        if not transient:  # an out-of-memory is this moment's, not the shape's: measure again next process
+            self.store.save(device, decision, names)
+        return decision
+
+    def _time(self, backends, call, tensors, sm_scale, attn_mask):
+        """Median ms per backend (SDPA first, the yardstick), failures by name, and whether one ran out of memory."""
+        q, k, v = tensors
+        device = q.device
+        timings: Dict[str, float] = {}
+        failed: Dict[str, str] = {}
+        transient = False
+        with torch.no_grad():
+            for backend in backends:
+                def run(backend=backend):  # found ready by the route: timed as the public call runs it
+                    return backend.launch(q, k, v, call, sm_scale, attn_mask)
+                try:
+                    run()  # warm-up: compilation and caches, not timed
+                    timings[backend.name] = statistics.median(self.timer(run, device) for _ in range(TIMED_REPEATS))
+                except Exception as exc:
+                    transient |= isinstance(exc, torch.cuda.OutOfMemoryError)
+                    failed[backend.name] = f"failed while auto measured it: {type(exc).__name__}: {exc}"
+                    if backend.name == SDPA:
+                        break  # without the yardstick nothing can be judged
+        return timings, failed, transient
+
+
+# Made at import (it is cheap: no device or disk is touched before its first decision), so threads making the
+# first plans at once share one tuner and its decisions.
+_DEFAULT = Tuner()
+
+
+def default_tuner() -> Tuner:
+    return _DEFAULT
