@@ -7,12 +7,12 @@ import comfy.samplers
 import comfy.utils
 from comfy_api.latest import io
 
-from ..kernels.registry import BACKEND_NAMES
 from ..sage_patch.ab_benchmark import FROM_PATCH, run_ab
+from ..sage_patch.config import KERNEL_CHOICES as PATCH_KERNELS
 from ..sage_patch.report import report_json
 
 log = logging.getLogger("sage_rdna4")
-KERNEL_CHOICES = [FROM_PATCH, "auto", *[n for n in BACKEND_NAMES if n != "sdpa"]]
+KERNEL_CHOICES = [FROM_PATCH, *[n for n in PATCH_KERNELS if n != "sdpa"]]
 
 
 class SageAttentionBenchmarkRDNA4(io.ComfyNode):

@@ -3,7 +3,8 @@ imports reaches kernels/verify/ (the tooling only tests and developers run).
 
 The import graph is read from the source with `ast`: every import statement, also those inside functions,
 relative ones resolved against the importing module's package. `from X import a` is an edge to the module
-X.a when that is one of ours, else to X. Dynamic imports (importlib) are not seen.
+X.a when that is one of ours, else to X. Dynamic imports (importlib) are not edges: the one the pack makes is
+checked on its own (`test_the_only_dynamic_import_of_the_verification_folder_is_the_emulations`).
 """
 import ast
 import os
@@ -166,6 +167,106 @@ def test_only_tests_and_the_verification_tooling_import_it(graph):
     assert offenders == []
 
 
+def _imports(graph, mod: str, prefix: str) -> List[str]:
+    return sorted(d for d in graph[mod] if d == prefix or d.startswith(prefix + "."))
+
+
+def _below(graph, prefix: str) -> List[str]:
+    return sorted(m for m in graph if m == prefix or m.startswith(prefix + "."))
+
+
+def test_calls_go_one_way_nodes_sage_patch_kernels(graph):
+    """nodes import sage_patch only (never kernels); kernels import neither; sage_patch never imports nodes."""
+    nodes, bridge, kernels = f"{PACK}.nodes", f"{PACK}.sage_patch", f"{PACK}.kernels"
+    assert _below(graph, nodes) and _below(graph, bridge) and _below(graph, kernels)
+    offenders = [f"{m} -> {d}" for m in _below(graph, nodes) for d in _imports(graph, m, kernels)]
+    offenders += [f"{m} -> {d}" for m in _below(graph, kernels) for p in (bridge, nodes) for d in _imports(graph, m, p)]
+    offenders += [f"{m} -> {d}" for m in _below(graph, bridge) for d in _imports(graph, m, nodes)]
+    assert offenders == []
+
+
+def _third_party_imports(path: Path) -> Set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_kernels_never_import_comfyui():
+    files = module_files(ROOT / "kernels", f"{PACK}.kernels")
+    offenders = sorted(str(p.relative_to(ROOT)) for p in files.values()
+                       if _third_party_imports(p) & {"comfy", "comfy_api", "comfy_extras", "comfy_execution"})
+    assert len(files) > 30 and offenders == []
+
+
+# The selection's modules, highest first: each imports only modules after it (never one before it), so one call's
+# route is asked (routing, registry), gated (gating) and measured (tuner, step_trials, decisions) in one descent.
+SELECTION_LAYERS = ("dispatch", "routing", "tuner", "registry", "gating", "pass_cache", "self_check",
+                    "step_trials", "decisions", "generation")
+
+
+def test_the_selection_modules_import_downward_only(graph):
+    k = f"{PACK}.kernels"
+    for i, name in enumerate(SELECTION_LAYERS):
+        above = {f"{k}.{n}" for n in SELECTION_LAYERS[:i]}
+        assert f"{k}.{name}" in graph and not graph[f"{k}.{name}"] & above, (name, graph[f"{k}.{name}"] & above)
+    # and the one module that takes the steps is the only one that imports both the gate and the tuner
+    both = [m for m, deps in graph.items() if {f"{k}.gating", f"{k}.tuner"} <= deps and "tests" not in m]
+    assert both == [f"{k}.dispatch"]
+
+
+def _dynamic_imports(path: Path) -> List[str]:
+    """The module names a file passes to importlib.import_module / __import__ as literals or module constants."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    constants = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+                 and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+                 for t in n.targets if isinstance(t, ast.Name)}
+    # A function that hands its parameter to importlib (the backends' lazy loader) is judged by what it is called with.
+    loaders = {f.name: f.args.args[0].arg for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.args.args}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args:
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+            arg = node.args[0]
+            if name in loaders and any(isinstance(c, ast.Call) and getattr(c.func, "attr", "") == "import_module"
+                                       and isinstance(c.args[0], ast.Name) and c.args[0].id == loaders[name]
+                                       for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == name
+                                       for c in ast.walk(f) if isinstance(c, ast.Call) and c.args):
+                found.append(arg.value if isinstance(arg, ast.Constant) else "<computed>")
+                continue
+            if name in ("import_module", "__import__"):
+                if isinstance(arg, ast.Name) and any(arg.id == p for p in loaders.values()):
+                    continue  # the loader's parameter: its callers were collected above
+                if isinstance(arg, ast.Constant):
+                    found.append(str(arg.value))
+                elif isinstance(arg, ast.Name):
+                    found.append(constants.get(arg.id, f"<{arg.id}>"))
+                else:
+                    found.append("<computed>")
+    return found
+
+
+def test_the_only_dynamic_import_of_the_verification_folder_is_the_emulations():
+    """A user's run imports nothing under kernels/verify/, by statement or through importlib: the one importlib
+    import of it, the gfx12 emulation's CUDA platform, is behind the developer setting SAGE_RDNA4_HIP_EMULATE=1
+    (`test_a_users_run_works_without_the_verification_folder` runs that refusal with the folder blocked)."""
+    found = {}
+    for top in ("kernels", "sage_patch", "nodes"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if "verify" not in path.relative_to(ROOT).parts:
+                for name in _dynamic_imports(path):
+                    found.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    verify = {n: f for n, f in found.items() if "verify" in n or n.startswith("<")}
+    assert verify == {"...verify.cuda_twin": ["kernels/backends/hip/runtime.py"]}, found
+    source = (ROOT / "kernels" / "backends" / "hip" / "runtime.py").read_text(encoding="utf-8")
+    gate = source.index("if not settings.hip_emulation_requested():")
+    assert gate < source.index("importlib.import_module(EMULATION_MODULE") < gate + 400
+
+
 # The CUDA driver and compiler by name: the CUDA twin (kernels/verify/cuda_twin.py) holds what uses them.
 CUDA_NAMES = re.compile(r"libcuda|nvcuda|nvrtc|cudart|\bcu[A-Z][A-Za-z0-9_]*")
 
@@ -265,6 +366,16 @@ USER_RUN = textwrap.dedent('''
         want = model(x, {})
     assert cosine(got, want) > 0.99
     assert override.stats.snapshot()["calls"] == {"reference": 1}, override.stats.snapshot()
+
+    # The one dynamic import of the folder, the emulation's platform, is refused with its reason when not asked for.
+    os.environ.pop("SAGE_RDNA4_HIP_EMULATE", None)
+    from comfyui_sage_rdna4.kernels.backends.hip import runtime
+    try:
+        runtime.get_platform(runtime.EMULATION_KIND)
+    except runtime.RuntimeUnavailable as exc:
+        assert "SAGE_RDNA4_HIP_EMULATE=1" in str(exc), exc
+    else:
+        raise AssertionError("the emulation's platform came without being asked for")
 
     assert not [m for m in sys.modules if m == BLOCKED or m.startswith(BLOCKED + ".")]
     try:  # the block itself works
