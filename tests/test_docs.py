@@ -55,3 +55,40 @@ def test_the_readme_names_no_tracker_issue_and_no_ignored_file():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert not re.search(r"\bissue \d+", text, re.IGNORECASE)
     assert ".exp/" not in text
+
+
+def _call_path() -> str:
+    text = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    start = text.index("## The path of one attention call")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def _defined(path: Path) -> set:
+    """Every function, class, Class.method and Class.field defined in a Python file."""
+    import ast
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            names.update(f"{node.name}.{f.name}" for f in node.body if isinstance(f, ast.FunctionDef))
+            names.update(f"{node.name}.{f.target.id}" for f in node.body  # dataclass fields
+                         if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name))
+    return names
+
+
+def test_the_call_path_in_contributing_names_only_what_exists():
+    """Each `file.py:name` the path of one call names is defined in that file, and each `Class.method` somewhere in
+    kernels/ or sage_patch/."""
+    import re
+    section = _call_path()
+    anywhere = set()
+    for top in ("kernels", "sage_patch"):
+        for path in (ROOT / top).rglob("*.py"):
+            anywhere |= _defined(path)
+    located = re.findall(r"`([\w/]+\.py):([\w.]+)", section)
+    methods = set(re.findall(r"`([A-Z]\w+\.[a-z_]\w*)", section))
+    assert len(located) >= 8 and len(methods) >= 8, (located, methods)
+    missing = [f"{f}:{n}" for f, n in located if n not in _defined(ROOT / f)]
+    missing += sorted(m for m in methods if m not in anywhere)
+    assert missing == []

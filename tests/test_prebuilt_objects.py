@@ -168,3 +168,38 @@ def test_the_cache_identity_covers_the_shipped_objects(monkeypatch, tmp_path):
         digests.append(cache_identity.code_digest())
     cache_identity.code_digest.cache_clear()
     assert digests[0] != digests[1]
+
+
+def _measurements_block() -> str:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "MEASUREMENTS.md").read_text(encoding="utf-8")
+    begin, end = hip_static_check.SUMMARY_BEGIN, hip_static_check.SUMMARY_END
+    assert text.count(begin) == 1 and text.count(end) == 1
+    return text[text.index(begin):text.index(end) + len(end)]
+
+
+def test_the_measurements_rows_of_the_shipped_objects_are_their_manifests():
+    """Without a toolchain: each object's row in docs/MEASUREMENTS.md names its size, hash and source digest."""
+    block = _measurements_block()
+    for arch in shipped_objects.ARCHS:
+        data = Path(shipped_objects.object_path(arch)).read_bytes()
+        manifest, problem = shipped_objects.read_manifest(arch)
+        assert problem is None
+        name = Path(shipped_objects.object_path(arch)).name
+        row = f"| `{name}` | {len(data)} | {shipped_objects.sha256(data)[:16]} | {manifest.source_digest[:16]} |"
+        assert row in block, arch
+
+
+@pytest.mark.hipcc
+def test_the_measurements_block_is_what_the_static_check_prints_today():
+    """The kernel counts and the attention kernels' figures in docs/MEASUREMENTS.md are the shipped bytes' own."""
+    missing = hip_static_check.readers_missing()
+    if missing:
+        pytest.skip(missing)
+    assert _measurements_block() == hip_static_check.summary_markdown(), \
+        "docs/MEASUREMENTS.md is stale: paste `python kernels/verify/hip_static_check.py --summary` into it"
+
+
+def test_the_fresh_build_compiles_what_the_runtime_compiles():
+    from comfyui_sage_rdna4.kernels.backends.hip import kernel_abi
+    assert hip_static_check.source_files() == kernel_abi.SOURCE_FILES
+    assert hip_static_check.fresh_sources() == kernel_abi.module_source("hip")

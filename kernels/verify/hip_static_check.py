@@ -4,20 +4,23 @@ Reads the shipped code objects (kernels/backends/hip/prebuilt/, built by tools/b
 Debian bookworm's clang-19 + lld-19): the AMDHSA metadata with llvm-readelf (VGPRs, SGPRs, spills, LDS,
 and from these the occupancy in waves per SIMD, `occupancy_from_metadata`), and the disassembly from
 llvm-objdump: for every loop that contains v_wmma (a backward branch), how many v_wmma it holds and how
-many other instructions run per v_wmma. `--fresh` compiles the sources as they are now instead (the same
-flags, shipped_objects.BUILD_FLAGS), for trying an edit before rebuilding the objects.
+many other instructions run per v_wmma. `--fresh` compiles the sources as they are now instead (the translation
+unit the runtime builds, kernel_abi.SOURCE_FILES, with the same flags, shipped_objects.BUILD_FLAGS), for trying
+an edit before rebuilding the objects. `--summary` prints the Markdown block docs/MEASUREMENTS.md#prebuilt-code-
+objects holds for the shipped objects (tests/test_prebuilt_objects.py checks the two are equal).
 
-    python kernels/verify/hip_static_check.py [--arch gfx1201] [--kernel NAME] [--fresh]
+    python kernels/verify/hip_static_check.py [--arch gfx1201] [--kernel NAME] [--fresh | --summary]
     (it imports nothing of the pack but shipped_objects.py, loaded by path: standard library only)
 
-The key loop's figures and their limits (non-WMMA instructions per v_wmma, waves per SIMD) are kept in
-tests/test_hip_static_check.py (KEY_LOOP_LIMITS, MIN_WAVES) and in docs/MEASUREMENTS.md#hip-key-loop; now:
-FP8 D128 5.44, FP16 D128 5.84, FP8 D64 8.56, FP16 D64 8.81 (history in docs/MEASUREMENTS.md).
+The key loop's limits (non-WMMA instructions per v_wmma, waves per SIMD) are kept in
+tests/test_hip_static_check.py (KEY_LOOP_LIMITS, MIN_WAVES); today's figures in the block `--summary` prints.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -274,10 +277,50 @@ def analyze_object(obj: str, arch: str) -> Dict[str, KernelStats]:
     return kernels
 
 
+def source_files() -> tuple:
+    """kernel_abi.SOURCE_FILES, read from its source (this tool imports nothing of the pack)."""
+    tree = ast.parse((HIP_DIR / "kernel_abi.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "SOURCE_FILES" for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    raise LookupError("kernel_abi.py defines no SOURCE_FILES")
+
+
 def fresh_sources() -> str:
-    """The translation unit as the sources are now (kernel_abi.module_source('hip') without the pack)."""
-    names = ("gfx12_prelude.h", "sage_prologue.hip", "sage_attention.hip")
-    return "\n".join((HIP_DIR / "src" / n).read_text() for n in names)
+    """The translation unit as the sources are now: kernel_abi.module_source('hip') with no options."""
+    return "\n".join((HIP_DIR / "src" / n).read_text() for n in source_files())
+
+
+# The attention kernels of the summary, by what they are: (P.V, head dim) -> the kernel read (bf16 is the same code).
+SUMMARY_KERNELS = {("FP8", 128): "sage_attn_i8f8_d128_f16", ("FP8", 64): "sage_attn_i8f8_d64_f16",
+                   ("FP16", 128): "sage_attn_i8f16_d128_f16", ("FP16", 64): "sage_attn_i8f16_d64_f16"}
+SUMMARY_BEGIN, SUMMARY_END = "<!-- shipped objects: begin -->", "<!-- shipped objects: end -->"
+
+
+def summary_markdown(archs=ARCHS) -> str:
+    """The shipped objects' figures as docs/MEASUREMENTS.md keeps them, between SUMMARY_BEGIN and SUMMARY_END."""
+    rows, per_arch = [], {}
+    for arch in archs:
+        path = Path(shipped_object(arch))
+        data = path.read_bytes()
+        manifest = json.loads(Path(shipped_objects.manifest_path(arch)).read_text())
+        kernels = analyze(arch)
+        per_arch[arch] = kernels
+        rows.append(f"| `{path.name}` | {len(data)} | {shipped_objects.sha256(data)[:16]} | "
+                    f"{str(manifest.get('source_digest'))[:16]} | {len(kernels)} |")
+    lines = [SUMMARY_BEGIN, "| object | bytes | sha256 (first 16) | source digest (first 16) | kernels |",
+             "| --- | --- | --- | --- | --- |", *rows, ""]
+    same = all({n: k.line().split(" ", 1)[1] for n, k in per_arch[a].items()}
+               == {n: k.line().split(" ", 1)[1] for n, k in per_arch[archs[0]].items()} for a in archs)
+    lines.append("Attention kernels, " + ("the same figures on every arch" if same else f"on {archs[0]}") + ":")
+    lines += ["", "| P·V | head dim | VGPRs | spills | LDS bytes | waves per SIMD | non-WMMA per `v_wmma` |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for (pv, d), name in SUMMARY_KERNELS.items():
+        k = per_arch[archs[0]][name]
+        lines.append(f"| {pv} | {d} | {k.vgprs} | {k.vgpr_spills + k.sgpr_spills} | {k.lds_bytes} | {k.occupancy} | "
+                     f"{k.main_loop.other_per_wmma:.2f} |")
+    lines.append(SUMMARY_END)
+    return "\n".join(lines)
 
 
 def analyze(arch: str, source: Optional[str] = None, work_dir: Optional[str] = None) -> Dict[str, KernelStats]:
@@ -295,7 +338,12 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel", help="substring filter on kernel names")
     ap.add_argument("--fresh", action="store_true", help="compile the sources as they are now instead of "
                                                          "reading the shipped objects")
+    ap.add_argument("--summary", action="store_true", help="print the shipped objects' Markdown summary")
     args = ap.parse_args(argv)
+    if args.summary:
+        missing = readers_missing()
+        print(missing or summary_markdown(tuple(args.arch or ARCHS)))
+        return 2 if missing else 0
     missing = toolchain_missing() if args.fresh else readers_missing()
     if missing:
         print(missing)
