@@ -214,7 +214,7 @@ def run_ab(model, positive, negative, latent: dict, seed: int, steps: int, cfg: 
         "attention_accuracy": accuracy,
         "accuracy_flags": accuracy_flags(accuracy),
         "calls": {"patched": run_b.calls, "sdpa": run_a.calls},
-        "fallbacks": run_b.fallbacks, "routed": run_b.routed, "skipped": run_b.skipped,
+        "fallbacks": run_b.fallbacks, "routed": run_b.routed, "passed_over": run_b.passed_over,
         "sdpa_fallbacks": run_a.fallbacks,
         "notes": ab_override.stats.snapshot()["notes"],
         "auto_choices": ab_override.stats.snapshot()["auto_choices"],

@@ -145,7 +145,7 @@ class SageAttentionOverride:
         call site's own attention, as when SDPA is chosen; a candidate's turn includes its output reshape."""
         trial = plan.route.measurement
         if plan.route.passed_over:
-            self.stats.record_skips(plan.route.passed_over, name)
+            self.stats.record_passed_over(plan.route.passed_over, name)
         start = trial.begin()
         if name == "sdpa":
             out = self._pass_on(func, args, kwargs)
@@ -233,7 +233,7 @@ class SageAttentionOverride:
                 return self._measured_call(plan, name, func, args, kwargs, q, k, v, mask, skip_output_reshape)
         # Why each preferred backend did not take the call (not available, refused, failed its self-check).
         if route.passed_over:
-            self.stats.record_skips(route.passed_over, route.ran)
+            self.stats.record_passed_over(route.passed_over, route.ran)
         if route.kind == EXACT or route.kind == MEASURE:  # exact attention by auto's choice, or its untimed turn
             self.stats.record_routed(route.reason if route.kind == EXACT else route.measurement.SDPA_TURN)
             return self._pass_on(func, args, kwargs)

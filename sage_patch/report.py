@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .stats import format_skipped
+from .stats import format_passed_over
 
 # On the CPU both runs time the torch reference of the algorithm (or the Triton interpreter) on a shared CPU:
 # the same graph has shown 0.46x to 4.4x there, so a CPU report must not read as a speed result.
@@ -156,10 +156,10 @@ def format_report_text(report: dict) -> str:
     if fallbacks:
         lines.append("fallbacks (patched run) to the call site's own attention (their time is not in 'attn'):")
         lines.extend(f"  {n} x {reason}" for reason, n in sorted(fallbacks.items(), key=lambda kv: -kv[1]))
-    skipped = report.get("skipped", {})
-    if skipped:
+    passed_over = report.get("passed_over", {})
+    if passed_over:
         lines.append("kernels 'auto' passed over in the patched run, and why (calls per backend and reason):")
-        lines.extend(format_skipped(skipped, indent="  "))
+        lines.extend(format_passed_over(passed_over, indent="  "))
     rows = report.get("auto_decisions", [])
     if rows:
         lines.append("what 'auto' chose per kind of call (ratio = its measured time / SDPA's):")

@@ -71,7 +71,7 @@ class PatchStats:
         self._calls: Counter = Counter()
         self._fallbacks = _Reasons()
         self._routed = _Reasons()
-        self._skipped: Dict[str, _Reasons] = {}  # backend -> reason -> calls where auto passed over it
+        self._passed_over: Dict[str, _Reasons] = {}  # backend -> reason -> calls where auto passed over it
         self._logged = set()  # what was logged once: bounded (_first_time)
         self._notes = []
         self._choices: Dict[str, str] = {}  # auto's measured decision per kind of call -> its summary
@@ -98,17 +98,17 @@ class PatchStats:
         elif first:
             log.warning("[%s] attention falls back to the call site's own attention: %s", self.label, reason)
 
-    def record_skips(self, skipped: Dict[str, str], ran: Optional[str]) -> None:
+    def record_passed_over(self, passed_over: Dict[str, str], ran: Optional[str]) -> None:
         """`auto` passed over these backends (name -> reason) on one call; `ran` is what it took (None: nothing
         quantized took it, the call fell back). Not a call count of its own: the call is counted where it ran."""
-        if not skipped:
+        if not passed_over:
             return
         new = []
         with self._lock:
-            for name, reason in skipped.items():
-                reasons = self._skipped.get(name)
+            for name, reason in passed_over.items():
+                reasons = self._passed_over.get(name)
                 if reasons is None:
-                    reasons = self._skipped[name] = _Reasons()
+                    reasons = self._passed_over[name] = _Reasons()
                 kind = reasons.add(reason)
                 if kind is not None and self._first_time(("skip", name, kind)):
                     new.append((name, reason))
@@ -146,9 +146,9 @@ class PatchStats:
 
     def snapshot(self) -> dict:
         with self._lock:
-            skipped = {name: dict(reasons.counts) for name, reasons in self._skipped.items()}
+            passed_over = {name: dict(reasons.counts) for name, reasons in self._passed_over.items()}
             return {"calls": dict(self._calls), "fallbacks": dict(self._fallbacks.counts),
-                    "routed": dict(self._routed.counts), "skipped": skipped, "notes": list(self._notes),
+                    "routed": dict(self._routed.counts), "passed_over": passed_over, "notes": list(self._notes),
                     "auto_choices": list(self._choices.values()),
                     "auto_decisions": [dict(row) for row in self._choice_rows.values()]}
 
@@ -157,7 +157,7 @@ class PatchStats:
             self._calls.clear()
             self._fallbacks = _Reasons()
             self._routed = _Reasons()
-            self._skipped.clear()
+            self._passed_over.clear()
 
     def summary(self) -> str:
         snap = self.snapshot()
@@ -171,7 +171,7 @@ class PatchStats:
             lines.append(f"  exact by policy ({policy}): {n}")
         for reason, n in sorted(snap["fallbacks"].items(), key=lambda kv: -kv[1]):
             lines.append(f"  fell back ({reason}): {n}")
-        lines.extend(format_skipped(snap["skipped"], indent="  "))
+        lines.extend(format_passed_over(snap["passed_over"], indent="  "))
         for choice in snap["auto_choices"]:
             lines.append(f"  {choice}")
         for note in snap["notes"]:
@@ -188,15 +188,15 @@ def hip_code_path() -> Optional[str]:
         return None
 
 
-def format_skipped(skipped: Dict[str, Dict[str, int]], indent: str = "") -> List[str]:
+def format_passed_over(passed_over: Dict[str, Dict[str, int]], indent: str = "") -> List[str]:
     """Lines for the backends `auto` passed over: one per (backend, reason), most frequent first."""
-    rows = sorted(((n, name, reason) for name, reasons in skipped.items() for reason, n in reasons.items()),
+    rows = sorted(((n, name, reason) for name, reasons in passed_over.items() for reason, n in reasons.items()),
                   key=lambda r: (-r[0], r[1], r[2]))
     return [f"{indent}auto passed over {name} on {n} call{'s' if n != 1 else ''}: {reason}" for n, name, reason in rows]
 
 
-def delta_skipped(after: Dict[str, Dict[str, int]], before: Dict[str, Dict[str, int]]) -> Dict[str, Dict[str, int]]:
-    """What was added between two snapshots' "skipped" entries."""
+def delta_passed_over(after: Dict[str, Dict[str, int]], before: Dict[str, Dict[str, int]]) -> Dict[str, Dict[str, int]]:
+    """What was added between two snapshots' "passed_over" entries."""
     out: Dict[str, Dict[str, int]] = {}
     for name, reasons in after.items():
         for reason, n in reasons.items():

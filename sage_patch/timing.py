@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .stats import delta_skipped
+from .stats import delta_passed_over
 
 WRAPPER_KEY = "sage_rdna4_step_timer"
 log = logging.getLogger("sage_rdna4")
@@ -125,7 +125,7 @@ class RunTiming:
     calls: Dict[str, int] = field(default_factory=dict)       # attention calls of this run per backend
     fallbacks: Dict[str, int] = field(default_factory=dict)   # per reason
     routed: Dict[str, int] = field(default_factory=dict)      # exact on purpose, per policy
-    skipped: Dict[str, Dict[str, int]] = field(default_factory=dict)  # auto passed over: backend -> reason -> n
+    passed_over: Dict[str, Dict[str, int]] = field(default_factory=dict)  # auto passed over: backend -> reason -> n
 
     def step_times(self) -> List[float]:
         return [s.step_ms for s in self.steps]
@@ -134,7 +134,7 @@ class RunTiming:
         return {"label": self.label, "clock": self.clock, "total_ms": self.total_ms,
                 "steps": [s.as_dict() for s in self.steps], "calls": dict(self.calls),
                 "fallbacks": dict(self.fallbacks), "routed": dict(self.routed),
-                "skipped": {name: dict(reasons) for name, reasons in self.skipped.items()}}
+                "passed_over": {name: dict(reasons) for name, reasons in self.passed_over.items()}}
 
     def summary_line(self) -> str:
         times = self.step_times()
@@ -211,7 +211,7 @@ class StepTimer:
         run.calls = _delta(after["calls"], self._stats_before["calls"])
         run.fallbacks = _delta(after["fallbacks"], self._stats_before["fallbacks"])
         run.routed = _delta(after["routed"], self._stats_before["routed"])
-        run.skipped = delta_skipped(after["skipped"], self._stats_before["skipped"])
+        run.passed_over = delta_passed_over(after["passed_over"], self._stats_before["passed_over"])
         self._run, self._watches = None, []
         self.override.attention_timer = None  # between runs the override does no timing work
         self.runs = (self.runs + [run])[-MAX_RUNS_KEPT:]

@@ -197,7 +197,7 @@ def test_disable_invalidates_the_plan(monkeypatch, counted):
     snap = ov.stats.snapshot()
     assert counted["choose"] == 2  # decided again once, then the new plan serves
     assert snap["calls"] == {"reference": 2} and site.calls == 2
-    assert snap["skipped"] == {"reference": {"reference disabled on cpu: self-check failed: planted": 2}}
+    assert snap["passed_over"] == {"reference": {"reference disabled on cpu: self-check failed: planted": 2}}
     assert sum(snap["fallbacks"].values()) == 2
 
 
@@ -358,12 +358,12 @@ def test_no_policy_configured_asks_no_policy_per_call(monkeypatch):
 
 def test_skips_are_counted_only_when_a_backend_was_passed_over(monkeypatch):
     recorded = []
-    real = override_mod.PatchStats.record_skips
+    real = override_mod.PatchStats.record_passed_over
 
-    def record_skips(self, skipped, ran):
-        recorded.append(dict(skipped))
-        return real(self, skipped, ran)
-    monkeypatch.setattr(override_mod.PatchStats, "record_skips", record_skips)
+    def record_passed_over(self, passed_over, ran):
+        recorded.append(dict(passed_over))
+        return real(self, passed_over, ran)
+    monkeypatch.setattr(override_mod.PatchStats, "record_passed_over", record_passed_over)
     ov = SageAttentionOverride(PatchConfig(kernel="reference"))
     for _ in range(3):
         call(ov, x())
@@ -372,7 +372,7 @@ def test_skips_are_counted_only_when_a_backend_was_passed_over(monkeypatch):
     ov = SageAttentionOverride(PatchConfig(kernel="auto"))
     for _ in range(3):
         call(ov, x())
-    skipped = ov.stats.snapshot()["skipped"]
+    passed_over = ov.stats.snapshot()["passed_over"]
     assert len(recorded) == 3 and recorded[0] and all(r == recorded[0] for r in recorded)
-    assert list(skipped) == ["hip_int8_fp8"] and all(n == 3 for n in skipped["hip_int8_fp8"].values())
+    assert list(passed_over) == ["hip_int8_fp8"] and all(n == 3 for n in passed_over["hip_int8_fp8"].values())
     assert ov.stats.snapshot()["calls"] == {"reference": 3}

@@ -255,7 +255,7 @@ def test_auto_records_why_a_preferred_backend_did_not_run(monkeypatch, caplog):
     reason = get_backend("hip_int8_fp8").unavailable("cpu", None)
     assert reason
     assert snap["calls"] == {"reference": 3} and snap["fallbacks"] == {}
-    assert snap["skipped"] == {"hip_int8_fp8": {reason: 3}}
+    assert snap["passed_over"] == {"hip_int8_fp8": {reason: 3}}
     logged = [r for r in caplog.records if "passes over hip_int8_fp8" in r.getMessage()]
     assert len(logged) == 1 and reason in logged[0].getMessage() and "reference" in logged[0].getMessage()
     assert f"auto passed over hip_int8_fp8 on 3 calls: {reason}" in ov.stats.summary()
@@ -275,7 +275,7 @@ def test_a_failed_self_check_is_recorded_as_the_reason(monkeypatch, caplog):
         wrap_attn_call(ov, comfy_attention, q, k, v, 4, transformer_options=to)
         wrap_attn_call(ov, comfy_attention, q, k, v, 4, transformer_options=to)
     snap = ov.stats.snapshot()
-    assert snap["skipped"] == {"hip_int8_fp8": {"hip_int8_fp8 disabled on cpu: self-check failed: NaN in case "
+    assert snap["passed_over"] == {"hip_int8_fp8": {"hip_int8_fp8 disabled on cpu: self-check failed: NaN in case "
                                                 "D128 fp16": 2}}
     warned = [r for r in caplog.records if r.levelname == "WARNING" and "self-check failed" in r.getMessage()]
     assert len(warned) == 1
@@ -290,12 +290,12 @@ def test_each_backend_and_reason_is_kept_apart_and_a_fallback_keeps_them_too(mon
     wrap_attn_call(ov, comfy_attention, q, k, v, 4, transformer_options=to)
     snap = ov.stats.snapshot()
     assert comfy_attention.calls == 1 and sum(snap["fallbacks"].values()) == 1 and snap["calls"] == {}
-    assert set(snap["skipped"]) == {"hip_int8_fp8", "hip_int8_fp16"}
-    assert all(list(r.values()) == [1] for r in snap["skipped"].values())
+    assert set(snap["passed_over"]) == {"hip_int8_fp8", "hip_int8_fp16"}
+    assert all(list(r.values()) == [1] for r in snap["passed_over"].values())
 
 
 def test_an_explicit_kernel_records_no_skips():
     ov, to = make("reference")
     q, k, v = bnhd(n=32)
     wrap_attn_call(ov, comfy_attention, q, k, v, 4, transformer_options=to)
-    assert ov.stats.snapshot()["skipped"] == {}
+    assert ov.stats.snapshot()["passed_over"] == {}

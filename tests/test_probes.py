@@ -198,7 +198,7 @@ def test_a_probe_failure_disables_the_dependents_for_auto_explicit_and_stats(hip
     found = routing.route(call)
     assert found.backend.name == "fake_exact" and found.passed_over[FP16] == reason
     stats = PatchStats()
-    stats.record_skips(found.passed_over, "fake_exact")
+    stats.record_passed_over(found.passed_over, "fake_exact")
     assert "wmma_f16_layout" in repr(stats.snapshot())
     # the log: one INFO summary for the device, a WARNING naming the probe
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]

@@ -57,7 +57,7 @@ def make_report():
                                     "cosine": 0.9998, "rel_l1": 0.02}],
             "calls": {"patched": {"reference": 4}, "sdpa": {"sdpa": 6}},
             "fallbacks": {"reference: head_dim 300 is too large": 2}, "routed": {"short call (< 64 query tokens)": 1},
-            "skipped": {"hip_int8_fp8": {"hip_int8_fp8 disabled on cuda:0: self-check failed: NaN": 4}},
+            "passed_over": {"hip_int8_fp8": {"hip_int8_fp8 disabled on cuda:0: self-check failed: NaN": 4}},
             "notes": ["block policy cannot apply: this model passes no block_index"]}
 
 

@@ -319,7 +319,7 @@ def test_only_candidates_that_accept_the_call_take_turns(monkeypatch):
     assert scene.decision().chosen == "triton_int8_fp16"
     assert scene.decision().passed_over == {
         "triton_int8_fp8": "triton_int8_fp8 disabled on cuda:0: self-check failed: NaN"}
-    assert scene.override.stats.snapshot()["skipped"]["triton_int8_fp8"] == {
+    assert scene.override.stats.snapshot()["passed_over"]["triton_int8_fp8"] == {
         "triton_int8_fp8 disabled on cuda:0: self-check failed: NaN": FLUX_CALLS}
 
 

@@ -86,15 +86,15 @@ def test_default_output_is_the_sage_rdna4_logger_not_stdout(caplog, capsys):
 
 def test_a_run_keeps_the_skip_reasons_of_its_own_calls():
     timer, override, printed = make_timer(time_attention=False)
-    override.stats.record_skips({"hip_int8_fp8": "not built for cpu"}, "reference")  # before the run
+    override.stats.record_passed_over({"hip_int8_fp8": "not built for cpu"}, "reference")  # before the run
 
     def step(x, timestep, model_options=None, seed=None):
-        override.stats.record_skips({"hip_int8_fp8": "not built for cpu"}, "reference")
+        override.stats.record_passed_over({"hip_int8_fp8": "not built for cpu"}, "reference")
         override.stats.record_call("reference")
         return x
     timer.wrap_run(lambda: [timer.wrap_step(step, torch.zeros(1), torch.tensor([1.0]), {}, 0) for _ in range(2)])
-    assert timer.last_run.skipped == {"hip_int8_fp8": {"not built for cpu": 2}}
-    assert timer.last_run.as_dict()["skipped"] == {"hip_int8_fp8": {"not built for cpu": 2}}
+    assert timer.last_run.passed_over == {"hip_int8_fp8": {"not built for cpu": 2}}
+    assert timer.last_run.as_dict()["passed_over"] == {"hip_int8_fp8": {"not built for cpu": 2}}
     assert "auto passed over hip_int8_fp8 on 3 calls: not built for cpu" in printed[-1]
 
 
