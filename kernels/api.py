@@ -5,7 +5,10 @@ from typing import Optional
 
 import torch
 
-from . import backends  # noqa: F401  (registers every backend lazily)
+from . import (
+    backends,  # noqa: F401  (registers every backend lazily)
+    traced_api,  # noqa: F401  (registers the op a torch.compile trace records)
+)
 from .call_spec import describe_call
 from .dispatch import settled_route
 from .quant import default_sm_scale
@@ -37,6 +40,12 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_lay
     """
     if tensor_layout not in LAYOUTS:
         raise ValueError(f"tensor_layout must be 'HND' or 'NHD', got {tensor_layout!r}")
+    if torch.compiler.is_compiling():  # inside a torch.compile trace: one opaque op, this function at run time
+        out, lse = torch.ops.sage_rdna4.sage_attention(q, k, v, attn_mask, tensor_layout, bool(is_causal),
+                                                       None if sm_scale is None else float(sm_scale), kernel,
+                                                       bool(smooth_k), prologue, bool(return_lse), qk_group,
+                                                       bool(smooth_v))
+        return (out, lse) if return_lse else out
     qh, kh, vh = (to_hnd(t, tensor_layout) for t in (q, k, v))
     call = describe_call(qh, kh, vh, attn_mask=attn_mask, is_causal=is_causal, return_lse=return_lse,
                          smooth_k=smooth_k, prologue=prologue, qk_group=qk_group, smooth_v=smooth_v)

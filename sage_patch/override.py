@@ -33,6 +33,8 @@ from ..kernels.registry import KernelRefused, decision_generation
 from ..kernels.routing import EXACT, MEASURE, RUN
 from ..kernels.tuner import Tuner, default_tuner
 from .call_plans import CallPlan, PlanCache, call_signature
+from .compiled_call import register as register_for_traces
+from .compiled_call import traced_call
 from .config import PatchConfig
 from .layouts import MALFORMED, from_hnd, hnd_inputs, strided_layout
 from .policies import CallPolicies
@@ -79,6 +81,7 @@ class SageAttentionOverride:
         (default: the process's one, kernels.tuner.default_tuner)."""
         self.config = config
         self._tuner = tuner
+        self.op_id = register_for_traces(self)  # how a torch.compile graph names this patch (compiled_call.py)
         self.baseline = baseline
         self.stats = stats or PatchStats()
         self.policies = CallPolicies(config)
@@ -184,6 +187,8 @@ class SageAttentionOverride:
             return self._pass_on(func, args, kwargs)
 
     def __call__(self, func, *args, **kwargs):
+        if torch.compiler.is_compiling():  # inside a torch.compile trace: the call becomes one opaque op
+            return self._traced(func, args, kwargs)
         if self.baseline:
             return self._baseline_call(func, args, kwargs)
         try:
@@ -223,6 +228,16 @@ class SageAttentionOverride:
             if isinstance(plan, str):
                 return self._fallback(func, args, kwargs, plan, self.config.kernel)
         return self._follow(plan, func, args, kwargs, q, k, v, mask, a["skip_output_reshape"])
+
+    def _traced(self, func, args, kwargs):
+        """What a torch.compile trace records for this call: `sage_rdna4::attention`, whose body at run time is this
+        override; or, for a call the op cannot carry, the call site's own attention (sage_patch/compiled_call.py)."""
+        try:
+            bound = bind_attention_args(args, kwargs)
+        except TypeError:
+            return func(*args, **kwargs)
+        out = traced_call(self.op_id, func, args, kwargs, bound)
+        return out if out is not None else func(*args, **kwargs)
 
     def _follow(self, plan: CallPlan, func, args, kwargs, q, k, v, mask, skip_output_reshape):
         """Run one call the way its plan's route says."""

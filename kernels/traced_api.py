@@ -1,0 +1,48 @@
+"""The public `sage_attention` inside a torch.compile trace: one opaque custom op, `sage_rdna4::sage_attention`.
+
+Dynamo and inductor never trace the dispatcher (its locks, caches, self-checks, auto's measuring) nor our Triton
+kernels: the trace records the op, and at run time its body is the eager `sage_attention`, so a compiled function
+gets exactly what an eager call gets. Its fake implementation gives the output's (and the LSE's) shape.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+OP = "sage_rdna4::sage_attention"
+
+
+def _tags():
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)  # the body runs host work a CUDA graph cannot replay
+    return (tag,) if tag is not None else ()
+
+
+def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor], tensor_layout: str,
+        is_causal: bool, sm_scale: Optional[float], kernel: str, smooth_k: bool, prologue: str, return_lse: bool,
+        qk_group: str, smooth_v: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    from .api import sage_attention  # the eager call: api imports this module to emit the op
+    got = sage_attention(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, sm_scale=sm_scale, kernel=kernel,
+                         smooth_k=smooth_k, prologue=prologue, return_lse=return_lse, attn_mask=attn_mask,
+                         qk_group=qk_group, smooth_v=smooth_v)
+    out, lse = got if return_lse else (got, q.new_empty(0, dtype=torch.float32))
+    out = out.contiguous()
+    if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in (q, k, v)):
+        out = out.clone()  # an op's output must not share an input's storage
+    return out, lse.contiguous()
+
+
+def _fake(q, k, v, attn_mask, tensor_layout, is_causal, sm_scale, kernel, smooth_k, prologue, return_lse, qk_group,
+          smooth_v):
+    heads_dim = 1 if tensor_layout == "HND" else 2
+    b, hq, nq = q.shape[0], q.shape[heads_dim], q.shape[3 - heads_dim]
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    lse = q.new_empty((b, hq, nq) if return_lse else (0,), dtype=torch.float32)
+    return out, lse
+
+
+try:
+    sage_attention_op = torch.library.custom_op(OP, _op, mutates_args=(), tags=_tags())
+except TypeError:  # a torch without op tags
+    sage_attention_op = torch.library.custom_op(OP, _op, mutates_args=())
+sage_attention_op.register_fake(_fake)

@@ -1,0 +1,122 @@
+"""The override inside a torch.compile trace: every attention call becomes one opaque custom op.
+
+Dynamo never traces the override (its plans, locks, stats, auto's trials and watch, self-checks, file caches)
+nor our kernels. At trace time the override only names the call: its tensors, `heads`, the layout flags, the
+transformer_options the policies read, and the call site's attention by module and name. It emits
+`sage_rdna4::attention`, whose body at run time is the eager override. So a compiled model gets the same plans,
+policies, auto measuring in the step, watch and stats as an eager one, our Triton kernels are never handed to
+inductor, and nothing checks, compiles or measures under a fake tensor.
+
+One op whose body dispatches at run time, rather than one op per backend: a route can change between steps
+(auto deciding, the watch reverting, a self-check disabling a kernel), and a per-backend op baked into a graph
+could not follow it without recompiling.
+
+What does not cross: keyword arguments the op does not carry (another pack's) and a call site whose attention
+is not a module-level function (found again by its module and name at run time). Such a call runs the call
+site's own attention inside the graph, as without the patch, and is not counted.
+"""
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Optional
+
+import torch
+
+from .layouts import from_hnd, hnd_inputs
+
+OP = "sage_rdna4::attention"
+# ComfyUI's attention keywords the op carries; a call with any other keyword is not ours under compile.
+CARRIED = frozenset({"mask", "attn_precision", "skip_reshape", "skip_output_reshape", "transformer_options",
+                     "_inside_attn_wrapper", "scale", "enable_gqa", "low_precision_attention"})
+NO_BLOCK = -1  # block_index / total_blocks the model did not pass
+
+_OVERRIDES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_NEXT_ID = [0]
+
+
+def register(override) -> int:
+    """The id a trace names `override` by (made once, eagerly, when the override is built)."""
+    _NEXT_ID[0] += 1
+    _OVERRIDES[_NEXT_ID[0]] = override
+    return _NEXT_ID[0]
+
+
+def _site_name(func) -> Optional[str]:
+    """'module:name' of the call site's attention, or None when it cannot be found again by that name."""
+    name, module = getattr(func, "__name__", None), getattr(func, "__module__", None)
+    if not isinstance(name, str) or not isinstance(module, str) or "<" in name:
+        return None
+    return f"{module}:{name}"
+
+
+def _site(site: str):
+    module, _, name = site.partition(":")
+    found = getattr(sys.modules.get(module), name, None)
+    if found is None:
+        raise RuntimeError(f"sage_rdna4: the attention {site} of a compiled call cannot be found at run time")
+    return found
+
+
+def traced_call(override_id: int, func, args, kwargs, bound) -> Optional[torch.Tensor]:
+    """At trace time: the call as one `sage_rdna4::attention` op; None when it cannot cross (see the module)."""
+    site = _site_name(func)
+    if site is None or not CARRIED.issuperset(kwargs):
+        return None
+    to = kwargs.get("transformer_options") or {}
+    block, total = to.get("block_index"), to.get("total_blocks")
+    return torch.ops.sage_rdna4.attention(
+        bound["q"], bound["k"], bound["v"], bound["mask"], to.get("sigmas"), to.get("sample_sigmas"), override_id,
+        site, int(bound["heads"]), bool(bound["skip_reshape"]), bool(bound["skip_output_reshape"]),
+        bound["attn_precision"], kwargs.get("scale"), bool(kwargs.get("enable_gqa", False)),
+        kwargs.get("low_precision_attention", True) is not False,
+        NO_BLOCK if block is None else int(block), NO_BLOCK if total is None else int(total))
+
+
+def _tags():
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)  # the body runs host work a CUDA graph cannot replay
+    return (tag,) if tag is not None else ()
+
+
+def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+        sigmas: Optional[torch.Tensor], sample_sigmas: Optional[torch.Tensor], override_id: int, site: str,
+        heads: int, skip_reshape: bool, skip_output_reshape: bool, attn_precision: Optional[torch.dtype],
+        scale: Optional[float], enable_gqa: bool, low_precision: bool, block_index: int,
+        total_blocks: int) -> torch.Tensor:
+    """At run time: the eager override, with the keywords the call carried."""
+    override = _OVERRIDES.get(override_id)
+    if override is None:
+        raise RuntimeError(f"sage_rdna4: a compiled graph names patch {override_id}, which no longer exists")
+    to = {}
+    for key, value in (("sigmas", sigmas), ("sample_sigmas", sample_sigmas), ("block_index", block_index),
+                       ("total_blocks", total_blocks)):
+        if value is not None and not (isinstance(value, int) and value == NO_BLOCK):
+            to[key] = value
+    kwargs = dict(mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
+                  skip_output_reshape=skip_output_reshape, transformer_options=to, _inside_attn_wrapper=True)
+    if scale is not None:
+        kwargs["scale"] = scale
+    if enable_gqa:
+        kwargs["enable_gqa"] = True
+    if not low_precision:
+        kwargs["low_precision_attention"] = False
+    out = override(_site(site), q, k, v, heads, **kwargs).contiguous()
+    if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in (q, k, v)):
+        out = out.clone()  # an op's output must not share an input's storage
+    return out
+
+
+def _fake(q, k, v, mask, sigmas, sample_sigmas, override_id, site, heads, skip_reshape, skip_output_reshape,
+          attn_precision, scale, enable_gqa, low_precision, block_index, total_blocks):
+    """The output's shape, dtype and device without running anything (layouts' own rules)."""
+    qh, _, vh, _, _ = hnd_inputs({"q": q, "k": k, "v": v, "heads": heads, "skip_reshape": skip_reshape,
+                                  "mask": None})
+    shape = from_hnd(qh.new_empty(*qh.shape[:3], vh.shape[-1]), skip_output_reshape).shape
+    return q.new_empty(shape)
+
+
+try:
+    attention_op = torch.library.custom_op(OP, _op, mutates_args=(), tags=_tags())
+except TypeError:  # a torch without op tags
+    attention_op = torch.library.custom_op(OP, _op, mutates_args=())
+attention_op.register_fake(_fake)
