@@ -231,16 +231,16 @@ def readiness(backend: Backend, call: AttentionCall, checked: Mapping[str, Optio
 
 
 def readiness_in_order(names: Sequence[str], call: AttentionCall, checked: Mapping[str, Optional[str]],
-                       quantized_only: bool) -> List[Tuple[Backend, Optional[str]]]:
-    """(backend, readiness) in `names`' order, up to and including the first that is ready or PENDING: what a
-    preference order asks, and no more (a later backend's rule is not asked)."""
+                       quantized_only: bool) -> List[Tuple[str, Backend, Optional[str]]]:
+    """(name, backend, readiness) in `names`' order, up to and including the first that is ready or PENDING: what
+    a preference order asks, and no more (a later backend's rule is not asked)."""
     found = []
     for name in names:
         backend = get_backend(name)
         if quantized_only and not backend.quantized:
             continue
         state = readiness(backend, call, checked)
-        found.append((backend, state))
+        found.append((name, backend, state))
         if state is None or state is PENDING:
             break
     return found

@@ -134,13 +134,13 @@ def route(call: AttentionCall, kernel: str = "auto", *, quantized_only: bool = F
 
     # The static order: the first backend in the device's preference that is ready.
     passed_over = {}
-    for backend, state in readiness_in_order(registry.auto_order(call), call, checked, quantized_only):
+    for name, backend, state in readiness_in_order(registry.auto_order(call), call, checked, quantized_only):
         if state is PENDING:
             return Route(VERIFY, passed_over=passed_over, unverified=(backend,))
         if state is None:
             exact = None if backend.quantized else none_takes(call, passed_over)
             return Route(RUN, backend, exact, passed_over=passed_over)
-        passed_over[backend.name] = state
+        passed_over[name] = state
     reason = none_takes(call, passed_over)
     if quantized_only:
         return Route(REFUSE, None, reason, passed_over=passed_over)

@@ -300,11 +300,11 @@ def test_selfcheck_can_be_skipped_by_developers_with_a_warning(monkeypatch, capl
 
 def test_selfcheck_failure_disables_the_backend_with_the_reason(monkeypatch):
     backend = fake_backend(planted(repeated_batch))
-    check = gating.Verdicts(SMALL)
+    check = backend.verdicts = gating.Verdicts(SMALL)  # a backend's verdicts are its own
     reason = check.guard(backend, _call(prologue="hip"))
     assert reason.startswith("fake_int8 disabled on cpu: self-check failed (hip prologue, qk_group token")
     assert "batch 1" in reason
-    assert backend.unavailable("cpu", None) == reason  # Backend.disable: stats and available_backends show it
+    assert backend.unavailable("cpu", None) == reason  # stats and available_backends show it
     monkeypatch.setitem(registry._REGISTRY, "hip_int8_fp8", backend)
     monkeypatch.setattr(registry, "auto_order", lambda c: ["hip_int8_fp8", "sdpa"])
     found = routing.route(_call())
