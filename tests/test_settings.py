@@ -272,5 +272,5 @@ def test_the_readme_documents_the_accepted_values():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     table = readme[readme.index("## Settings"):readme.index("## Tests")]
     assert "`1`, `true`, `on`, `yes`" in table and "`0`, `false`, `off`, `no`" in table
-    assert "case and surrounding spaces" in table.lower() and "absolute" in table and "warning" in table
+    assert "case and\nsurrounding spaces ignored" in table and "absolute" in table and "one-line warning" in table
     assert str(settings.MAX_WORKSPACE_MB) in table
