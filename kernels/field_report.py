@@ -206,8 +206,9 @@ def self_check_targets(device: torch.device) -> List[Dict]:
 CASES = DEFAULT_CASES  # the self-check's cases (kernels/self_check.py); tests run fewer
 
 
-def self_check_section(device: torch.device, say: Callable[[str], None]) -> List[Dict]:
-    results = []
+def self_check_section(device: torch.device, say: Callable[[str], None], results: Optional[List] = None) -> List[Dict]:
+    """One entry per target, appended to `results` as each starts (what collect keeps of a section Ctrl-C stops)."""
+    results = [] if results is None else results
     for target in self_check_targets(device):
         entry = {"kernel": target["kernel"], "variant": target["variant"]}
         results.append(entry)
@@ -255,10 +256,13 @@ ROW_KEYS = ("backend", "status", "ms", "ms_min", "ms_max", "reps", "vs_sdpa", "v
             "finite", "quantized")
 
 
-def benchmark_section(device: torch.device, say: Callable[[str], None]) -> Dict:
+def benchmark_section(device: torch.device, say: Callable[[str], None], out: Optional[Dict] = None) -> Dict:
+    """Fills `out` (backends, reps, then each run as it finishes: what collect keeps if Ctrl-C stops it)."""
     backends = _benchmark_backends(device)
     reps = GPU_REPS if device.type == "cuda" else CPU_REPS
-    runs = []
+    out = {} if out is None else out
+    out.update(backends=backends, reps=reps, runs=[])
+    runs = out["runs"]
     for shape in _shapes(device):
         for kind in bench.INPUT_KINDS:
             say(f"  {shape.name} ({kind} inputs): sdpa, {', '.join(backends) or 'no other backend'}")
@@ -277,13 +281,13 @@ def benchmark_section(device: torch.device, say: Callable[[str], None]) -> Dict:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             runs.append(entry)
-    return {"backends": backends, "reps": reps, "runs": runs}
+    return out
 
 
-def auto_section(device: torch.device, say: Callable[[str], None]) -> List[Dict]:
+def auto_section(device: torch.device, say: Callable[[str], None], out: Optional[List] = None) -> List[Dict]:
     """What the ComfyUI override's `auto` (quantized kernels only, the call site's attention otherwise) takes
-    per shape, and why; on a GPU that is its first-use measurement."""
-    out = []
+    per shape, and why; on a GPU that is its first-use measurement. Each shape is appended to `out` when done."""
+    out = [] if out is None else out
     for shape in _shapes(device):
         entry = {"shape": shape.name}
         try:
@@ -308,6 +312,7 @@ SECTIONS = ("environment", "libraries", "hardware_probes", "self_check", "hip_co
 NOT_RUN_YET = "not run yet: the report is still running"
 INTERRUPTED = "not run: the report was stopped (Ctrl-C) before it"
 INTERRUPTED_WHILE = "stopped (Ctrl-C) while it ran, after {seconds:.1f} s: its results are lost"
+INTERRUPTED_PART = "stopped (Ctrl-C) while it ran, after {seconds:.1f} s: what it had finished is kept"
 
 
 def new_report(device: torch.device) -> Dict:
@@ -318,13 +323,18 @@ def new_report(device: torch.device) -> Dict:
             "sections": {}, "missing": {name: NOT_RUN_YET for name in SECTIONS}, "errors": [], "seconds": 0.0}
 
 
-def mark_interrupted(report: Dict, section: Optional[str] = None, seconds: float = 0.0) -> None:
-    """Ctrl-C: `section` (the one it hit, if any) lost its results; every other missing one was never run."""
+def mark_interrupted(report: Dict, section: Optional[str] = None, seconds: float = 0.0, kept=None) -> None:
+    """Ctrl-C: `section` (the one it hit, if any) is missing, with `kept` (what it had finished, if anything) as
+    its data and status 'interrupted'; every other missing one was never run."""
     report["status"] = "interrupted"
     for name in report["missing"]:
         report["missing"][name] = INTERRUPTED
     if section is not None:
-        report["missing"][section] = INTERRUPTED_WHILE.format(seconds=seconds)
+        report["missing"][section] = (INTERRUPTED_PART if kept else INTERRUPTED_WHILE).format(seconds=seconds)
+        if kept:
+            for item in kept if isinstance(kept, list) else []:
+                item.setdefault("status", "interrupted")  # the self-check target it was running
+            report["sections"][section] = {"status": "interrupted", "data": kept, "seconds": round(seconds, 2)}
 
 
 def collect(device: Optional[torch.device] = None, say: Callable[[str], None] = print,
@@ -339,13 +349,14 @@ def collect(device: Optional[torch.device] = None, say: Callable[[str], None] = 
     device = device or _device()
     t0 = time.perf_counter()
     report = report if report is not None else new_report(device)
+    partial: Dict[str, object] = {"self_check": [], "benchmark": {}, "auto": []}  # filled as the long ones go
     runners = {"environment": lambda: environment_section(device),
                "libraries": lambda: libraries_section(device),
                "hardware_probes": lambda: probes_section(device),
-               "self_check": lambda: self_check_section(device, say),
+               "self_check": lambda: self_check_section(device, say, partial["self_check"]),
                "hip_code_path": lambda: hip_code_path_section(device),
-               "benchmark": lambda: benchmark_section(device, say),
-               "auto": lambda: auto_section(device, say)}
+               "benchmark": lambda: benchmark_section(device, say, partial["benchmark"]),
+               "auto": lambda: auto_section(device, say, partial["auto"])}
 
     def update() -> None:
         report["errors"] = errors_of(report)
@@ -359,7 +370,10 @@ def collect(device: Optional[torch.device] = None, say: Callable[[str], None] = 
         try:
             entry = {"status": "ok", "data": runners[name]()}
         except KeyboardInterrupt:
-            mark_interrupted(report, name, time.perf_counter() - start)
+            kept = partial.get(name)
+            if isinstance(kept, dict) and not kept.get("runs"):
+                kept = None  # the benchmark had not finished a run
+            mark_interrupted(report, name, time.perf_counter() - start, kept)
             say(f"  stopped (Ctrl-C) in {name}: writing what finished")
             update()
             return report
@@ -434,10 +448,13 @@ def to_markdown(report: Dict) -> str:
 
     def body(name, render):
         s = sec.get(name)
+        why = (report.get("missing") or {}).get(name, "not run")
         if s is None:
-            return [f"**Missing:** {(report.get('missing') or {}).get(name, 'not run')}", ""]
+            return [f"**Missing:** {why}", ""]
         if s["status"] == "error":
             return [f"**Error:** `{s['error']}` (traceback under Errors)", ""]
+        if s["status"] == "interrupted":  # Ctrl-C in it: what it had finished
+            return [f"**Part of it:** {why}", ""] + render(s["data"]) + [""]
         return render(s["data"]) + [""]
 
     def kv(data):

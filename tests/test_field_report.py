@@ -207,10 +207,10 @@ def test_an_unwritable_out_fails_fast_with_one_line(unwritable_folder, capsys, m
 def _cheap_sections(monkeypatch, check=None):
     """The sections that take time replaced by small stand-ins of the same shape; `check(name)` runs first in each
     section (the files as the previous sections left them)."""
-    stand_ins = {"self_check_section": lambda device, say: [{"kernel": "k", "variant": "v", "status": "passed",
-                                                             "seconds": 0.1, "cases": []}],
-                 "benchmark_section": lambda device, say: {"backends": [], "reps": 1, "runs": []},
-                 "auto_section": lambda device, say: [{"shape": "tiny", "chosen": "sdpa"}]}
+    stand_ins = {"self_check_section": lambda device, say, sink: [{"kernel": "k", "variant": "v", "status": "passed",
+                                                                   "seconds": 0.1, "cases": []}],
+                 "benchmark_section": lambda device, say, sink: {"backends": [], "reps": 1, "runs": []},
+                 "auto_section": lambda device, say, sink: [{"shape": "tiny", "chosen": "sdpa"}]}
     for name, section in zip(fr.SECTIONS, ("environment_section", "libraries_section", "probes_section",
                                            "self_check_section", "hip_code_path_section", "benchmark_section",
                                            "auto_section")):
@@ -275,6 +275,48 @@ def test_ctrl_c_writes_what_finished_and_exits_130(tmp_path, monkeypatch, capsys
     assert md.count("**Missing:**") == 1 + len(later)
     positions = [md.index(h) for h in HEADINGS]
     assert positions == sorted(positions), "every heading, the missing sections' too"
+
+
+def test_ctrl_c_in_the_benchmark_keeps_the_runs_it_finished(tmp_path, monkeypatch, capsys):
+    """The long sections keep what they finished: Ctrl-C during the benchmark's second input kind leaves the
+    first kind's timed run in both files, the section marked 'interrupted', and exit code 130."""
+    monkeypatch.setattr(fr, "CASES", SMALL_CASES[:1])
+    real_bench = fr.bench.bench_shape
+
+    def bench(shape, device, backends, reps, warmup, kind):
+        if kind != fr.bench.INPUT_KINDS[0]:
+            raise KeyboardInterrupt
+        return real_bench(shape, device, backends, reps, warmup, kind)
+    monkeypatch.setattr(fr.bench, "bench_shape", bench)
+    assert fr.main(["--out", str(tmp_path)]) == 130
+    report, md = _written(capsys.readouterr().out, tmp_path)
+    sec = report["sections"]["benchmark"]
+    assert sec["status"] == "interrupted" and [r["inputs"] for r in sec["data"]["runs"]] == ["standard"]
+    rows = {r["backend"]: r for r in sec["data"]["runs"][0]["rows"]}
+    assert rows["sdpa"]["cos"] > 0.9999 and rows["reference"]["ms"] is not None
+    assert report["missing"]["benchmark"].startswith("stopped (Ctrl-C) while it ran, after ")
+    assert report["missing"]["benchmark"].endswith("what it had finished is kept")
+    assert report["missing"]["auto"] == fr.INTERRUPTED and "auto" not in report["sections"]
+    assert report["sections"]["self_check"]["status"] == "ok"
+    part = md[md.index("## Kernel time and accuracy against SDPA"):md.index("## What auto chose")]
+    assert "**Part of it:** stopped (Ctrl-C)" in part and "| tiny | reference |" in part
+    assert "**Missing:** " + fr.INTERRUPTED in md[md.index("## What auto chose"):]
+
+
+def test_ctrl_c_in_the_self_check_keeps_the_targets_before_it(tmp_path, monkeypatch, capsys):
+    """On the CPU the four quantized kernels are 'not available' before the spec's check runs; Ctrl-C in that
+    check keeps them, and shows the target it hit as 'interrupted'."""
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(fr, "run_self_check", stopped)
+    assert fr.main(["--out", str(tmp_path)]) == 130
+    report, md = _written(capsys.readouterr().out, tmp_path)
+    sec = report["sections"]["self_check"]
+    assert sec["status"] == "interrupted"
+    assert [t["status"] for t in sec["data"]] == ["not available"] * len(fr.QUANTIZED) + ["interrupted"]
+    assert sec["data"][-1]["kernel"] == "reference (the spec, CPU)"
+    assert list(report["missing"]) == ["self_check", "hip_code_path", "benchmark", "auto"]
+    assert "| reference (the spec, CPU) | torch prologue, per-token INT8, smooth_k on | interrupted |" in md
 
 
 def test_ctrl_c_between_sections_still_writes(tmp_path, monkeypatch, capsys):
