@@ -18,9 +18,12 @@ per key means no writer ever reads, merges and rewrites entries another process 
 the checksum catches a truncated or edited file the same way for every kind.
 
 Writes go to a temporary file in the same folder and are renamed into place (atomic on POSIX and Windows),
-so a crash or a concurrent process never leaves a half-written entry under the real name. A truncated,
-corrupt or mismatched entry is a miss and is removed. Any filesystem failure degrades to the memory copy;
-nothing here raises to its callers.
+so a crash or a concurrent process never leaves a half-written entry under the real name. A crash between the
+two leaves the temporary file (`.tmp-*.part`); a store removes those older than STALE_TEMP_SECONDS when it
+opens its folder (a writer renames its file within seconds, so one that old is nobody's). A truncated,
+corrupt or mismatched entry is a miss and is removed, and so is one larger than MAX_ENTRY_BYTES, refused from
+its size before any of it is read (a code object is under 1 MB; a file far larger is not ours). Any filesystem
+failure degrades to the memory copy; nothing here raises to its callers.
 """
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ import stat
 import struct
 import sys
 import tempfile
-from typing import Any, Dict, Optional, Tuple
+import time
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import settings
 
@@ -49,6 +53,10 @@ ENTRY_FORMAT = 2  # part of every key: a new format never reads an old one's ent
 MAGIC = b"SAGEENT2"
 # magic, payload sha256, payload length, metadata length
 HEADER = struct.Struct("<8s32sQI")
+MAX_ENTRY_BYTES = 64 * 2 ** 20  # an entry file above this is refused unread: shipped code objects are ~0.3 MB
+MAX_META_BYTES = 2 ** 20        # metadata is a few keys
+TEMP_PREFIX, TEMP_SUFFIX = ".tmp-", ".part"
+STALE_TEMP_SECONDS = 15 * 60    # a temporary file this old is a crashed writer's, not one being written
 
 
 # -- where ------------------------------------------------------------------------------------------
@@ -184,20 +192,70 @@ def decode_entry(blob: bytes, key: str) -> Tuple[Optional[bytes], str]:
     return payload, ""
 
 
+def read_bounded(path: str, limit: int = MAX_ENTRY_BYTES) -> Tuple[Optional[bytes], str]:
+    """(the file's bytes, '') when it holds at most `limit` bytes, else (None, why). The size is taken from the
+    open file before anything is read, and the read stops at `limit` + 1 bytes whatever the file grows to."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > limit:
+            return None, f"{size} bytes, above the {limit}-byte bound for a cache entry"
+        blob = fh.read(limit + 1)
+    if len(blob) > limit:
+        return None, f"larger than the {limit}-byte bound for a cache entry"
+    return blob, ""
+
+
 def read_meta(path: str) -> Optional[dict]:
-    """The metadata of the entry at `path` (for reports and tests), or None when it is not a readable entry."""
+    """The metadata of the entry at `path` (for reports and tests), or None when it is not a readable entry.
+    Reads the header and the metadata only, never the payload."""
     try:
         with open(path, "rb") as fh:
-            meta, _, _, problem = _split(fh.read())
+            head = fh.read(HEADER.size)
+            if len(head) < HEADER.size:
+                return None
+            magic, _, _, meta_size = HEADER.unpack(head)
+            if magic != MAGIC or meta_size > MAX_META_BYTES:
+                return None
+            meta_blob = fh.read(meta_size)
     except OSError:
         return None
-    return None if problem else meta
+    try:
+        meta = json.loads(meta_blob.decode())
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def remove_stale_temporaries(folder: str, older_than: float = STALE_TEMP_SECONDS) -> List[str]:
+    """Remove the `.tmp-*.part` files in `folder` last written more than `older_than` seconds ago (left by a
+    writer that crashed between writing and renaming); returns their names. A younger one may be another
+    process's write in progress and is left alone."""
+    removed = []
+    now = time.time()
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        if not (name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX)):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and now - st.st_mtime > older_than:
+                os.unlink(path)
+                removed.append(name)
+        except OSError:  # gone already, or held open (Windows): another process's business
+            continue
+    if removed:
+        log.info("removed %d stale temporary file(s) from %s", len(removed), folder)
+    return removed
 
 
 def write_atomically(path: str, data: bytes) -> None:
     """Put `data` at `path` through a temporary file in the same folder and os.replace. The temporary file
     is removed when anything fails, and the error is raised to the caller."""
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".part", dir=os.path.dirname(path) or ".")
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=os.path.dirname(path) or ".")
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
@@ -216,12 +274,15 @@ def write_atomically(path: str, data: bytes) -> None:
 
 class EntryStore:
     """One kind's entries: in memory for this process, and on disk in `folder` (default: the kind's folder
-    under cache_root, read when the store is made). `folder` is None when nothing on disk is usable."""
+    under cache_root, read when the store is made). `folder` is None when nothing on disk is usable. Making a
+    store clears its folder of stale temporary files (`remove_stale_temporaries`)."""
 
     def __init__(self, kind: str, folder: Optional[str] = None):
         self.kind = kind
         self.folder = usable_folder(kind, folder)
         self.memory: Dict[str, bytes] = {}
+        if self.folder is not None:
+            remove_stale_temporaries(self.folder)
 
     def path(self, key: str, label: str) -> Optional[str]:
         return None if self.folder is None else os.path.join(self.folder, f"{safe_label(label)}-{key[:40]}.bin")
@@ -235,12 +296,13 @@ class EntryStore:
         if path is None or not os.path.isfile(path):
             return None, None
         try:
-            with open(path, "rb") as fh:
-                blob = fh.read()
+            blob, problem = read_bounded(path)
         except OSError as exc:
             log.warning("cache entry %s unreadable (%s); treated as missing", path, exc)
             return None, None
-        payload, problem = decode_entry(blob, key)
+        payload = None
+        if blob is not None:
+            payload, problem = decode_entry(blob, key)
         if payload is None:
             log.warning("cache entry %s is %s; removed", path, problem)
             self.discard(path)
@@ -254,8 +316,13 @@ class EntryStore:
         path = self.path(key, label)
         if path is None:
             return None
+        blob = encode_entry(key, payload, {"kind": self.kind, **(meta or {})})
+        if len(blob) > MAX_ENTRY_BYTES:  # it would be refused when read back
+            log.warning("cache entry %s not written: %d bytes, above the %d-byte bound for a cache entry", path,
+                        len(blob), MAX_ENTRY_BYTES)
+            return None
         try:
-            write_atomically(path, encode_entry(key, payload, {"kind": self.kind, **(meta or {})}))
+            write_atomically(path, blob)
             return path
         except OSError as exc:  # full disk, read-only folder, a Windows reader holding the file, ...
             log.warning("could not write cache entry %s: %s", path, exc)

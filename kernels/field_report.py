@@ -9,6 +9,11 @@ quantized kernel and variant (per case: time, verdict), the HIP code path (prebu
 time against SDPA and accuracy on every input kind of kernels/benchmark.py, and what `auto` chooses per shape and why.
 On the CPU it is short: no GPU kernel runs there (the torch reference, the spec, takes the self-check), and the
 benchmark uses one tiny shape, since the real shapes take minutes per call there.
+
+A volunteer may run it once: nothing it finds is lost. The two files are made before the first section runs (an
+--out that cannot take them stops the run at once, with one line), and rewritten, each atomically, after every
+section: at any moment both are complete and valid, and name the sections still missing and why. Ctrl-C writes
+what finished and exits with 130.
 Never imports ComfyUI or kernels/verify/.
 """
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 import traceback
 from datetime import datetime, timezone
@@ -34,7 +40,7 @@ from .registry import get_backend
 from .routing import EXACT, RUN
 from .self_check import DEFAULT_CASES, Variant, backend_attention, case_call, run_self_check
 
-SCHEMA = 1
+SCHEMA = 2  # 2: `status` and `missing` (sections not run, and why); the files are written after every section
 QUANTIZED = ("hip_int8_fp8", "hip_int8_fp16", "triton_int8_fp8", "triton_int8_fp16")
 GPU_SHAPES = ("flux_1mp", "flux_2mp", "sdxl_1mp_d64", "wan_480p")
 CPU_SHAPES = ("tiny",)
@@ -88,7 +94,7 @@ def environment_section(device: torch.device) -> Dict:
     from .cache_identity import pack_version
     info = {"os": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
             "hip": getattr(torch.version, "hip", None), "cuda": torch.version.cuda, "pack_version": pack_version(),
-            "device": str(device), "settings": {s.name: settings.raw(s) for s in settings.SETTINGS if settings.raw(s)}}
+            "device": str(device), "settings": settings.in_effect()}  # each set variable: its text and the value used
     try:
         import triton
         info["triton"] = triton.__version__
@@ -202,8 +208,9 @@ def self_check_targets(device: torch.device) -> List[Dict]:
 CASES = DEFAULT_CASES  # the self-check's cases (kernels/self_check.py); tests run fewer
 
 
-def self_check_section(device: torch.device, say: Callable[[str], None]) -> List[Dict]:
-    results = []
+def self_check_section(device: torch.device, say: Callable[[str], None], results: Optional[List] = None) -> List[Dict]:
+    """One entry per target, appended to `results` as each starts (what collect keeps of a section Ctrl-C stops)."""
+    results = [] if results is None else results
     for target in self_check_targets(device):
         entry = {"kernel": target["kernel"], "variant": target["variant"]}
         results.append(entry)
@@ -251,10 +258,13 @@ ROW_KEYS = ("backend", "status", "ms", "ms_min", "ms_max", "reps", "vs_sdpa", "v
             "finite", "quantized")
 
 
-def benchmark_section(device: torch.device, say: Callable[[str], None]) -> Dict:
+def benchmark_section(device: torch.device, say: Callable[[str], None], out: Optional[Dict] = None) -> Dict:
+    """Fills `out` (backends, reps, then each run as it finishes: what collect keeps if Ctrl-C stops it)."""
     backends = _benchmark_backends(device)
     reps = GPU_REPS if device.type == "cuda" else CPU_REPS
-    runs = []
+    out = {} if out is None else out
+    out.update(backends=backends, reps=reps, runs=[])
+    runs = out["runs"]
     for shape in _shapes(device):
         for kind in bench.INPUT_KINDS:
             say(f"  {shape.name} ({kind} inputs): sdpa, {', '.join(backends) or 'no other backend'}")
@@ -273,13 +283,13 @@ def benchmark_section(device: torch.device, say: Callable[[str], None]) -> Dict:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             runs.append(entry)
-    return {"backends": backends, "reps": reps, "runs": runs}
+    return out
 
 
-def auto_section(device: torch.device, say: Callable[[str], None]) -> List[Dict]:
+def auto_section(device: torch.device, say: Callable[[str], None], out: Optional[List] = None) -> List[Dict]:
     """What the ComfyUI override's `auto` (quantized kernels only, the call site's attention otherwise) takes
-    per shape, and why; on a GPU that is its first-use measurement."""
-    out = []
+    per shape, and why; on a GPU that is its first-use measurement. Each shape is appended to `out` when done."""
+    out = [] if out is None else out
     for shape in _shapes(device):
         entry = {"shape": shape.name}
         try:
@@ -301,32 +311,83 @@ def auto_section(device: torch.device, say: Callable[[str], None]) -> List[Dict]
 SECTIONS = ("environment", "libraries", "hardware_probes", "self_check", "hip_code_path", "benchmark", "auto")
 
 
-def collect(device: Optional[torch.device] = None, say: Callable[[str], None] = print) -> Dict:
-    """Run every section (in SECTIONS order) and return the report as a dict (what the JSON file holds)."""
+NOT_RUN_YET = "not run yet: the report is still running"
+INTERRUPTED = "not run: the report was stopped (Ctrl-C) before it"
+INTERRUPTED_WHILE = "stopped (Ctrl-C) while it ran, after {seconds:.1f} s: its results are lost"
+INTERRUPTED_PART = "stopped (Ctrl-C) while it ran, after {seconds:.1f} s: what it had finished is kept"
+
+
+def new_report(device: torch.device) -> Dict:
+    """The report before any section: every section missing, 'not run yet'."""
+    return {"schema": SCHEMA, "title": TITLE, "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "device": str(device), "cpu_note": CPU_NOTE if device.type != "cuda" else None,
+            "rdna4_note": "Nothing in this pack had run on an RDNA4 card before these reports.", "status": "running",
+            "sections": {}, "missing": {name: NOT_RUN_YET for name in SECTIONS}, "errors": [], "seconds": 0.0}
+
+
+def mark_interrupted(report: Dict, section: Optional[str] = None, seconds: float = 0.0, kept=None) -> None:
+    """Ctrl-C: `section` (the one it hit, if any) is missing, with `kept` (what it had finished, if anything) as
+    its data and status 'interrupted'; every other missing one was never run."""
+    report["status"] = "interrupted"
+    for name in report["missing"]:
+        report["missing"][name] = INTERRUPTED
+    if section is not None:
+        report["missing"][section] = (INTERRUPTED_PART if kept else INTERRUPTED_WHILE).format(seconds=seconds)
+        if kept:
+            for item in kept if isinstance(kept, list) else []:
+                item.setdefault("status", "interrupted")  # the self-check target it was running
+            report["sections"][section] = {"status": "interrupted", "data": kept, "seconds": round(seconds, 2)}
+
+
+def collect(device: Optional[torch.device] = None, say: Callable[[str], None] = print,
+            on_section: Optional[Callable[[Dict], None]] = None, report: Optional[Dict] = None) -> Dict:
+    """Run every section (in SECTIONS order) into `report` (default: a new_report) and return it: the dict the
+    JSON file holds.
+
+    `on_section(report)` is called after each section, with the report so far (its `missing` names each section
+    not run and why): main rewrites the files there. Ctrl-C (KeyboardInterrupt) in a section stops the run: that
+    section and the ones after it are missing, `status` is 'interrupted', and the report is returned (not
+    raised) after a last `on_section`."""
     device = device or _device()
     t0 = time.perf_counter()
-    report = {"schema": SCHEMA, "title": TITLE, "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "device": str(device), "cpu_note": CPU_NOTE if device.type != "cuda" else None,
-              "rdna4_note": "Nothing in this pack had run on an RDNA4 card before these reports.", "sections": {}}
+    report = report if report is not None else new_report(device)
+    partial: Dict[str, object] = {"self_check": [], "benchmark": {}, "auto": []}  # filled as the long ones go
     runners = {"environment": lambda: environment_section(device),
                "libraries": lambda: libraries_section(device),
                "hardware_probes": lambda: probes_section(device),
-               "self_check": lambda: self_check_section(device, say),
+               "self_check": lambda: self_check_section(device, say, partial["self_check"]),
                "hip_code_path": lambda: hip_code_path_section(device),
-               "benchmark": lambda: benchmark_section(device, say),
-               "auto": lambda: auto_section(device, say)}
+               "benchmark": lambda: benchmark_section(device, say, partial["benchmark"]),
+               "auto": lambda: auto_section(device, say, partial["auto"])}
+
+    def update() -> None:
+        report["errors"] = errors_of(report)
+        report["seconds"] = round(time.perf_counter() - t0, 1)
+        if on_section is not None:
+            on_section(report)
+
     for name in SECTIONS:
         say(f"[{time.perf_counter() - t0:6.1f} s] {name} ...")
         start = time.perf_counter()
         try:
             entry = {"status": "ok", "data": runners[name]()}
+        except KeyboardInterrupt:
+            kept = partial.get(name)
+            if isinstance(kept, dict) and not kept.get("runs"):
+                kept = None  # the benchmark had not finished a run
+            mark_interrupted(report, name, time.perf_counter() - start, kept)
+            say(f"  stopped (Ctrl-C) in {name}: writing what finished")
+            update()
+            return report
         except Exception as exc:
             entry = {"status": "error", **_error(exc)}
             say(f"  error: {entry['error']} (the report goes on)")
         entry["seconds"] = round(time.perf_counter() - start, 2)
         report["sections"][name] = entry
-    report["errors"] = errors_of(report)
-    report["seconds"] = round(time.perf_counter() - t0, 1)
+        del report["missing"][name]
+        if name == SECTIONS[-1]:
+            report["status"] = "complete"
+        update()
     return report
 
 
@@ -350,7 +411,7 @@ def errors_of(report: Dict) -> List[Dict]:
 # ------------------------------------------------------------------------------------------ Markdown
 def summary(report: Dict) -> List[str]:
     """A few lines a maintainer reads first: the GPU, the self-check verdicts, accuracy problems, errors."""
-    sec = report["sections"]
+    sec = {name: report["sections"].get(name) or {} for name in SECTIONS}
     env = sec["environment"].get("data") or {}
     gpu = (f"GPU: {env['gpu']} ({env.get('gcn_arch_name') or env.get('arch')}, {env.get('compute_units')} compute "
            f"units)" if "gpu" in env else f"device: {report['device']} (no GPU)")
@@ -368,6 +429,10 @@ def summary(report: Dict) -> List[str]:
     probes = sec["hardware_probes"].get("data") or {}
     lines.append(probes.get("note") or f"{PROBES_NOT_RUN}: {sec['hardware_probes'].get('error', 'no data')}")
     lines.append(f"errors: {len(report['errors'])}" + (" (under Errors, with tracebacks)" if report["errors"] else ""))
+    missing = report.get("missing") or {}
+    if missing:
+        lines.append(f"missing sections ({report.get('status', 'running')}): " +
+                     "; ".join(f"{name}: {why}" for name, why in missing.items()))
     return lines
 
 
@@ -385,10 +450,13 @@ def to_markdown(report: Dict) -> str:
 
     def body(name, render):
         s = sec.get(name)
+        why = (report.get("missing") or {}).get(name, "not run")
         if s is None:
-            return ["(not run)", ""]
+            return [f"**Missing:** {why}", ""]
         if s["status"] == "error":
             return [f"**Error:** `{s['error']}` (traceback under Errors)", ""]
+        if s["status"] == "interrupted":  # Ctrl-C in it: what it had finished
+            return [f"**Part of it:** {why}", ""] + render(s["data"]) + [""]
         return render(s["data"]) + [""]
 
     def kv(data):
@@ -465,25 +533,80 @@ def to_markdown(report: Dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------ command line
+class ReportFiles:
+    """The report's JSON and Markdown files, each replaced atomically (a temporary file in the same folder, then
+    os.replace), so a reader, a crash or Ctrl-C never sees half a file."""
+
+    def __init__(self, stem: str):
+        self.json_path, self.md_path = stem + ".json", stem + ".md"
+        self.failed: Optional[str] = None  # the last write error, if the latest write failed
+
+    def write(self, report: Dict) -> None:
+        """Raises OSError when a file cannot be written (the caller decides whether that stops the run)."""
+        for path, text in ((self.json_path, json.dumps(report, indent=1, default=str)),
+                           (self.md_path, to_markdown(report))):
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".part", dir=os.path.dirname(path) or ".")
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                    fh.write(text)
+                os.replace(tmp, path)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
+
+    def write_quietly(self, report: Dict, say: Callable[[str], None]) -> None:
+        """write(), saying (once per new error) instead of raising: a full disk mid-run must not stop the
+        sections, and the next write tries again."""
+        try:
+            self.write(report)
+            self.failed = None
+        except OSError as exc:
+            if str(exc) != self.failed:
+                say(f"  could not write the report files: {exc} (the next section's write tries again)")
+            self.failed = str(exc)
+
+
+def _fail(text: str) -> int:
+    print(f"field_report.py: error: {text}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="field_report.py", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".", help="folder for the two files (default: the current folder)")
     args = parser.parse_args(argv)
     if not os.path.isdir(args.out):
-        parser.error(f"--out {args.out!r} is not a folder")
-    stem = os.path.join(args.out, f"sage_rdna4_field_report_{datetime.now():%Y%m%d_%H%M%S}")
-    print(f"{TITLE}: writes {stem}.json and {stem}.md; about 5-15 minutes on a GPU, under a minute on the CPU.",
-          flush=True)
+        return _fail(f"--out {args.out!r} is not a folder")
+    stem = os.path.join(os.path.abspath(args.out), f"sage_rdna4_field_report_{datetime.now():%Y%m%d_%H%M%S}")
+    files = ReportFiles(stem)
+    device = _device()
+    report = new_report(device)
+    try:  # before any section: an --out that cannot take the files stops the run here, not 5-15 minutes later
+        files.write(report)
+    except OSError as exc:
+        return _fail(f"cannot write the report into --out {args.out!r}: {exc}")
+    print(f"{TITLE}: writing {stem}.json and {stem}.md, rewritten after each section; about 5-15 minutes on a "
+          f"GPU, under a minute on the CPU. Ctrl-C stops it and keeps what finished.", flush=True)
 
     def say(text: str) -> None:
         print(text, flush=True)
-    report = collect(say=say)
-    with open(stem + ".json", "w", encoding="utf-8") as fh:
-        json.dump(report, fh, indent=1, default=str)
-    with open(stem + ".md", "w", encoding="utf-8") as fh:
-        fh.write(to_markdown(report))
-    print(f"done in {report['seconds']} s, {len(report['errors'])} error(s).")
+    try:
+        collect(device, say, on_section=lambda r: files.write_quietly(r, say), report=report)
+    except KeyboardInterrupt:  # between sections, e.g. while the files were being written
+        mark_interrupted(report)
+        files.write_quietly(report, say)
+    if files.failed:
+        print(f"field_report.py: error: could not write the report files: {files.failed}", file=sys.stderr)
+        return 1
+    if report["status"] == "interrupted":
+        print(f"stopped after {report['seconds']} s: {len(report['sections'])} of {len(SECTIONS)} sections "
+              f"written; missing: {', '.join(report['missing'])}.")
+    else:
+        print(f"done in {report['seconds']} s, {len(report['errors'])} error(s).")
     print(f"JSON:     {stem}.json")
     print(f"Markdown: {stem}.md")
     print("Please open an issue on the project's tracker with the Markdown summary and attach the JSON file.")
-    return 0
+    return 130 if report["status"] == "interrupted" else 0

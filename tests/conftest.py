@@ -38,6 +38,23 @@ def load_pack():
 
 load_pack()
 
+# Per-test limits (pytest-timeout, requirements-test.txt): pyproject.toml's `timeout` for every test; a test marked
+# slow gets SLOW_TEST_TIMEOUT_S unless it sets its own with @pytest.mark.timeout(...). A test past its limit fails
+# and the run goes on (the signal method), so no hung or runaway test holds a GPU run or CI.
+SLOW_TEST_TIMEOUT_S = 1800
+
+
+def pytest_addoption(parser, pluginmanager):
+    if not pluginmanager.hasplugin("timeout"):  # pyproject's key would be an unknown option: say it once instead
+        parser.addini("timeout", "per-test limit in seconds (ignored: pytest-timeout is not installed)")
+
+
+def pytest_report_header(config):
+    if not config.pluginmanager.hasplugin("timeout"):
+        return ("pytest-timeout is not installed: tests run without a time limit "
+                "(python -m pip install -r requirements-test.txt)")
+    return None
+
 
 def pytest_configure(config):
     if torch is None:
@@ -50,7 +67,10 @@ def pytest_configure(config):
                                        "skipped without it")
     config.addinivalue_line("markers", "hipcc: needs clang-19 with the AMDGPU target; skipped without it")
     config.addinivalue_line("markers", "slow: long-running; left out of the default run (pyproject.toml's addopts: "
-                                       "-m \"not slow\"), run by .ci/run (-m \"\") and by -m slow")
+                                       "-m \"not slow\"), run by .ci/run (-m \"\") and by -m slow; limit "
+                                       f"{SLOW_TEST_TIMEOUT_S} s unless the test sets its own")
+    if not config.pluginmanager.hasplugin("timeout"):
+        config.addinivalue_line("markers", "timeout(seconds): per-test limit (pytest-timeout is not installed)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -59,7 +79,10 @@ def pytest_collection_modifyitems(config, items):
     has_comfy = bool(os.environ.get("COMFYUI_PATH")) and (Path(os.environ.get("COMFYUI_PATH", "")) / "comfy").is_dir()
     no_browser = pytest.mark.skip(reason="no Chromium/Chrome on PATH")
     has_browser = any(shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome", "chrome"))
+    slow_limit = pytest.mark.timeout(SLOW_TEST_TIMEOUT_S)
     for item in items:
+        if "slow" in item.keywords and item.get_closest_marker("timeout") is None:
+            item.add_marker(slow_limit)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_gpu)
         if "comfyui" in item.keywords and not has_comfy:

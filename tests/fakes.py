@@ -11,8 +11,8 @@ tests/test_package_layout.py's user run) has tests/ on sys.path already or puts 
   auto         ScriptedEvents (step_trials.DeviceEvents on a simulated clock)
   HIP          FakeCompiler (RtcCompiler without a compiler library), FakeRuntime (GpuRuntime in Python),
                FakeHip (libamdhip64 with two devices, as ctypes callbacks) and fake_image (its code objects),
-               write_prebuilt (a shipped object and its manifest in a folder), CompilerFactory (counts the
-               compilers made, or has none)
+               write_prebuilt (a shipped object and its manifest in a folder), amdgpu_elf (the ELF header of a
+               code object for an arch), CompilerFactory (counts the compilers made, or has none)
   Triton       FakeJit and FakeKernel (a JITFunction and the compiled kernel it returns)
 """
 from __future__ import annotations
@@ -226,7 +226,8 @@ class FakeCompiler(compiler.RtcCompiler):
 
 
 class FakeRuntime(runtime.GpuRuntime):
-    """GpuRuntime in Python: loads any image except one starting with b"stale" (the driver rejects it)."""
+    """GpuRuntime in Python: loads any image except one starting with b"stale", or an amdgpu_elf whose body does
+    (the driver rejects it)."""
 
     kind = "fake"
 
@@ -237,13 +238,27 @@ class FakeRuntime(runtime.GpuRuntime):
         return "fake-rt-1"
 
     def load_module(self, image, device_index):
-        if image.startswith(b"stale"):
+        if image.startswith(b"stale") or (image.startswith(b"\x7fELF") and image[64:].startswith(b"stale")):
             raise runtime.LaunchError("hipModuleLoadData failed: invalid image")
         self.loaded.append(image)
         return ("module", image)
 
     def get_function(self, module, name):
         return (module, name)
+
+
+# EF_AMDGPU_MACH of e_flags per processor (LLVM's BinaryFormat/ELF.h), written here independently of the loader's
+EF_AMDGPU_MACH = {"gfx1100": 0x041, "gfx1200": 0x048, "gfx1201": 0x04E}
+
+
+def amdgpu_elf(arch, body=b"", code_object_version=5, machine=224):
+    """A 64-bit little-endian AMDGPU HSA ELF header for `arch` (e_machine EM_AMDGPU = 224, EF_AMDGPU_MACH in
+    e_flags, EI_ABIVERSION for the code object version), then `body`: what the loader checks of a shipped object."""
+    abi = {3: 1, 4: 2, 5: 3, 6: 4}[code_object_version]
+    header = struct.pack("<4sBBBBB7sHHIQQQIHHHHHH", b"\x7fELF", 2, 1, 1, 64, abi, b"\0" * 7, 3, machine, 1, 0, 0, 0,
+                         EF_AMDGPU_MACH[arch], 64, 56, 0, 64, 0, 0)
+    assert len(header) == 64
+    return header + body
 
 
 def write_prebuilt(folder, arch, image, source_digest, **manifest):

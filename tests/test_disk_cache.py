@@ -3,6 +3,8 @@
 that are removed, and an unwritable disk degrading to memory."""
 import json
 import os
+import time
+import tracemalloc
 
 import pytest
 
@@ -115,6 +117,83 @@ def test_metadata_that_is_no_json_object_is_a_miss_and_removed(tmp_path, meta):
     assert disk_cache.read_meta(path) is None
     assert c.load(key, "attn") == (None, None)
     assert not os.path.exists(path)
+
+
+def _peak_bytes_allocated(fn):
+    """(fn's result, the peak of Python allocations while it ran)."""
+    tracemalloc.start()
+    try:
+        result = fn()
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("header", ["claims-the-size", "zeros"])
+def test_an_entry_above_the_size_bound_is_refused_unread_and_removed(tmp_path, caplog, header):
+    """A 512 MiB (sparse) file under an entry's name: refused from its size, with the size in the log, before any
+    of it is read (the peak of Python allocations stays under 1 MiB; reading it would take 512 MiB)."""
+    key = disk_cache.cache_key(**BASE)
+    c = store(tmp_path)
+    path = c.path(key, "attn")
+    size = 512 * 2 ** 20
+    with open(path, "wb") as fh:
+        if header == "claims-the-size":  # a header that agrees with the file's size: only the bound refuses it
+            meta = json.dumps({"key": key}).encode()
+            fh.write(disk_cache.HEADER.pack(disk_cache.MAGIC, b"\0" * 32, size - disk_cache.HEADER.size - len(meta),
+                                            len(meta)) + meta)
+        fh.truncate(size)
+    assert os.path.getsize(path) == size > disk_cache.MAX_ENTRY_BYTES
+    if header == "claims-the-size":
+        meta_read, peak = _peak_bytes_allocated(lambda: disk_cache.read_meta(path))
+        assert meta_read == {"key": key} and peak < 2 ** 20, peak  # the metadata without the payload
+    with caplog.at_level("WARNING", logger=disk_cache.__name__):
+        got, peak = _peak_bytes_allocated(lambda: c.load(key, "attn"))
+    assert got == (None, None) and peak < 2 ** 20, peak
+    assert not os.path.exists(path)
+    assert any(f"{size} bytes, above the {disk_cache.MAX_ENTRY_BYTES}-byte bound" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_the_read_stops_at_the_bound_even_when_the_size_was_small(tmp_path, monkeypatch):
+    """The bound holds for a file that grows between the size check and the read: at most bound + 1 bytes."""
+    path = tmp_path / "entry.bin"
+    path.write_bytes(b"x" * 100)
+    assert disk_cache.read_bounded(str(path), limit=100) == (b"x" * 100, "")
+    assert disk_cache.read_bounded(str(path), limit=99)[0] is None
+    real_fstat = os.fstat
+    monkeypatch.setattr(disk_cache.os, "fstat", lambda fd: os.stat_result((0,) * 6 + (10,) + (0,) * 3)
+                        if fd >= 0 else real_fstat(fd))  # the size says 10 bytes
+    blob, problem = disk_cache.read_bounded(str(path), limit=50)
+    assert blob is None and "larger than the 50-byte bound" in problem
+
+
+def test_an_entry_above_the_bound_is_not_written(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(disk_cache, "MAX_ENTRY_BYTES", 4096)
+    c = store(tmp_path)
+    assert c.store("k" * 64, "big", b"x" * 4096) is None
+    assert c.load("k" * 64, "big") == (b"x" * 4096, None)  # kept in memory
+    assert not list(tmp_path.glob("*.bin")) and "above the 4096-byte bound" in caplog.text
+    assert c.store("k" * 64, "small", b"x" * 1000) is not None
+
+
+def test_stale_temporary_files_are_removed_when_a_store_opens_its_folder(tmp_path):
+    """A writer that died between writing and renaming leaves .tmp-*.part: one older than STALE_TEMP_SECONDS is
+    removed; a fresh one (a write in progress in another process) and files of other names are left alone."""
+    old = time.time() - disk_cache.STALE_TEMP_SECONDS - 60
+    names = {"stale": ".tmp-abc123.part", "fresh": ".tmp-def456.part", "entry_like": "attn-0123.bin",
+             "old_other": "notes.part", "old_dot": ".tmp-keep.txt"}
+    for what, name in names.items():
+        (tmp_path / name).write_bytes(b"x" * 10)
+        if what != "fresh":
+            os.utime(tmp_path / name, (old, old))
+    (tmp_path / ".tmp-dir.part").mkdir()  # not a file: left alone
+    os.utime(tmp_path / ".tmp-dir.part", (old, old))
+    store(tmp_path)
+    left = sorted(os.listdir(tmp_path))
+    assert left == sorted(set(names.values()) - {names["stale"]} | {".tmp-dir.part"}), left
+    assert disk_cache.remove_stale_temporaries(str(tmp_path), older_than=-1) == [names["fresh"]]
+    assert disk_cache.remove_stale_temporaries(str(tmp_path / "missing")) == []
 
 
 def test_entry_of_another_key_is_stale(tmp_path):

@@ -6,7 +6,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -62,11 +64,16 @@ def test_root_script_on_the_cpu_end_to_end(tmp_path):
     for line in ("[", "environment ...", "self_check ...", "benchmark ...", "auto ..."):
         assert line in r.stdout  # progress lines
     assert report["schema"] == fr.SCHEMA and report["device"] == "cpu" and report["errors"] == []
+    assert report["status"] == "complete" and report["missing"] == {} and "**Missing:**" not in md
     assert list(report["sections"]) == list(fr.SECTIONS)
     for name, sec in report["sections"].items():
         assert sec["status"] == "ok" and isinstance(sec["seconds"], float), name
     env_data = report["sections"]["environment"]["data"]
     assert env_data["torch"] == torch.__version__ and env_data["python"] == sys.version.split()[0]
+    # conftest.py sets the self-check cache (off unless set): the report gives the text and the value used
+    from comfyui_sage_rdna4.kernels import settings
+    assert env_data["settings"]["SAGE_RDNA4_SELF_CHECK_CACHE"] == {
+        "text": os.environ["SAGE_RDNA4_SELF_CHECK_CACHE"], "used": settings.self_check_cache_enabled()}
     probes = report["sections"]["hardware_probes"]["data"]
     assert probes["status"] == "not run" and probes["note"].startswith(fr.PROBES_NOT_RUN + ": no GPU (cpu)")
     checks = {t["kernel"]: t for t in report["sections"]["self_check"]["data"]}
@@ -153,10 +160,201 @@ def test_hip_code_path_read_through_one_function(monkeypatch):
     assert fr.hip_code_path_section(torch.device("cpu"))["path"] == "unknown"
 
 
-def test_out_must_be_a_folder(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exc:
-        fr.main(["--out", str(tmp_path / "missing")])
-    assert exc.value.code == 2 and "is not a folder" in capsys.readouterr().err
+def _no_section_may_run(monkeypatch):
+    def collect(*args, **kwargs):
+        raise AssertionError("a section ran")
+    monkeypatch.setattr(fr, "collect", collect)
+
+
+def test_out_must_be_a_folder(tmp_path, capsys, monkeypatch):
+    _no_section_may_run(monkeypatch)
+    assert fr.main(["--out", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"field_report.py: error: --out {str(tmp_path / 'missing')!r} is not a folder\n"
+
+
+@pytest.fixture
+def unwritable_folder(tmp_path):
+    """A folder no file can be made in: read-only by its mode, or (root ignores modes) /proc/self."""
+    folder = tmp_path / "read_only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    candidates = [folder, Path("/proc/self")]
+    try:
+        for candidate in candidates:
+            try:
+                probe = tempfile.NamedTemporaryFile(dir=candidate)
+            except OSError:
+                yield candidate
+                return
+            probe.close()
+        pytest.skip("no folder here refuses a new file (root without /proc)")
+    finally:
+        folder.chmod(0o755)
+
+
+def test_an_unwritable_out_fails_fast_with_one_line(unwritable_folder, capsys, monkeypatch):
+    """Before any section runs (they take 5-15 minutes on a card): one line on stderr, exit code 2."""
+    _no_section_may_run(monkeypatch)
+    start = time.perf_counter()
+    assert fr.main(["--out", str(unwritable_folder)]) == 2
+    assert time.perf_counter() - start < 5
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"field_report.py: error: cannot write the report into --out {str(unwritable_folder)!r}: ")
+
+
+def _cheap_sections(monkeypatch, check=None):
+    """The sections that take time replaced by small stand-ins of the same shape; `check(name)` runs first in each
+    section (the files as the previous sections left them)."""
+    stand_ins = {"self_check_section": lambda device, say, sink: [{"kernel": "k", "variant": "v", "status": "passed",
+                                                                   "seconds": 0.1, "cases": []}],
+                 "benchmark_section": lambda device, say, sink: {"backends": [], "reps": 1, "runs": []},
+                 "auto_section": lambda device, say, sink: [{"shape": "tiny", "chosen": "sdpa"}]}
+    for name, section in zip(fr.SECTIONS, ("environment_section", "libraries_section", "probes_section",
+                                           "self_check_section", "hip_code_path_section", "benchmark_section",
+                                           "auto_section")):
+        real = stand_ins.get(section) or getattr(fr, section)
+
+        def wrapped(*args, _name=name, _real=real):
+            if check:
+                check(_name)
+            return _real(*args)
+        monkeypatch.setattr(fr, section, wrapped)
+
+
+def _files(folder):
+    paths = sorted(folder.glob("sage_rdna4_field_report_*"))
+    assert [p.suffix for p in paths] == [".json", ".md"], paths  # the two files, no temporary left
+    return json.loads(paths[0].read_text()), paths[1].read_text()
+
+
+def test_the_files_are_complete_and_valid_after_each_section(tmp_path, monkeypatch, capsys):
+    """Each section starts with both files on disk, valid, holding every section finished so far and naming the
+    rest as missing (not run yet)."""
+    seen = []
+
+    def check(name):
+        report, md = _files(tmp_path)
+        done = list(fr.SECTIONS[:fr.SECTIONS.index(name)])
+        assert report["status"] == "running" and list(report["sections"]) == done
+        assert report["missing"] == {n: fr.NOT_RUN_YET for n in fr.SECTIONS if n not in done}
+        assert md.count("**Missing:** " + fr.NOT_RUN_YET) == len(report["missing"])
+        assert "missing sections (running): " + "; ".join(f"{n}: {fr.NOT_RUN_YET}" for n in report["missing"]) in md
+        seen.append(name)
+    _cheap_sections(monkeypatch, check)
+    assert fr.main(["--out", str(tmp_path)]) == 0
+    assert seen == list(fr.SECTIONS)
+    report, md = _files(tmp_path)
+    assert report["status"] == "complete" and report["missing"] == {} and list(report["sections"]) == list(fr.SECTIONS)
+    assert "Missing" not in md and "missing sections" not in md
+    assert "rewritten after each section" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["self_check", "auto"])
+def test_ctrl_c_writes_what_finished_and_exits_130(tmp_path, monkeypatch, capsys, where):
+    """KeyboardInterrupt inside a section: the sections before it are in both files, it and the later ones are
+    listed as missing with the reason, and the exit code is 130."""
+    def interrupt(name):
+        if name == where:
+            raise KeyboardInterrupt
+    _cheap_sections(monkeypatch, interrupt)
+    assert fr.main(["--out", str(tmp_path)]) == 130
+    out = capsys.readouterr().out
+    report, md = _written(out, tmp_path)
+    done = list(fr.SECTIONS[:fr.SECTIONS.index(where)])
+    later = list(fr.SECTIONS[fr.SECTIONS.index(where) + 1:])
+    assert report["status"] == "interrupted" and list(report["sections"]) == done
+    assert all(report["sections"][n]["status"] == "ok" for n in done)
+    assert list(report["missing"]) == [where] + later
+    assert report["missing"][where].startswith("stopped (Ctrl-C) while it ran, after ")
+    assert all(report["missing"][n] == fr.INTERRUPTED for n in later)
+    assert f"stopped (Ctrl-C) in {where}: writing what finished" in out
+    assert f"missing: {', '.join([where] + later)}." in out
+    assert "missing sections (interrupted): " + where + ": stopped (Ctrl-C) while it ran" in md
+    assert md.count("**Missing:**") == 1 + len(later)
+    positions = [md.index(h) for h in HEADINGS]
+    assert positions == sorted(positions), "every heading, the missing sections' too"
+
+
+def test_ctrl_c_in_the_benchmark_keeps_the_runs_it_finished(tmp_path, monkeypatch, capsys):
+    """The long sections keep what they finished: Ctrl-C during the benchmark's second input kind leaves the
+    first kind's timed run in both files, the section marked 'interrupted', and exit code 130."""
+    monkeypatch.setattr(fr, "CASES", SMALL_CASES[:1])
+    real_bench = fr.bench.bench_shape
+
+    def bench(shape, device, backends, reps, warmup, kind):
+        if kind != fr.bench.INPUT_KINDS[0]:
+            raise KeyboardInterrupt
+        return real_bench(shape, device, backends, reps, warmup, kind)
+    monkeypatch.setattr(fr.bench, "bench_shape", bench)
+    assert fr.main(["--out", str(tmp_path)]) == 130
+    report, md = _written(capsys.readouterr().out, tmp_path)
+    sec = report["sections"]["benchmark"]
+    assert sec["status"] == "interrupted" and [r["inputs"] for r in sec["data"]["runs"]] == ["standard"]
+    rows = {r["backend"]: r for r in sec["data"]["runs"][0]["rows"]}
+    assert rows["sdpa"]["cos"] > 0.9999 and rows["reference"]["ms"] is not None
+    assert report["missing"]["benchmark"].startswith("stopped (Ctrl-C) while it ran, after ")
+    assert report["missing"]["benchmark"].endswith("what it had finished is kept")
+    assert report["missing"]["auto"] == fr.INTERRUPTED and "auto" not in report["sections"]
+    assert report["sections"]["self_check"]["status"] == "ok"
+    part = md[md.index("## Kernel time and accuracy against SDPA"):md.index("## What auto chose")]
+    assert "**Part of it:** stopped (Ctrl-C)" in part and "| tiny | reference |" in part
+    assert "**Missing:** " + fr.INTERRUPTED in md[md.index("## What auto chose"):]
+
+
+def test_ctrl_c_in_the_self_check_keeps_the_targets_before_it(tmp_path, monkeypatch, capsys):
+    """On the CPU the four quantized kernels are 'not available' before the spec's check runs; Ctrl-C in that
+    check keeps them, and shows the target it hit as 'interrupted'."""
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(fr, "run_self_check", stopped)
+    assert fr.main(["--out", str(tmp_path)]) == 130
+    report, md = _written(capsys.readouterr().out, tmp_path)
+    sec = report["sections"]["self_check"]
+    assert sec["status"] == "interrupted"
+    assert [t["status"] for t in sec["data"]] == ["not available"] * len(fr.QUANTIZED) + ["interrupted"]
+    assert sec["data"][-1]["kernel"] == "reference (the spec, CPU)"
+    assert list(report["missing"]) == ["self_check", "hip_code_path", "benchmark", "auto"]
+    assert "| reference (the spec, CPU) | torch prologue, per-token INT8, smooth_k on | interrupted |" in md
+
+
+def test_ctrl_c_between_sections_still_writes(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C while the files are being rewritten (outside any section) is caught by main: the last complete
+    state, marked interrupted, and 130."""
+    _cheap_sections(monkeypatch)
+    real = fr.ReportFiles.write_quietly
+    calls = []
+
+    def write_quietly(self, report, say):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, report, say)
+    monkeypatch.setattr(fr.ReportFiles, "write_quietly", write_quietly)
+    assert fr.main(["--out", str(tmp_path)]) == 130
+    report, md = _written(capsys.readouterr().out, tmp_path)
+    assert report["status"] == "interrupted" and list(report["sections"]) == list(fr.SECTIONS[:2])
+    assert report["missing"] == {n: fr.INTERRUPTED for n in fr.SECTIONS[2:]}
+
+
+def test_a_failed_write_mid_run_does_not_stop_the_sections(tmp_path, monkeypatch, capsys):
+    """A full disk after the start: the sections go on, each write tries again, and the exit code says it failed."""
+    _cheap_sections(monkeypatch)
+    real = fr.ReportFiles.write
+    calls = []
+
+    def write(self, report):
+        calls.append(len(report["sections"]))
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        return real(self, report)
+    monkeypatch.setattr(fr.ReportFiles, "write", write)
+    assert fr.main(["--out", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert calls == list(range(len(fr.SECTIONS) + 1))  # the start, then after every section
+    assert out.count("could not write the report files: [Errno 28] No space left on device") == 1  # said once
+    assert err == "field_report.py: error: could not write the report files: [Errno 28] No space left on device\n"
 
 
 def test_libraries_on_rocm_name_what_was_found_and_what_was_not(monkeypatch):

@@ -1178,23 +1178,48 @@ def test_fuzz_triton_interpreter_cpu(summary_lines):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
+GPU_FUZZ_KERNELS = ("triton_int8_fp8", "triton_int8_fp16", "hip_int8_fp8", "hip_int8_fp16")
+# Random calls per backend and path (API, override) on the GPU. At 300, `pytest -m gpu tests` had not finished after
+# 9.7 minutes on an H200; 100 is the budget for a GPU run of a few minutes. SAGE_FUZZ_GPU_CALLS asks for another count.
+GPU_FUZZ_CALLS = 100
+GPU_FUZZ_TIMEOUT_S = 240  # per backend, both paths: past it the test fails and the GPU run goes on
+
+
+def gpu_fuzz_calls() -> int:
+    text = os.environ.get("SAGE_FUZZ_GPU_CALLS", "").strip()
+    if not text:
+        return GPU_FUZZ_CALLS
+    if not text.isdigit() or int(text) < 1:
+        pytest.fail(f"SAGE_FUZZ_GPU_CALLS={text!r}: give a whole number of calls per backend and path, 1 or more")
+    return int(text)
+
+
+def test_the_gpu_fuzz_makes_at_least_100_calls_per_backend_and_path(monkeypatch):
+    monkeypatch.delenv("SAGE_FUZZ_GPU_CALLS", raising=False)
+    assert gpu_fuzz_calls() == GPU_FUZZ_CALLS >= 100
+    monkeypatch.setenv("SAGE_FUZZ_GPU_CALLS", " 300 ")
+    assert gpu_fuzz_calls() == 300
+    for bad in ("0", "-5", "lots", "1e3"):
+        monkeypatch.setenv("SAGE_FUZZ_GPU_CALLS", bad)
+        with pytest.raises(pytest.fail.Exception, match="SAGE_FUZZ_GPU_CALLS"):
+            gpu_fuzz_calls()
+
+
 @pytest.mark.gpu
-def test_fuzz_gpu(monkeypatch, summary_lines):
-    """The same fuzz on the GPU for the Triton backends and the HIP backends (emulated gfx12 on NVIDIA)."""
+@pytest.mark.timeout(GPU_FUZZ_TIMEOUT_S)
+@pytest.mark.parametrize("kernel", GPU_FUZZ_KERNELS)
+def test_fuzz_gpu(monkeypatch, summary_lines, kernel):
+    """The same fuzz on the GPU for each Triton backend and each HIP backend (emulated gfx12 on NVIDIA), one test
+    per backend (each has its own time limit and its own line in --durations)."""
     monkeypatch.setenv("SAGE_RDNA4_HIP_EMULATE", "1")
-    kernels = ["triton_int8_fp8", "triton_int8_fp16", "hip_int8_fp8", "hip_int8_fp16"]
-    present = [k for k in kernels if get_backend(k).unavailable("cuda", torch.cuda.current_device()) is None]
-    print("GPU backends present:", present, {k: get_backend(k).unavailable("cuda", torch.cuda.current_device())
-                                             for k in kernels if k not in present})
-    if not present:
-        pytest.skip("no Triton or HIP backend available on this GPU")
-    n = int(os.environ.get("SAGE_FUZZ_GPU_CALLS", "300"))  # random calls per backend and path
-    tallies = []
-    for kernel in present:
-        # A 70k x 70k call for the Triton kernels; the HIP emulation (WMMA lane by lane) gets 8k.
-        square = 70_000 if kernel.startswith("triton") else 8192
-        tallies += run_api_fuzz([kernel], n_random=n, device="cuda", square=square)
-        tallies += run_override_fuzz([kernel], n_random=n, device="cuda", square=square)
+    reason = get_backend(kernel).unavailable("cuda", torch.cuda.current_device())
+    if reason:
+        pytest.skip(f"{kernel} is not available on this GPU: {reason}")
+    n = gpu_fuzz_calls()
+    # A 70k x 70k call for the Triton kernels; the HIP emulation (WMMA lane by lane) gets 8k.
+    square = 70_000 if kernel.startswith("triton") else 8192
+    tallies = run_api_fuzz([kernel], n_random=n, device="cuda", square=square)
+    tallies += run_override_fuzz([kernel], n_random=n, device="cuda", square=square)
     report_and_assert(tallies, min_results=n // 10, summary=summary_lines)
 
 

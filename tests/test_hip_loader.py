@@ -1,5 +1,6 @@
 """CPU tests of the HIP loader: cache keys and rebuilds, arch parsing, library discovery and error
 paths, backend acceptance, and the first-use self-check disabling a deliberately broken kernel."""
+import json
 import os
 import threading
 import types
@@ -17,7 +18,7 @@ from comfyui_sage_rdna4.kernels.reference import attention_from_quantized
 from comfyui_sage_rdna4.kernels.routing import route
 from comfyui_sage_rdna4.kernels.self_check import CALLS_PER_CASE, DEFAULT_CASES, Case
 from comfyui_sage_rdna4.kernels.verify import cuda_twin  # the loader on NVIDIA, for the tests that use it
-from fakes import CompilerFactory, FakeCompiler, FakeRuntime, write_prebuilt
+from fakes import CompilerFactory, FakeCompiler, FakeRuntime, amdgpu_elf, write_prebuilt
 
 
 @pytest.fixture(autouse=True)
@@ -131,7 +132,7 @@ def test_loader_raises_when_a_fresh_build_is_rejected(tmp_path):
 
 # -- shipped code objects (the files themselves: tests/test_prebuilt_objects.py) ----------------------
 
-SHIPPED_IMAGE = b"shipped code object for gfx1201 " * 64
+SHIPPED_IMAGE = amdgpu_elf("gfx1201", b"shipped code object for gfx1201 " * 64)
 
 
 def prebuilt_loader(tmp_path, factory, rt=None, arch="gfx1201"):
@@ -172,7 +173,8 @@ def _other_arch_only(folder):
 
 
 def _refused(folder):
-    write_prebuilt(folder, "gfx1201", b"stale" + SHIPPED_IMAGE, SRC.digest)  # FakeRuntime refuses b"stale..."
+    image = amdgpu_elf("gfx1201", b"stale" + SHIPPED_IMAGE)  # FakeRuntime refuses an ELF whose body is b"stale..."
+    write_prebuilt(folder, "gfx1201", image, SRC.digest)
 
 
 @pytest.mark.parametrize("plant, words", [
@@ -269,6 +271,81 @@ def test_hiprtc_present_and_a_refused_object_is_available(rocm_gfx1201):
     _refused(folder)
     assert runtime.environment_refusal("cuda", 0) is None  # hiprtc compiles at first use
     assert "runtime refused" in runtime.get_loader().prebuilt_refusals[0]
+
+
+def _manifest_field(name, value):
+    def plant(folder):
+        made = write_prebuilt(folder, "gfx1201", SHIPPED_IMAGE, SRC.digest)
+        doc = json.loads(made.to_json())
+        doc[name] = value
+        with open(shipped_objects.manifest_path("gfx1201", str(folder)), "w") as fh:
+            fh.write(json.dumps(doc))
+    return plant
+
+
+def _nested(folder):
+    write_prebuilt(folder, "gfx1201", SHIPPED_IMAGE, SRC.digest)
+    with open(shipped_objects.manifest_path("gfx1201", str(folder)), "w") as fh:
+        fh.write("[" * 100_000 + "]" * 100_000)
+
+
+def _elf_for_gfx1200(folder):
+    write_prebuilt(folder, "gfx1201", amdgpu_elf("gfx1200", b"built for the other arch"), SRC.digest)
+
+
+MALFORMED = [  # the issue's cases: each made kernel() raise TypeError/RecursionError, or loaded the wrong arch
+    (_manifest_field("sha256", 12345), "sha256 is 12345"),
+    (_manifest_field("sha256", None), "sha256 is null"),
+    (_manifest_field("source_digest", 12345), "source_digest is 12345"),
+    (_manifest_field("source_digest", None), "source_digest is null"),
+    (_nested, "unreadable"),
+    (_manifest_field("arch", "gfx1200"), "is for \"gfx1200\", not this device's gfx1201"),
+    (_elf_for_gfx1200, "its ELF is for gfx1200"),
+]
+MALFORMED_IDS = ["sha256-number", "sha256-null", "digest-number", "digest-null", "nested-100000", "manifest-arch",
+                 "elf-arch"]
+
+
+@pytest.mark.parametrize("plant, words", MALFORMED, ids=MALFORMED_IDS)
+def test_a_malformed_shipped_object_is_a_reason_and_hiprtc_serves(tmp_path, plant, words):
+    factory = CompilerFactory()
+    loader, folder = prebuilt_loader(tmp_path, factory)
+    plant(folder)
+    kern = loader.kernel(0, SRC, "k", ["ptr"])  # no exception: the compiler built it
+    assert factory.made == 1 and kern.module == ("module", f"{SRC.digest}:gfx1201:fake-1.0".encode())
+    assert loader.served == {0: "fake 1.0"} and words in loader.prebuilt_refusals[0], loader.prebuilt_refusals
+    assert all(not image.startswith(b"\x7fELF") for image in loader.runtime.loaded)  # the shipped bytes never loaded
+
+
+@pytest.mark.parametrize("plant, words", MALFORMED, ids=MALFORMED_IDS)
+def test_a_malformed_shipped_object_in_the_environment_check(rocm_gfx1201, plant, words):
+    """Without hiprtc: a refusal naming both reasons. With it: available, and kernel() compiles."""
+    folder, set_compiler = rocm_gfx1201
+    plant(folder)
+    set_compiler(CompilerFactory(missing="hiprtc (the HIP runtime compiler) not found; tried: libhiprtc.so"))
+    reason = runtime.environment_refusal("cuda", 0)
+    assert reason and words in reason and "hiprtc (the HIP runtime compiler) not found" in reason, reason
+    for answers in (runtime._ENV_VERDICTS, runtime._LOADERS, compiler._COMPILER_ERRORS):  # a new process
+        answers.clear()
+    factory = CompilerFactory()
+    set_compiler(factory)
+    assert runtime.environment_refusal("cuda", 0) is None
+    runtime.get_loader().kernel(0, SRC, "k", ["ptr"])
+    assert factory.made == 1 and runtime.code_paths() == {0: "fake 1.0"}
+    assert runtime.code_path_line() == "fake 1.0"
+
+
+def test_an_unreadable_device_arch_is_a_reason_not_an_exception(tmp_path):
+    factory = CompilerFactory()
+    folder = tmp_path / "prebuilt"
+    folder.mkdir()
+
+    def no_arch(index):
+        raise RuntimeError("device properties unreadable")
+    loader = runtime.KernelLoader(FakeRuntime(), None, code_objects(tmp_path / "cache"), compiler_factory=factory,
+                                  prebuilt=shipped_objects.ShippedObjects(str(folder)), arch_of=no_arch)
+    loader.kernel(0, SRC, "k", [])
+    assert factory.made == 1 and "RuntimeError: device properties unreadable" in loader.prebuilt_refusals[0]
 
 
 def test_the_emulation_never_looks_for_shipped_objects(monkeypatch, tmp_path):

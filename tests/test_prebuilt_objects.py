@@ -6,6 +6,7 @@ clang-19 (marker hipcc): a rebuild gives the same bytes when its version line is
 the static check derives from the metadata is the compiler's own figure. None of this has run on RDNA4 hardware.
 """
 import importlib.util
+import json
 import re
 import shutil
 import sys
@@ -15,7 +16,7 @@ import pytest
 
 from comfyui_sage_rdna4.kernels.backends.hip import runtime, shipped_objects
 from comfyui_sage_rdna4.kernels.verify import hip_static_check
-from fakes import write_prebuilt
+from fakes import amdgpu_elf, write_prebuilt
 
 ROOT = Path(__file__).resolve().parents[1]
 EF_AMDGPU_MACH = {"gfx1200": 0x048, "gfx1201": 0x04E}  # LLVM's ELF.h (EF_AMDGPU_MACH_AMDGCN_GFX120x)
@@ -44,7 +45,7 @@ def test_the_source_digest_is_the_runtime_bundles():
 
 
 def test_edited_sources_fail_with_the_rebuild_command(tmp_path):
-    write_prebuilt(tmp_path, "gfx1201", b"\x7fELF object", "1" * 64)
+    write_prebuilt(tmp_path, "gfx1201", amdgpu_elf("gfx1201", b"object"), "1" * 64)
     found, reason = shipped_objects.check("gfx1201", bundle().digest, str(tmp_path))
     assert found is None and shipped_objects.REBUILD_COMMAND in reason and "other sources" in reason
     assert shipped_objects.check("gfx1201", "1" * 64, str(tmp_path))[0] is not None  # the same files, digest agreeing
@@ -52,7 +53,7 @@ def test_edited_sources_fail_with_the_rebuild_command(tmp_path):
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "no object", "bad manifest"])
 def test_damaged_files_are_refused_with_a_reason(tmp_path, damage):
-    write_prebuilt(tmp_path, "gfx1201", b"\x7fELF" + bytes(range(256)), "2" * 64)
+    write_prebuilt(tmp_path, "gfx1201", amdgpu_elf("gfx1201", bytes(range(256))), "2" * 64)
     obj, man = Path(shipped_objects.object_path("gfx1201", str(tmp_path))), \
         Path(shipped_objects.manifest_path("gfx1201", str(tmp_path)))
     if damage == "flip":
@@ -68,6 +69,123 @@ def test_damaged_files_are_refused_with_a_reason(tmp_path, damage):
     found, reason = shipped_objects.check("gfx1201", "2" * 64, str(tmp_path))
     want = {"flip": "damaged", "truncate": "damaged", "no object": "cannot be read", "bad manifest": "unreadable"}
     assert found is None and want[damage] in reason, reason
+
+
+def _manifest_doc(arch="gfx1201", image=None, digest="3" * 64):
+    image = image if image is not None else amdgpu_elf(arch, b"body")
+    return image, {"arch": arch, "source_digest": digest, "compiler": "fake clang 19",
+                   "flags": list(shipped_objects.build_flags(arch)), "sha256": shipped_objects.sha256(image),
+                   "size": len(image), "code_object_version": 5}
+
+
+def _plant(folder, image, doc=None, text=None):
+    Path(shipped_objects.object_path("gfx1201", str(folder))).write_bytes(image)
+    Path(shipped_objects.manifest_path("gfx1201", str(folder))).write_text(text if text is not None else
+                                                                           json.dumps(doc))
+
+
+def _deep(depth):
+    return "[" * depth + "]" * depth
+
+
+MALFORMED = {  # name: (change to the manifest document, or its whole text; words the reason must hold)
+    "sha256-number": ({"sha256": 12345}, "sha256 is 12345, not a str"),
+    "sha256-null": ({"sha256": None}, "sha256 is null, not a str"),
+    "sha256-not-hex": ({"sha256": "Z" * 64}, "sha256 is " + json.dumps("Z" * 64)[:40]),
+    "digest-number": ({"source_digest": 7}, "source_digest is 7, not a str"),
+    "digest-null": ({"source_digest": None}, "source_digest is null, not a str"),
+    "digest-short": ({"source_digest": "3" * 12}, "not 64 lowercase hex digits"),
+    "size-text": ({"size": "313112"}, "size is \"313112\", not a int"),
+    "size-bool": ({"size": True}, "size is true, not a int"),
+    "size-negative": ({"size": -1}, "size is -1"),
+    "flags-text": ({"flags": "-O3"}, "flags is \"-O3\", not a list"),
+    "flags-numbers": ({"flags": [1, 2]}, "flags holds something other than strings"),
+    "arch-list": ({"arch": ["gfx1201"]}, "arch is list, not a str"),
+    "version-float": ({"code_object_version": 5.0}, "code_object_version is 5.0, not a int"),
+    "missing-field": ({"sha256": KeyError}, "fields missing: sha256"),
+    "extra-field": ({"extra": 1}, "fields unknown: extra"),
+    "a-list": ("[1, 2]", "a JSON list, not an object"),
+    "null": ("null", "a JSON NoneType, not an object"),
+    "not-utf8": (b"\xff\xfe{}", "unreadable"),
+    "nested-deep-in-a-field": ("NESTED", "nested too deep"),
+    "nested-100000": (_deep(100_000), f"larger than {shipped_objects.MAX_MANIFEST_BYTES} bytes"),
+    "nested-20000": (_deep(20_000), "nested too deep"),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_a_malformed_manifest_is_one_reason_never_an_exception(tmp_path, name):
+    """Wrong types, missing or extra fields, deep nesting, a huge file: check() answers (None, the reason), and
+    the reason names the manifest and what is wrong with it."""
+    change, words = MALFORMED[name]
+    image, doc = _manifest_doc()
+    if isinstance(change, dict):
+        doc.update(change)
+        doc = {k: v for k, v in doc.items() if v is not KeyError}
+        _plant(tmp_path, image, doc)
+    elif isinstance(change, bytes):
+        _plant(tmp_path, image)
+        Path(shipped_objects.manifest_path("gfx1201", str(tmp_path))).write_bytes(change)
+    elif change == "NESTED":
+        text = json.dumps(doc).replace(json.dumps(doc["sha256"]), _deep(5000))
+        _plant(tmp_path, image, text=text)
+    else:
+        _plant(tmp_path, image, text=change)
+    found, reason = shipped_objects.check("gfx1201", "3" * 64, str(tmp_path))
+    assert found is None and "sage_kernels-gfx1201.json is unreadable" in reason and words in reason, reason
+    assert "\n" not in reason and len(reason) < 400, reason
+
+
+def test_the_well_formed_manifest_of_these_tests_is_accepted(tmp_path):
+    """The oracle of the test above: the same document, unchanged, serves."""
+    image, doc = _manifest_doc()
+    _plant(tmp_path, image, doc)
+    found, reason = shipped_objects.check("gfx1201", "3" * 64, str(tmp_path))
+    assert reason is None and found.image == image and found.manifest.flags == tuple(doc["flags"])
+
+
+@pytest.mark.parametrize("case, words", [
+    ("manifest-for-gfx1200", "sage_kernels-gfx1201.json is for \"gfx1200\", not this device's gfx1201"),
+    ("elf-for-gfx1200", "not code for gfx1201: its ELF is for gfx1200"),
+    ("elf-for-gfx1100", "not code for gfx1201: its ELF is for EF_AMDGPU_MACH 0x041"),
+    ("elf-of-another-machine", "not code for gfx1201: not an AMDGPU ELF"),
+    ("not-an-elf", "not code for gfx1201: not an AMDGPU ELF"),
+    ("code-object-v4", "declares code object version 4; its manifest says 5"),
+])
+def test_an_object_for_another_arch_is_refused(tmp_path, case, words):
+    """The manifest's arch and the ELF's processor must both be the device's: bytes that hash right for their
+    manifest but were built for another GPU never reach the driver."""
+    image = {"elf-for-gfx1200": amdgpu_elf("gfx1200", b"body"), "elf-for-gfx1100": amdgpu_elf("gfx1100", b"body"),
+             "elf-of-another-machine": amdgpu_elf("gfx1201", b"body", machine=62),  # EM_X86_64
+             "not-an-elf": b"shipped code object for gfx1201 " * 4,
+             "code-object-v4": amdgpu_elf("gfx1201", b"body", code_object_version=4)}.get(case)
+    image, doc = _manifest_doc(image=image)
+    if case == "manifest-for-gfx1200":
+        doc["arch"] = "gfx1200"
+    _plant(tmp_path, image, doc)
+    found, reason = shipped_objects.check("gfx1201", "3" * 64, str(tmp_path))
+    assert found is None and words in reason, reason
+
+
+@pytest.mark.parametrize("arch", shipped_objects.ARCHS)
+def test_the_shipped_objects_name_their_processor(arch):
+    image = Path(shipped_objects.object_path(arch)).read_bytes()
+    assert shipped_objects.elf_processor(image) == arch
+    assert image[:20] == amdgpu_elf(arch)[:20] and image[48:52] == amdgpu_elf(arch)[48:52]  # the fake is faithful
+    assert shipped_objects.elf_processor(image[:63]) is None and shipped_objects.elf_processor(b"") is None
+
+
+def test_a_checker_error_is_a_reason_kept_for_the_arch(monkeypatch, tmp_path):
+    calls = []
+
+    def broken(arch, digest, folder):
+        calls.append(arch)
+        raise TypeError("unexpected")
+    monkeypatch.setattr(shipped_objects, "check", broken)
+    objects = shipped_objects.ShippedObjects(str(tmp_path))
+    first = objects.find("gfx1201", "3" * 64)
+    assert first == (None, "the prebuilt gfx1201 object could not be checked: TypeError: unexpected")
+    assert objects.find("gfx1201", "3" * 64) == first and calls == ["gfx1201"]  # asked once
 
 
 @pytest.mark.parametrize("arch", shipped_objects.ARCHS)

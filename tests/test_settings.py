@@ -97,68 +97,154 @@ def test_the_scan_sees_what_it_must_refuse(tmp_path):
 
 # -- parsing ----------------------------------------------------------------------------------------
 
+@pytest.fixture(autouse=True)
+def parsed_afresh(monkeypatch):
+    """Each test parses (and warns) as a new process would: values are remembered per process."""
+    monkeypatch.setattr(settings, "_parsed", {})
+
+
+def warnings_of(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == settings.__name__ and r.levelname == "WARNING"]
+
+
 SWITCHES = [  # (setting, its function, value when unset)
     (settings.AUTOTUNE, settings.autotune_enabled, True),
     (settings.AUTOTUNE_CACHE, settings.autotune_cache_enabled, True),
     (settings.SELF_CHECK, settings.self_check_enabled, True),
     (settings.SELF_CHECK_CACHE, settings.self_check_cache_enabled, True),
     (settings.HIP_EMULATE, settings.hip_emulation_requested, False),
-    (settings.TRITON_FP8_CVT, settings.triton_fp8_cvt_software, False),
-    (settings.TRITON_LAUNCH, settings.triton_launch_through_triton, False),
+    (settings.EMU_FP8_NONSAT, settings.emu_fp8_nonsat_requested, False),
 ]
+CHOICES = [  # (setting, its function: True for the non-default word, that word)
+    (settings.TRITON_FP8_CVT, settings.triton_fp8_cvt_software, "software"),
+    (settings.TRITON_LAUNCH, settings.triton_launch_through_triton, "triton"),
+]
+ON_WORDS = ("1", "true", "True", "ON", "yes", " yes ", "\tYes\n")
+OFF_WORDS = ("0", " 0", "false", "FALSE", "off", "Off ", "no", "NO")
+
+
+@pytest.mark.parametrize("setting, read, unset", SWITCHES + [(s, f, False) for s, f, _ in CHOICES],
+                         ids=[s.name for s, _, _ in SWITCHES + CHOICES])
+def test_settings_default_when_unset_empty_or_blank(monkeypatch, caplog, setting, read, unset):
+    monkeypatch.delenv(setting.name, raising=False)
+    assert read() is unset
+    for blank in ("", " ", "\t"):
+        monkeypatch.setenv(setting.name, blank)
+        assert read() is unset, repr(blank)
+    assert warnings_of(caplog) == []  # unset and blank are the default, nothing to warn about
 
 
 @pytest.mark.parametrize("setting, read, unset", SWITCHES, ids=[s.name for s, _, _ in SWITCHES])
-def test_switches_default_when_unset_or_empty(monkeypatch, setting, read, unset):
-    monkeypatch.delenv(setting.name, raising=False)
-    assert read() is unset
-    monkeypatch.setenv(setting.name, "")
-    assert read() is unset
-
-
-@pytest.mark.parametrize("setting, read", [(s, f) for s, f, unset in SWITCHES if unset],
-                         ids=[s.name for s, _, unset in SWITCHES if unset])
-def test_on_switches_turn_off_only_with_zero(monkeypatch, setting, read):
-    for text, want in (("0", False), ("1", True), ("no", True), ("false", True), (" 0", True)):
+def test_switches_take_the_documented_words_in_any_case_and_spacing(monkeypatch, caplog, setting, read, unset):
+    for text in ON_WORDS:
         monkeypatch.setenv(setting.name, text)
-        assert read() is want, text
+        assert read() is True, repr(text)
+    for text in OFF_WORDS:
+        monkeypatch.setenv(setting.name, text)
+        assert read() is False, repr(text)
+    assert warnings_of(caplog) == []
+    assert setting.accepted == settings.SWITCH_WORDS == "1/true/on/yes or 0/false/off/no"
 
 
-@pytest.mark.parametrize("setting, read, value", [
-    (settings.HIP_EMULATE, settings.hip_emulation_requested, "1"),
-    (settings.TRITON_FP8_CVT, settings.triton_fp8_cvt_software, "software"),
-    (settings.TRITON_LAUNCH, settings.triton_launch_through_triton, "triton"),
-], ids=["HIP_EMULATE", "TRITON_FP8_CVT", "TRITON_LAUNCH"])
-def test_off_switches_turn_on_only_with_their_value(monkeypatch, setting, read, value):
-    monkeypatch.setenv(setting.name, value)
-    assert read() is True
-    for other in {"0", "yes", value.upper(), value + " "} - {value}:
-        monkeypatch.setenv(setting.name, other)
-        assert read() is False, other
+@pytest.mark.parametrize("setting, read, unset", SWITCHES, ids=[s.name for s, _, _ in SWITCHES])
+def test_any_other_switch_value_is_the_default_with_one_warning(monkeypatch, caplog, setting, read, unset):
+    for text in ("2", "-1", "nope", "0x0", "o n", "enable"):
+        caplog.clear()
+        monkeypatch.setenv(setting.name, text)
+        assert read() is unset and read() is unset, text  # asked twice: warned once
+        got = warnings_of(caplog)
+        assert len(got) == 1 and "\n" not in got[0], got
+        assert got[0].startswith(f"{setting.name}={text!r} ") and settings.SWITCH_WORDS in got[0]
+        assert got[0].endswith(f"using the default, {'1 (on)' if unset else '0 (off)'}"), got[0]
 
 
-def test_the_cache_folder(monkeypatch, tmp_path):
+def test_the_issues_switch_values(monkeypatch):
+    """The values that used to read wrong: "false" and " 0" left the self-check on, "false" turned the
+    emulation's non-saturating FP8 on."""
+    for text in ("false", " 0", "off", "No"):
+        monkeypatch.setenv(settings.SELF_CHECK.name, text)
+        assert settings.self_check_enabled() is False, text
+    monkeypatch.setenv(settings.EMU_FP8_NONSAT.name, "false")
+    assert settings.emu_fp8_nonsat_requested() is False
+    monkeypatch.setenv(settings.HIP_EMULATE.name, "yes")
+    assert settings.hip_emulation_requested() is True
+
+
+@pytest.mark.parametrize("setting, read, word", CHOICES, ids=[s.name for s, _, _ in CHOICES])
+def test_choices_take_their_words_in_any_case_and_spacing(monkeypatch, caplog, setting, read, word):
+    default = setting.default
+    assert setting.accepted == f"{default} or {word}"
+    for text in (word, word.upper(), f" {word.capitalize()} "):
+        monkeypatch.setenv(setting.name, text)
+        assert read() is True, repr(text)
+    for text in (default, default.upper() + " "):
+        monkeypatch.setenv(setting.name, text)
+        assert read() is False, repr(text)
+    assert warnings_of(caplog) == []
+    for text in (word[:-1], "1", "yes", word + "s"):
+        caplog.clear()
+        monkeypatch.setenv(setting.name, text)
+        assert read() is False, text
+        got = warnings_of(caplog)
+        assert len(got) == 1 and got[0].startswith(f"{setting.name}={text!r} ") and \
+            got[0].endswith(f"using the default, {default}"), got
+
+
+def test_the_cache_folder(monkeypatch, caplog, tmp_path):
     monkeypatch.delenv(settings.CACHE.name, raising=False)
     assert settings.cache_dir() is None
-    monkeypatch.setenv(settings.CACHE.name, "")
-    assert settings.cache_dir() is None
+    for blank in ("", " ", "\t "):
+        monkeypatch.setenv(settings.CACHE.name, blank)
+        assert settings.cache_dir() is None
     monkeypatch.setenv(settings.CACHE.name, str(tmp_path / "c"))
+    assert settings.cache_dir() == str(tmp_path / "c")
+    monkeypatch.setenv(settings.CACHE.name, f"  {tmp_path / 'c'} ")
     assert settings.cache_dir() == str(tmp_path / "c")
     monkeypatch.setenv(settings.CACHE.name, os.path.join("~", "sage"))
     assert settings.cache_dir() == os.path.expanduser(os.path.join("~", "sage"))
+    assert os.path.isabs(settings.cache_dir())
+    assert warnings_of(caplog) == []
 
 
-@pytest.mark.parametrize("text, mib", [
-    (None, 128), ("", 128), ("0", 0), ("2", 2), ("0.5", 0.5), ("-3", 0),
-    ("lots", 128), ("12MB", 128), ("inf", 128), ("nan", 128),
+@pytest.mark.parametrize("text", ["-1", "../../x", "cache", os.path.join(".", "c"), "~nosuchuser_sage/x"])
+def test_a_relative_cache_folder_is_the_default_with_a_warning(monkeypatch, caplog, tmp_path, text):
+    """A relative path would land wherever ComfyUI happened to start: the default folder is used instead, and
+    nothing is created under the working directory."""
+    from comfyui_sage_rdna4.kernels import disk_cache
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("LOCALAPPDATA", str(tmp_path / "xdg"))
+    monkeypatch.setenv(settings.CACHE.name, text)
+    assert settings.cache_dir() is None
+    got = warnings_of(caplog)
+    assert got == [f"{settings.CACHE.name}={text!r} is not an absolute path; using the default, the user cache "
+                   f"folder"], got
+    assert disk_cache.usable_folder(disk_cache.AUTO_DECISIONS) == str(tmp_path / "xdg" / disk_cache.FOLDER_NAME /
+                                                                        disk_cache.AUTO_DECISIONS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["xdg"]  # nothing made relative to the working directory
+
+
+@pytest.mark.parametrize("text, mib, warned", [
+    (None, 128, None), ("", 128, None), (" ", 128, None), ("0", 0, None), ("2", 2, None), (" 2 ", 2, None),
+    ("0.5", 0.5, None), ("65536", 65536, None),
+    ("-3", 0, "is outside 0..65536 MiB; using 0"),
+    ("99999999999999999999999", 65536, "is outside 0..65536 MiB; using 65536"),
+    ("1e300", 65536, "is outside 0..65536 MiB; using 65536"),
+    ("lots", 128, "is not a number of MiB; using the default, 128"),
+    ("12MB", 128, "is not a number of MiB; using the default, 128"),
+    ("inf", 128, "is not a number of MiB; using the default, 128"),
+    ("nan", 128, "is not a number of MiB; using the default, 128"),
 ])
-def test_the_workspace_budget(monkeypatch, text, mib):
+def test_the_workspace_budget(monkeypatch, caplog, text, mib, warned):
     if text is None:
         monkeypatch.delenv(settings.WORKSPACE_MB.name, raising=False)
     else:
         monkeypatch.setenv(settings.WORKSPACE_MB.name, text)
     assert settings.workspace_budget_bytes() == int(mib * 2 ** 20)
     assert settings.DEFAULT_WORKSPACE_MB == 128 and settings.WORKSPACE_MB.default == "128"
+    assert settings.MAX_WORKSPACE_MB == 65536
+    want = [] if warned is None else [f"{settings.WORKSPACE_MB.name}={text!r} {warned}"]
+    assert warnings_of(caplog) == want
 
 
 def test_settings_are_read_when_asked(monkeypatch):
@@ -166,3 +252,25 @@ def test_settings_are_read_when_asked(monkeypatch):
     assert not settings.autotune_enabled()
     monkeypatch.setenv(settings.AUTOTUNE.name, "1")
     assert settings.autotune_enabled()
+    monkeypatch.setenv(settings.AUTOTUNE.name, "off")
+    assert not settings.autotune_enabled()
+
+
+def test_in_effect_names_each_set_variable_with_the_value_used(monkeypatch):
+    for s in settings.SETTINGS:
+        monkeypatch.delenv(s.name, raising=False)
+    monkeypatch.setenv(settings.SELF_CHECK.name, " False ")
+    monkeypatch.setenv(settings.WORKSPACE_MB.name, "1e30")
+    monkeypatch.setenv(settings.CACHE.name, "rel")
+    assert settings.in_effect() == {
+        settings.CACHE.name: {"text": "rel", "used": None},
+        settings.SELF_CHECK.name: {"text": " False ", "used": False},
+        settings.WORKSPACE_MB.name: {"text": "1e30", "used": 65536.0}}
+
+
+def test_the_readme_documents_the_accepted_values():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme[readme.index("## Settings"):readme.index("## Tests")]
+    assert "`1`, `true`, `on`, `yes`" in table and "`0`, `false`, `off`, `no`" in table
+    assert "case and\nsurrounding spaces ignored" in table and "absolute" in table and "one-line warning" in table
+    assert str(settings.MAX_WORKSPACE_MB) in table

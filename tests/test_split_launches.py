@@ -277,6 +277,7 @@ def test_hip_split_bit_identical_groups_host_sim():
 
 # ------------------------------------------------------------------------------------------ Triton interpreter
 if not CHILD:
+    @pytest.mark.timeout(900)  # the child's own limit below; its tests have theirs (pyproject.toml)
     @pytest.mark.parametrize("child_marks", [pytest.param("not slow", id="quick"),
                                              pytest.param("slow", id="full", marks=SLOW)])
     def test_triton_interpreter_cases_in_child_process(child_marks):

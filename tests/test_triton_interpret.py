@@ -86,6 +86,7 @@ if not CHILD:
         assert _scale_row_stride(torch.empty(3, 2, 10).transpose(0, 1)) is None  # rows not evenly spaced
         assert _scale_row_stride(torch.empty(2, 10, 3).transpose(1, 2)) is None  # scales not unit-stride
 
+    @pytest.mark.timeout(900)  # the child's own limit below; its tests have theirs (pyproject.toml)
     @pytest.mark.parametrize("child_marks", [pytest.param("not slow", id="quick"),
                                              pytest.param("slow", id="full", marks=SLOW)])
     def test_interpreter_suite_in_child_process(child_marks):

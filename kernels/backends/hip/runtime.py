@@ -420,7 +420,8 @@ class KernelLoader:
     their sha256: no compiler is made or called. Otherwise, or when the runtime refuses it, the compiler
     (`compiler`, or made by `compiler_factory` on first need) builds through the disk cache; `served` and
     `prebuilt_refusals` say, per device, which path served and why the shipped object did not (a refusal by
-    the runtime is logged with its error).
+    the runtime is logged with its error). A shipped object that cannot serve, whatever its files hold, is a
+    reason and never an exception from `kernel()`: the compiler is tried next.
     A cached code object the driver rejects is dropped and rebuilt once.
     """
 
@@ -485,8 +486,10 @@ class KernelLoader:
         mkey = (device_index, source.digest, ())
         if self.prebuilt is None or mkey in self._prebuilt_refused:
             return None
-        arch = self.arch(device_index)
-        found, reason = self.prebuilt.find(arch, source.digest)
+        try:
+            found, reason = self.prebuilt.find(self.arch(device_index), source.digest)
+        except Exception as exc:  # the device's arch unreadable, or a checker's bug: the compiler is tried next
+            found, reason = None, f"the prebuilt code object could not be checked: {type(exc).__name__}: {exc}"
         if found is not None:
             try:
                 module = self.runtime.load_module(found.image, device_index)
