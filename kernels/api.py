@@ -5,21 +5,8 @@ from typing import Optional
 
 import torch
 
-from . import (
-    backends,  # noqa: F401  (registers every backend lazily)
-    traced_api,  # noqa: F401  (registers the op a torch.compile trace records)
-)
-from .call_spec import describe_call
-from .dispatch import settled_route
-from .quant import default_sm_scale
-from .registry import KernelRefused
-from .routing import REFUSE
-
-LAYOUTS = ("HND", "NHD")
-
-
-def to_hnd(t: torch.Tensor, layout: str) -> torch.Tensor:
-    return t if layout == "HND" else t.transpose(1, 2)
+from . import traced_api  # noqa: F401  (registers the op a torch.compile trace records)
+from .eager_call import LAYOUTS, eager_attention
 
 
 def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_layout: str = "HND",
@@ -46,17 +33,5 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_lay
                                                        bool(smooth_k), prologue, bool(return_lse), qk_group,
                                                        bool(smooth_v))
         return (out, lse) if return_lse else out
-    qh, kh, vh = (to_hnd(t, tensor_layout) for t in (q, k, v))
-    call = describe_call(qh, kh, vh, attn_mask=attn_mask, is_causal=is_causal, return_lse=return_lse,
-                         smooth_k=smooth_k, prologue=prologue, qk_group=qk_group, smooth_v=smooth_v)
-    if sm_scale is None:
-        sm_scale = default_sm_scale(call.head_dim)
-    # An autograd call is not measured: no quantized kernel takes it (registry.Backend.why_not), and an empty
-    # decision made on it would keep auto from measuring that kind of call for the rest of the process.
-    tensors = None if call.requires_grad else (qh, kh, vh)
-    route = settled_route(call, kernel, tensors=tensors, sm_scale=float(sm_scale), attn_mask=attn_mask)
-    if route.kind == REFUSE:
-        raise KernelRefused(route.kernel, route.reason)
-    out, lse = route.backend.launch(qh, kh, vh, call, float(sm_scale), attn_mask)
-    out = to_hnd(out, tensor_layout)
-    return (out, lse) if return_lse else out
+    return eager_attention(q, k, v, tensor_layout, is_causal, sm_scale, kernel, smooth_k, prologue, return_lse,
+                           attn_mask, qk_group, smooth_v)

@@ -10,6 +10,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .eager_call import eager_attention
+
 OP = "sage_rdna4::sage_attention"
 
 
@@ -21,10 +23,8 @@ def _tags():
 def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor], tensor_layout: str,
         is_causal: bool, sm_scale: Optional[float], kernel: str, smooth_k: bool, prologue: str, return_lse: bool,
         qk_group: str, smooth_v: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    from .api import sage_attention  # the eager call: api imports this module to emit the op
-    got = sage_attention(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, sm_scale=sm_scale, kernel=kernel,
-                         smooth_k=smooth_k, prologue=prologue, return_lse=return_lse, attn_mask=attn_mask,
-                         qk_group=qk_group, smooth_v=smooth_v)
+    got = eager_attention(q, k, v, tensor_layout, is_causal, sm_scale, kernel, smooth_k, prologue, return_lse,
+                          attn_mask, qk_group, smooth_v)
     out, lse = got if return_lse else (got, q.new_empty(0, dtype=torch.float32))
     out = out.contiguous()
     if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in (q, k, v)):
