@@ -39,6 +39,7 @@ CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "
 
 APP_STUB = """export const app = {
   extensions: [],
+  nodeOutputs: {},
   registerExtension(ext) {
     if (this.extensions.some((e) => e.name === ext.name)) {
       throw new Error(`Extension named '${ext.name}' already registered.`);
@@ -84,14 +85,31 @@ try {
   node.onExecuted({ text: ["no report"] });  // other UI output is ignored
   const canvas = document.getElementById("canvas");
   const w = node.widgets[0];
+  const cells = [...canvas.querySelectorAll("th, td")];
+  const first = { text: canvas.textContent, rows: canvas.querySelectorAll("tr").length,
+                  summary: [...canvas.querySelectorAll(".sage-rdna4-summary > div")].map((d) => d.textContent) };
+  // A reload or a tab switch: a new node, empty, while the frontend still holds the node's output.
+  const restored = new BenchmarkNode();
+  restored.id = 7;
+  app.nodeOutputs = { "7": { sage_rdna4_report: [REPORT] } };
+  restored.onDrawForeground();  // the first frame drawn after the reload
+  await new Promise((r) => setTimeout(r, 50));
+  const other = new BenchmarkNode();
+  other.id = 8;  // a node whose output the frontend does not hold stays empty
+  other.onDrawForeground();
+  await new Promise((r) => setTimeout(r, 50));
   out.textContent = JSON.stringify({
+    restoredText: restored.widgets[0]?.element.textContent ?? null, otherWidgets: other.widgets.length,
+    nowrap: cells.filter((c) => c.style.whiteSpace === "nowrap").length, cellCount: cells.length,
+    clipped: cells.filter((c) => c.title).map((c) => [c.title, c.style.maxWidth]),
+    summary: first.summary,
     extensions: app.extensions.map((e) => e.name),
     widgets: node.widgets.length,
     serialize: w && w.options.serialize,
     minHeight: w && w.options.getMinHeight(), maxHeight: w && w.options.getMaxHeight(),
     otherTouched: "onExecuted" in OtherNode.prototype,
-    text: canvas.textContent,
-    rows: canvas.querySelectorAll("tr").length,
+    text: first.text,
+    rows: first.rows,
     bold: canvas.querySelectorAll("b").length,
     size: node.size,
     errors: window.__errors,
@@ -138,16 +156,26 @@ try {
     w.element.style.height = "100%";
     box.appendChild(w.element);
     document.body.appendChild(box);
-    const el = w.element, last = el.lastElementChild, b = box.getBoundingClientRect();
-    return { size: node.size, clientHeight: el.clientHeight, scrollHeight: el.scrollHeight,
-             clientWidth: el.clientWidth, scrollWidth: el.scrollWidth, last: last.textContent,
-             lastBottom: last.getBoundingClientRect().bottom, boxBottom: b.bottom };
+    const el = w.element, body = el.querySelector(".sage-rdna4-body"), last = body.lastElementChild;
+    const summary = el.querySelector(".sage-rdna4-summary"), b = box.getBoundingClientRect();
+    const lines = [...summary.children];
+    const cells = [...el.querySelectorAll("td, th")];
+    return { size: node.size, clientHeight: body.clientHeight, scrollHeight: body.scrollHeight,
+             clientWidth: body.clientWidth, scrollWidth: body.scrollWidth, last: last.textContent,
+             lastBottom: last.getBoundingClientRect().bottom, boxBottom: b.bottom,
+             summaryBottom: summary.getBoundingClientRect().bottom, summaryLines: lines.length,
+             summaryLineHeights: lines.map((d) => d.getBoundingClientRect().height),
+             tallestCell: Math.max(...cells.map((c) => c.getBoundingClientRect().height)),
+             oneLine: lines[0].getBoundingClientRect().height,
+             tableWidths: [...el.querySelectorAll("table")].map((t) => t.getBoundingClientRect().width) };
   }
   const results = {};
   for (const [name, pos, others] of [
     ["roomy", [0, 0], []],
     // a node on the right: the report is narrower than it would like, and wraps onto more lines
     ["neighbour_right", [0, 2000], [{ pos: [420, 2040], size: [200, 100] }]],
+    // a node 58 px below (the spacing of the example workflows): the report gets little room
+    ["crowded", [0, 4000], [{ pos: [0, 4000 + 200 + 58], size: [300, 100] }]],
   ]) {
     const node = new BenchmarkNode(pos, others);
     node.onExecuted({ sage_rdna4_report: [REPORT] });
@@ -161,6 +189,10 @@ try {
 """
 
 
+# A fallback reason in the accuracy table's "ran" column (what a CPU run shows): it broke the table's words.
+LONG_RAN = "fallback: triton_int8_fp8 needs a GPU (cpu given): the call ran ComfyUI's own attention"
+
+
 def make_report():
     steps = lambda times, attn: [{"index": i, "step_ms": t, "attention_ms": a} for i, (t, a) in  # noqa: E731
                                  enumerate(zip(times, attn))]
@@ -168,8 +200,11 @@ def make_report():
                                                                                [290.0, 5.0, 5.0]))
     return {"kernel": "triton_int8_fp8", "model": "Flux", "device": "NVIDIA H200 (sm_90)", **summary,
             "fidelity": {"latent_psnr_db": 43.42, "latent_cosine": 0.998307, "image_psnr_db": None},
+            "baseline_name": "sub-quadratic", "calls": {"patched": {"triton_int8_fp8": 40}, "sdpa": {}},
             "attention_accuracy": [{"step": 0, "call": 1, "shape": "B1 H24 Nq4608 Nk4608 D128",
-                                    "backend": "triton_int8_fp8", "cosine": 0.99982, "rel_l1": 0.0441}],
+                                    "backend": "triton_int8_fp8", "cosine": 0.99982, "rel_l1": 0.0441},
+                                   {"step": 0, "call": 3, "shape": "B1 H24 Nq4608 Nk4608 D128",
+                                    "backend": LONG_RAN, "cosine": 1.0, "rel_l1": 0.0}],
             "fallbacks": {"triton_int8_fp8: head_dim 256 <b>too large</b>": 3}, "routed": {},
             "json_path": "/out/sage_rdna4/ab_1.json"}
 
@@ -219,20 +254,32 @@ def test_extension_renders_the_report_table(served):
     assert result["widgets"] == 1 and result["serialize"] is False
     assert result["otherTouched"] is False
     text = result["text"]
-    assert "kernel triton_int8_fp8 vs exact SDPA" in text
-    assert "speed-up 2.000x (ratio 0.500) over 2 steps" in text
-    assert "0 (warm-up)" in text and "300.0" in text and "0.500" in text
+    # The summary first: speed-up and ratio, PSNR, what ran against what.
+    assert result["summary"] == ["speed-up 2.000x (ratio 0.500), latent PSNR 43.4 dB",
+                                 "ran triton_int8_fp8 40, 3 fallbacks vs own attention (sub-quadratic)"]
+    assert text.startswith("speed-up 2.000x (ratio 0.500)")
+    assert "kernel triton_int8_fp8 vs the model's own attention (sub-quadratic)" in text
+    assert "SDPA" not in text  # the baseline is named for what it is
+    assert "2 steps measured; warm-up (dimmed) excluded: 1 step" in text
+    assert "300.0" in text and "0.500" in text
     assert "latent PSNR 43.42 dB" in text and "image PSNR n/a (no VAE)" in text
-    assert "0.99982" in text and "B1 H24 Nq4608 Nk4608 D128" in text
+    assert "0.99982" in text
     assert "3 × triton_int8_fp8: head_dim 256 <b>too large</b>" in text  # shown as text, not markup
     assert result["bold"] == 0
-    assert result["rows"] == 4 + 2  # step table: header + 3 steps; accuracy table: header + 1 call
+    assert result["rows"] == 4 + 3  # step table: header + 3 steps; accuracy table: header + 2 calls
+    # No cell wraps (before: 'cosin/e', '1.000 / 00'); a long 'ran' value is cut, its whole text on hover.
+    assert result["nowrap"] == result["cellCount"] > 0
+    assert [LONG_RAN, "16ch"] in result["clipped"] and ["triton_int8_fp8", "16ch"] in result["clipped"]
+    assert ["B1 H24 Nq4608 Nk4608 D128", ""] in result["clipped"]  # the call's shape, on hover
+    # Drawn again from the stored output after a reload; a node without one stays empty.
+    assert result["restoredText"] == text and result["otherWidgets"] == 0
     # The node grew for the report, but stays clear of its neighbours (10 px kept free): the one on the right
     # starts at x 420, the one below has its title bar from y 530.
     w, h = result["size"]
     assert 300 < w <= 410 and 200 < h <= 520, result["size"]
     # LiteGraph gives the report between these heights; the report scrolls below its natural height.
-    assert 0 < result["minHeight"] <= 60 < result["maxHeight"] <= 480
+    # At least the summary (2 lines of 12 px) and 2 lines below it, with the margins; at most MAX_H.
+    assert 80 <= result["minHeight"] <= 120 < result["maxHeight"] <= 640
 
 
 @pytest.mark.browser
@@ -264,6 +311,25 @@ def test_report_widget_shows_its_last_line(served, case):
     assert r["lastBottom"] <= r["boxBottom"] + 0.5, r  # ... the last line included
     if case == "neighbour_right":
         assert r["size"][0] <= 410, r  # and the node still stays clear of its neighbour
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("case", ["roomy", "neighbour_right", "crowded"])
+def test_report_summary_stays_in_view_and_no_cell_wraps(served, case):
+    """Wherever the node stands the summary (speed-up, PSNR, what ran) is shown whole, each of its lines one line
+    high; in a crowded graph the rest scrolls in a frame at least two lines high (before: 40 px for 494 px of
+    report, the third line cut through). No table cell takes two lines (before: 'cosin/e', '1.000 / 00')."""
+    url, tmp = served
+    result = run_page(url.replace("test.html", "layout.html"), tmp / "profile")
+    assert "fatal" not in result, result.get("fatal")
+    r = result[case]
+    assert r["summaryBottom"] <= r["boxBottom"] + 0.5, r
+    assert r["summaryLines"] == 2 and all(h <= 1.01 * r["oneLine"] for h in r["summaryLineHeights"]), r
+    assert r["tallestCell"] <= 1.5 * r["oneLine"], r
+    assert r["clientHeight"] >= 2 * r["oneLine"], r  # the scrolled part shows two lines at least
+    assert all(w <= r["size"][0] for w in r["tableWidths"]), r  # tables fit the node: no sideways scrolling
+    if case == "crowded":
+        assert r["scrollHeight"] > r["clientHeight"], r  # the rest is there, scrolled
 
 
 def test_web_folder_is_registered_one_way():
