@@ -356,7 +356,7 @@ async def _survey(server, tmp):
         for path in WORKFLOWS:
             wf = json.loads(path.read_text(encoding="utf-8"))
             out["workflows"][path.name] = await cb.load_and_snapshot(page, wf, path.name)
-        ab = json.loads((cb.WORKFLOW_DIR / "ab_benchmark_flux_sage_rdna4.json").read_text(encoding="utf-8"))
+        ab = json.loads((cb.WORKFLOW_DIR / "Flux Sage benchmark.json").read_text(encoding="utf-8"))
         report = report_json(make_report())
         await cb.load_and_snapshot(page, ab, "ab")
         out["report_roomy"] = await cb.show_report(page, report)
