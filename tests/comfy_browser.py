@@ -23,6 +23,7 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Optional
+from urllib.parse import quote
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOW_DIR = ROOT / "example_workflows"
@@ -101,11 +102,12 @@ class ComfyServer:
         raise TimeoutError(f"ComfyUI did not answer within {timeout:.0f} s:\n{self.log()[-4000:]}")
 
     def get_json(self, path: str):
-        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+        with urllib.request.urlopen(self.url + quote(path, safe="/?=&:"), timeout=30) as r:
             return json.loads(r.read())
 
     def get(self, path: str):
-        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+        """(status, content type, body); the path is quoted as a browser does (template names have spaces)."""
+        with urllib.request.urlopen(self.url + quote(path, safe="/?=&:"), timeout=30) as r:
             return r.status, r.headers.get("Content-Type", ""), r.read()
 
     def log(self) -> str:
@@ -290,6 +292,26 @@ const loadWorkflow = async (wf, name) => {
   await app.loadGraphData(wf, true, true, name);
   await settle();
 };
+// The report widget of a benchmark node as the page shows it: the summary (whole and in view?), the scrolled
+// body (its visible and full heights), the last line (in view?), the text.
+const reportState = (node) => {
+  const widget = node.widgets?.find((w) => w.name === "sage_rdna4_report");
+  const el = widget?.element;
+  const body = el?.querySelector(".sage-rdna4-body"), summary = el?.querySelector(".sage-rdna4-summary");
+  const box = el?.getBoundingClientRect(), last = body?.lastElementChild;
+  const rect = (e) => (e ? e.getBoundingClientRect() : null);
+  return {
+    after: Array.from(node.size), min: Array.from(node.computeSize()),
+    widgetHeight: widget?.computedHeight ?? null, mounted: !!el?.isConnected,
+    visible: !!el && el.offsetParent !== null && (box?.height ?? 0) > 0,
+    clientHeight: body?.clientHeight ?? 0, scrollHeight: body?.scrollHeight ?? 0,
+    clientWidth: body?.clientWidth ?? 0, scrollWidth: body?.scrollWidth ?? 0,
+    summaryLines: summary ? [...summary.children].map((d) => d.textContent) : [],
+    summaryInView: !!summary && rect(summary).bottom <= box.bottom + 0.5 && rect(summary).top >= box.top - 0.5,
+    lastLine: last?.textContent ?? "", lastInView: !!last && rect(last).bottom <= rect(body).bottom + 0.5,
+    text: el?.textContent ?? "",
+  };
+};
 const snapshot = () => ({
   nodes: graphNodes().map(nodeInfo),
   missing: window.__sageMissing,
@@ -341,15 +363,7 @@ async def show_report(page: Page, report_json: str, move_below: Optional[int] = 
       await settle();
       node.onExecuted(message);  // a second run refills the same widget
       await settle();
-      const widget = node.widgets.find((w) => w.name === "sage_rdna4_report");
-      const el = widget?.element;
-      return {{
-        ...snapshot(), id: node.id, before, after: Array.from(node.size),
-        widgetHeight: widget?.computedHeight ?? null, mounted: !!el?.isConnected,
-        clientHeight: el?.clientHeight ?? 0, scrollHeight: el?.scrollHeight ?? 0,
-        clientWidth: el?.clientWidth ?? 0, scrollWidth: el?.scrollWidth ?? 0,
-        text: el?.textContent ?? "",
-      }};"""))
+      return {{ ...snapshot(), id: node.id, before, ...reportState(node) }};"""))
 
 
 # -- Checks shared by the tests ----------------------------------------------------------------------------

@@ -446,14 +446,18 @@ def test_report_widget_shows_the_report_where_there_is_room(frontend):
     r = frontend["report_roomy"]
     assert r["mounted"] and "speed-up 2.000x" in r["text"]
     assert r["after"][0] > r["before"][0] and r["after"][1] > r["before"][1]  # grown to the content ...
-    assert r["scrollHeight"] <= r["clientHeight"] + 1  # ... all of it visible
+    assert r["scrollHeight"] <= r["clientHeight"] + 1 and r["lastInView"]  # ... all of it visible
+    assert r["summaryInView"] and r["lastLine"].startswith("saved: ")
     assert cb.overlaps(r["nodes"], r["titleHeight"]) == []
 
 
 @pytest.mark.browser
 @pytest.mark.comfyui
-def test_report_widget_scrolls_instead_of_covering_a_node(frontend):
+def test_report_widget_keeps_its_summary_in_a_crowded_graph(frontend):
+    """A node close below (40 px): the node takes no more than the least report area (the summary and two lines),
+    the summary shows whole, the rest scrolls. Before, the area shrank to 40 px and cut the third line through."""
     r = frontend["report_cramped"]
-    assert r["mounted"] and "speed-up 2.000x" in r["text"]
-    assert cb.overlaps(r["nodes"], r["titleHeight"]) == []
-    assert r["clientHeight"] > 0 and r["scrollHeight"] > r["clientHeight"]  # the rest scrolls inside the widget
+    assert r["mounted"] and r["summaryInView"], r
+    assert r["summaryLines"][0].startswith("speed-up 2.000x (ratio 0.500)"), r["summaryLines"]
+    assert r["after"][1] <= r["min"][1] + 1, r  # it took only its least height
+    assert r["clientHeight"] >= 24 and r["scrollHeight"] > r["clientHeight"]  # two lines, the rest scrolls
