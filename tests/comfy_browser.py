@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Optional
@@ -64,11 +65,40 @@ def workflows():
 
 
 # -- ComfyUI -----------------------------------------------------------------------------------------------
+# A test-only node pack the server gets beside this one (with `tiny_models=True`): a tiny Flux with random weights
+# and its conditioning, built by tests/comfy_harness.py, so the A/B node runs on the CPU in seconds.
+TINY_MODEL_NODE = "SageTestTinyFlux"
+TINY_MODEL_PACK = '''"""Test fixture of the sage_rdna4 browser tests: not part of the pack."""
+import sys
+
+sys.path.insert(0, {tests!r})
+import comfy_harness  # noqa: E402
+
+
+class SageTestTinyFlux:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {{"required": {{}}}}
+
+    RETURN_TYPES = ("MODEL", "CONDITIONING", "CONDITIONING")
+    RETURN_NAMES = ("model", "positive", "negative")
+    FUNCTION = "build"
+    CATEGORY = "testing"
+
+    def build(self):
+        return (comfy_harness.tiny_flux(0), comfy_harness.flux_conditioning(seed=1),
+                comfy_harness.flux_conditioning(seed=2))
+
+
+NODE_CLASS_MAPPINGS = {{"SageTestTinyFlux": SageTestTinyFlux}}
+'''
+
+
 class ComfyServer:
     """`python main.py --cpu` from a ComfyUI checkout, with a temporary base directory holding this pack."""
 
-    def __init__(self, comfy: Path, base: Path, python: str = sys.executable):
-        self.comfy, self.base, self.python = Path(comfy), Path(base), python
+    def __init__(self, comfy: Path, base: Path, python: str = sys.executable, tiny_models: bool = False):
+        self.comfy, self.base, self.python, self.tiny_models = Path(comfy), Path(base), python, tiny_models
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = self.base / "comfyui.log"
@@ -78,6 +108,10 @@ class ComfyServer:
         custom = self.base / "custom_nodes"
         custom.mkdir(parents=True, exist_ok=True)
         (custom / PACK_FOLDER).symlink_to(ROOT, target_is_directory=True)
+        if self.tiny_models:
+            (custom / "sage_rdna4_test_fixture").mkdir()
+            (custom / "sage_rdna4_test_fixture" / "__init__.py").write_text(
+                TINY_MODEL_PACK.format(tests=str(ROOT / "tests")))
         settings = self.base / "user" / "default" / "comfy.settings.json"
         settings.parent.mkdir(parents=True, exist_ok=True)
         settings.write_text(json.dumps(USER_SETTINGS))
@@ -109,6 +143,16 @@ class ComfyServer:
         """(status, content type, body); the path is quoted as a browser does (template names have spaces)."""
         with urllib.request.urlopen(self.url + quote(path, safe="/?=&:"), timeout=30) as r:
             return r.status, r.headers.get("Content-Type", ""), r.read()
+
+    def post_json(self, path: str, body: dict):
+        """(status, JSON answer) of a POST; an HTTP error's status and body too."""
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"null")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -320,8 +364,50 @@ const snapshot = () => ({
 """
 
 
+JS_RUN_HELPERS = """
+const benchNode = () => graphNodes().find((n) => n.type === "SageAttentionBenchmarkRDNA4");
+const setWidget = (node, name, value) => { node.widgets.find((w) => w.name === name).value = value; };
+// Programmatic edits are not seen by the workflow's change tracker until it checks: a tab switch would bring the
+// graph back as it was loaded.
+const recordState = () => app.extensionManager?.workflow?.activeWorkflow?.changeTracker?.checkState?.();
+// The loaded A/B template, run on the tiny model: its loaders, text and decode nodes removed (a muted loader
+// leaves an entry without class_type in the prompt after a tab switch), the tiny model's outputs wired in their
+// place, a 64 px latent, 3 steps. The nodes next to the A/B node (Patch, latent, previews) stay where they are.
+const wireTinyModel = () => {
+  const bench = benchNode();
+  const patch = graphNodes().find((n) => n.type === "PatchSageAttentionRDNA4");
+  const latent = graphNodes().find((n) => n.type === "EmptySD3LatentImage");
+  const keep = new Set([bench, patch, latent, ...graphNodes().filter((n) => ["PreviewImage", "PreviewAny"]
+    .includes(n.type))]);
+  for (const n of [...graphNodes()]) if (!keep.has(n)) app.graph.remove(n);
+  const tiny = LiteGraph.createNode("SageTestTinyFlux");
+  tiny.pos = [20, 1000];
+  app.graph.add(tiny);
+  tiny.connect(0, patch, patch.findInputSlot("model"));
+  tiny.connect(1, bench, bench.findInputSlot("positive"));
+  tiny.connect(2, bench, bench.findInputSlot("negative"));
+  bench.disconnectInput(bench.findInputSlot("vae"));
+  setWidget(latent, "width", 64);
+  setWidget(latent, "height", 64);
+  setWidget(bench, "steps", 3);
+  recordState();
+  return { bench: bench.id, patch: patch.id };
+};
+// Brings the A/B node into view at scale 1 and returns its page rectangle, title bar included.
+const frameBench = async () => {
+  const node = benchNode(), ds = app.canvas.ds, title = LiteGraph.NODE_TITLE_HEIGHT;
+  ds.scale = 1;
+  ds.offset[0] = 40 - node.pos[0];
+  ds.offset[1] = 40 + title - node.pos[1];
+  await settle();
+  const r = app.canvas.canvas.getBoundingClientRect();
+  return { x: r.left + 30, y: r.top + 30, width: node.size[0] + 20, height: node.size[1] + title + 20 };
+};
+"""
+
+
 def _js(body: str) -> str:
-    return f"(async () => {{ {JS_HELPERS}\n{body} }})()"
+    return f"(async () => {{ {JS_HELPERS}\n{JS_RUN_HELPERS}\n{body} }})()"
 
 
 async def open_comfy(page: Page, server: ComfyServer):
@@ -364,6 +450,63 @@ async def show_report(page: Page, report_json: str, move_below: Optional[int] = 
       node.onExecuted(message);  // a second run refills the same widget
       await settle();
       return {{ ...snapshot(), id: node.id, before, ...reportState(node) }};"""))
+
+
+# The text of the open dialogs (the Missing Models dialog lists the template's model files with download
+# buttons), then closes them: they would cover the graph.
+JS_CLOSE_DIALOGS = """
+  await new Promise((r) => setTimeout(r, 300));
+  const dialogs = [...document.querySelectorAll(".p-dialog")].map((d) => d.innerText);
+  for (const b of document.querySelectorAll(".p-dialog .p-dialog-close-button")) b.click();
+  await settle();
+  return dialogs;"""
+
+
+async def run_benchmark_on_tiny_model(page: Page, server: ComfyServer, workflow: dict, name: str,
+                                      shots: Path, timeout: float = 300.0) -> dict:
+    """Loads the A/B template, runs it on the tiny model (the server needs `tiny_models=True`) and returns what
+    the page showed: the report after the run (and its screenshot at the template's layout), after a switch to
+    another tab and back, and after a re-run with the same inputs (cached by ComfyUI); then the prompt of the
+    graph for API checks, and the node errors of a queued bad exact_blocks."""
+    await load_and_snapshot(page, workflow, name)
+    out = {"dialogs": await page.evaluate(_js(JS_CLOSE_DIALOGS))}
+    ids = await page.evaluate(_js("return wireTinyModel();"))
+    out["ids"] = ids
+    await page.evaluate(_js("await app.queuePrompt(0, 1); return true;"))
+    await page.wait_for("(() => { const n = (app.graph.nodes ?? app.graph._nodes).find((n) => n.type === "
+                        "'SageAttentionBenchmarkRDNA4'); const w = n?.widgets?.find((w) => w.name === "
+                        "'sage_rdna4_report'); return !!w && w.element.textContent.includes('speed-up'); })()",
+                        timeout=timeout, what="the A/B report on the node")
+    rect = await page.evaluate(_js("return await frameBench();"))
+    out["after_run"] = await page.evaluate(_js("return reportState(benchNode());"))
+    shots.mkdir(parents=True, exist_ok=True)
+    (shots / "ab_report_after_run.jpg").write_bytes(await page.screenshot_jpeg({**rect, "scale": 1}, quality=85))
+    # Another tab, then back: the node is new, the frontend restores its stored output.
+    await page.evaluate(_js("""
+      await app.extensionManager.command.execute("Comfy.NewBlankWorkflow"); await settle();
+      await app.extensionManager.command.execute("Workspace.PreviousOpenedWorkflow"); await settle();
+      await new Promise((r) => setTimeout(r, 500)); await settle(); return true;"""))
+    out["after_tab_switch"] = await page.evaluate(_js("await frameBench(); return reportState(benchNode());"))
+    (shots / "ab_report_after_tab_switch.jpg").write_bytes(
+        await page.screenshot_jpeg({**(await page.evaluate(_js("return await frameBench();"))), "scale": 1}))
+    # The same inputs again: ComfyUI answers from its cache, and the report stays (or comes back).
+    await page.evaluate(_js("await app.queuePrompt(0, 1); return true;"))
+    await asyncio.sleep(3)
+    out["after_cached_run"] = await page.evaluate(_js("return reportState(benchNode());"))
+    out["prompt"] = (await page.evaluate(_js("return await app.graphToPrompt();")))["output"]
+    # A bad block spec queued from the UI: ComfyUI's validation answers before anything runs.
+    out["bad_blocks_errors"] = await page.evaluate(_js(f"""
+      const patch = app.graph.getNodeById({ids["patch"]});
+      setWidget(patch, "exact_blocks", "0-5,7-");
+      recordState();
+      const sent = (await app.graphToPrompt()).output[{ids["patch"]}]?.inputs?.exact_blocks;
+      const queued = await app.queuePrompt(0, 1);
+      await settle();
+      const errors = JSON.parse(JSON.stringify(app.lastNodeErrors));  // a reactive store object
+      setWidget(patch, "exact_blocks", "");
+      return {{ errors, queued, sent }};"""))
+    out["queue_after_bad"] = server.get_json("/queue")
+    return out
 
 
 # -- Checks shared by the tests ----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import asyncio
 import html
 import http.server
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -461,3 +462,129 @@ def test_report_widget_keeps_its_summary_in_a_crowded_graph(frontend):
     assert r["summaryLines"][0].startswith("speed-up 2.000x (ratio 0.500)"), r["summaryLines"]
     assert r["after"][1] <= r["min"][1] + 1, r  # it took only its least height
     assert r["clientHeight"] >= 24 and r["scrollHeight"] > r["clientHeight"]  # two lines, the rest scrolls
+
+
+# -- the A/B template run for real: a tiny Flux on the CPU -------------------------------------------------------
+AB_TEMPLATE = cb.WORKFLOW_DIR / "Flux Sage benchmark.json"
+
+
+async def _run_ab(server, tmp, shots):
+    page = await cb.Page.open(CHROMIUM, tmp / "profile_run")
+    try:
+        await cb.open_comfy(page, server)
+        wf = json.loads(AB_TEMPLATE.read_text(encoding="utf-8"))
+        out = await cb.run_benchmark_on_tiny_model(page, server, wf, AB_TEMPLATE.name, shots)
+        out["messages"] = page.messages
+        return out
+    finally:
+        await page.close()
+
+
+@pytest.fixture(scope="module")
+def ab_run(tmp_path_factory):
+    """The A/B template run in ComfyUI's frontend on a tiny Flux: the report after the run, after a tab switch and
+    after a cached re-run, screenshots (in $SAGE_BROWSER_SHOTS if set, else the test's temporary folder), and the
+    server's answers to bad prompts."""
+    comfy = cb.comfy_checkout()
+    if comfy is None:
+        pytest.skip("COMFYUI_PATH is not a ComfyUI checkout (main.py, comfy/)")
+    pytest.importorskip("aiohttp")
+    tmp = tmp_path_factory.mktemp("comfy_ab_run")
+    shots = Path(os.environ.get("SAGE_BROWSER_SHOTS") or tmp / "shots")
+    server = cb.ComfyServer(comfy, tmp / "base", tiny_models=True).start()
+    try:
+        result = asyncio.run(_run_ab(server, tmp, shots))
+        ids = result["ids"]
+        prompt = result["prompt"]
+        patch, bench = str(ids["patch"]), str(ids["bench"])
+
+        def answer(edit):
+            p = json.loads(json.dumps(prompt))
+            edit(p)
+            return server.post_json("/prompt", {"prompt": p, "client_id": "sage-test"})
+        result["api"] = {
+            "bad_blocks": answer(lambda p: p[patch]["inputs"].update(exact_blocks="0-5,7-")),
+            "reversed_steps": answer(lambda p: p[patch]["inputs"].update(step_start=0.8, step_end=0.2)),
+            "bad_kernel": answer(lambda p: p[bench]["inputs"].update(kernel="hip_int8")),
+            "alone": answer(lambda p: [p.pop(k) for k in [k for k, v in p.items()
+                                                          if v["class_type"] in ("PreviewImage", "PreviewAny")]]),
+        }
+    finally:
+        server.stop()
+    result["server_log"] = server.log()
+    result["shots"] = shots
+    return result
+
+
+def _report_shown(state):
+    return state["mounted"] and state["visible"] and any(line.startswith("speed-up") for line in state["summaryLines"])
+
+
+@pytest.mark.browser
+@pytest.mark.comfyui
+def test_ab_template_runs_on_a_tiny_model_and_shows_its_report(ab_run):
+    r = ab_run["after_run"]
+    assert _report_shown(r), (r, ab_run["server_log"][-3000:])
+    assert r["summaryInView"] and r["lastInView"], r  # at the template's layout: the summary and the last line
+    assert r["lastLine"].startswith("saved: "), r["lastLine"]
+    # The CPU has no kernel of the pack: the summary says so rather than naming a kernel that did not run.
+    assert any(line.startswith("ran no kernel of the pack: ") and " fallback" in line
+               and re.search(r" vs own attention( \([\w -]+\))?$", line) for line in r["summaryLines"]), r
+    assert r["summaryLines"][0].startswith("CPU run"), r["summaryLines"]  # no speed claim on the CPU
+    assert (ab_run["shots"] / "ab_report_after_run.jpg").stat().st_size > 5000
+
+
+@pytest.mark.browser
+@pytest.mark.comfyui
+def test_the_missing_models_dialog_offers_the_templates_model_files(ab_run):
+    """The template's properties.models reach the frontend: its Missing Models dialog lists each file by folder."""
+    text = "\n".join(ab_run["dialogs"])
+    for entry in ("diffusion_models / flux1-dev.safetensors", "text_encoders / clip_l.safetensors",
+                  "text_encoders / t5xxl_fp16.safetensors", "vae / ae.safetensors"):
+        assert entry in text, text
+
+
+@pytest.mark.browser
+@pytest.mark.comfyui
+def test_the_report_comes_back_after_a_tab_switch_and_a_cached_rerun(ab_run):
+    """Before: the node stayed an empty box after a tab switch or reload, and a cached re-run sent nothing."""
+    for key in ("after_tab_switch", "after_cached_run"):
+        state = ab_run[key]
+        assert _report_shown(state) and state["summaryInView"], (key, state)
+        assert state["text"] == ab_run["after_run"]["text"], key  # the same report, drawn again
+
+
+@pytest.mark.browser
+@pytest.mark.comfyui
+def test_a_bad_block_spec_fails_at_queue_time_in_the_ui(ab_run):
+    errors = ab_run["bad_blocks_errors"]["errors"]  # ComfyUI answer: {node id: {"errors": [...], ...}}
+    patch = str(ab_run["ids"]["patch"])
+    assert ab_run["bad_blocks_errors"]["queued"] is False, ab_run["bad_blocks_errors"]
+    assert errors and patch in errors, ab_run["bad_blocks_errors"]
+    details = " ".join(e.get("details", "") for e in errors[patch].get("errors", []))
+    assert "Patch Sage Attention (RDNA4): exact_blocks: cannot read block spec '7-'" in details, \
+        ab_run["bad_blocks_errors"]
+    assert ab_run["queue_after_bad"]["queue_running"] == [] and ab_run["queue_after_bad"]["queue_pending"] == []
+
+
+@pytest.mark.browser
+@pytest.mark.comfyui
+@pytest.mark.parametrize("case, node, words", [
+    ("bad_blocks", "patch", "Patch Sage Attention (RDNA4): exact_blocks"),
+    ("reversed_steps", "patch", "Patch Sage Attention (RDNA4): need 0 <= step_start <= step_end <= 1"),
+    ("bad_kernel", "bench", "Sage Attention Benchmark (RDNA4): kernel must be one of"),
+])
+def test_bad_api_prompts_are_refused_before_running(ab_run, case, node, words):
+    """Before: /prompt answered 200 and the node failed when it ran."""
+    status, answer = ab_run["api"][case]
+    assert status == 400, (status, answer)
+    errors = answer["node_errors"][str(ab_run["ids"][node])]["errors"]
+    assert any(words in e.get("details", "") for e in errors), errors
+
+
+@pytest.mark.browser
+@pytest.mark.comfyui
+def test_the_ab_node_runs_without_a_node_after_it(ab_run):
+    """Before: 400 "Prompt has no outputs" without a preview node downstream."""
+    status, answer = ab_run["api"]["alone"]
+    assert status == 200, answer

@@ -40,7 +40,8 @@ const CELL = "text-align:right;padding:1px 4px;white-space:nowrap";
 function table(doc, header, rows, clip = {}) {
   const t = el(doc, "table", undefined, "border-collapse:collapse;margin:4px 0");
   const head = el(doc, "tr");
-  for (const h of header) head.appendChild(el(doc, "th", h, `${CELL};border-bottom:1px solid #888`));
+  header.forEach((h, i) => head.appendChild(
+    el(doc, "th", h, `${CELL};border-bottom:1px solid #888${clip[i] ? ";text-align:left" : ""}`)));
   t.appendChild(head);
   for (const row of rows) {
     const tr = el(doc, "tr");
@@ -71,9 +72,10 @@ function whatRan(report) {
   const fallbacks = Object.values(report.fallbacks || {}).reduce((a, n) => a + n, 0);
   const routed = Object.values(report.routed || {}).reduce((a, n) => a + n, 0);
   const parts = calls.map(([name, n]) => `${name} ${n}`);
+  if (!calls.length && (fallbacks || routed)) parts.push("no kernel of the pack:");
   if (fallbacks) parts.push(`${fallbacks} fallback${fallbacks === 1 ? "" : "s"}`);
   if (routed) parts.push(`${routed} exact by policy`);
-  return parts.length ? parts.join(", ") : `kernel ${report.kernel ?? "?"}`;
+  return parts.length ? parts.join(", ").replace(":,", ":") : `kernel ${report.kernel ?? "?"}`;
 }
 
 // The summary lines, also what the browser test reads: speed-up and ratio, PSNR, what ran against what.
