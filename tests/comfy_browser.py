@@ -494,6 +494,23 @@ async def run_benchmark_on_tiny_model(page: Page, server: ComfyServer, workflow:
     await asyncio.sleep(3)
     out["after_cached_run"] = await page.evaluate(_js("return reportState(benchNode());"))
     out["prompt"] = (await page.evaluate(_js("return await app.graphToPrompt();")))["output"]
+    # A page reload: the frontend restores the open workflow and, as for image previews, its stored outputs.
+    await page.evaluate(_js("recordState(); return true;"))
+    await asyncio.sleep(1.5)  # the workflow is persisted on a short delay
+    await page.call("Page.reload")
+    await page.wait_for("!window.__sageProbe", timeout=60, what="the reloaded page")  # the old page is gone
+    await page.wait_for(JS_READY, timeout=180, what="the frontend after a reload")
+    await page.evaluate(JS_INSTALL_PROBE)
+    try:
+        await page.wait_for("(() => { const n = (app.graph.nodes ?? app.graph._nodes).find((n) => n.type === "
+                            "'SageAttentionBenchmarkRDNA4'); return !!n?.widgets?.find((w) => w.name === "
+                            "'sage_rdna4_report'); })()", timeout=20, what="the report after a reload")
+    except PageError:
+        pass  # checked by the test, from the state below
+    out["after_reload"] = await page.evaluate(_js("await settle(); const n = benchNode(); "
+                                                  "return n ? reportState(n) : null;"))
+    out["reload_debug"] = await page.evaluate(_js("return { outputs: Object.keys(app.nodeOutputs || {}), "
+                                                  "nodes: graphNodes().map((n) => [n.id, n.type]) };"))
     # A bad block spec queued from the UI: ComfyUI's validation answers before anything runs.
     out["bad_blocks_errors"] = await page.evaluate(_js(f"""
       const patch = app.graph.getNodeById({ids["patch"]});

@@ -95,12 +95,20 @@ try {
   app.nodeOutputs = { "7": { sage_rdna4_report: [REPORT] } };
   restored.onDrawForeground();  // the first frame drawn after the reload
   await new Promise((r) => setTimeout(r, 50));
+  // A page reload: the frontend holds no outputs, the workflow restores the node's properties.
+  app.nodeOutputs = {};
+  const reloaded = new BenchmarkNode();
+  reloaded.id = 9;
+  reloaded.properties = JSON.parse(JSON.stringify(node.properties));
+  reloaded.onDrawForeground();
+  await new Promise((r) => setTimeout(r, 50));
   const other = new BenchmarkNode();
   other.id = 8;  // a node whose output the frontend does not hold stays empty
   other.onDrawForeground();
   await new Promise((r) => setTimeout(r, 50));
   out.textContent = JSON.stringify({
     restoredText: restored.widgets[0]?.element.textContent ?? null, otherWidgets: other.widgets.length,
+    reloadedText: reloaded.widgets[0]?.element.textContent ?? null,
     nowrap: cells.filter((c) => c.style.whiteSpace === "nowrap").length, cellCount: cells.length,
     clipped: cells.filter((c) => c.title).map((c) => [c.title, c.style.maxWidth]),
     summary: first.summary,
@@ -274,6 +282,7 @@ def test_extension_renders_the_report_table(served):
     assert ["B1 H24 Nq4608 Nk4608 D128", ""] in result["clipped"]  # the call's shape, on hover
     # Drawn again from the stored output after a reload; a node without one stays empty.
     assert result["restoredText"] == text and result["otherWidgets"] == 0
+    assert result["reloadedText"] == text  # after a page reload, from the node's saved properties
     # The node grew for the report, but stays clear of its neighbours (10 px kept free): the one on the right
     # starts at x 420, the one below has its title bar from y 530.
     w, h = result["size"]
@@ -552,6 +561,14 @@ def test_the_report_comes_back_after_a_tab_switch_and_a_cached_rerun(ab_run):
         state = ab_run[key]
         assert _report_shown(state) and state["summaryInView"], (key, state)
         assert state["text"] == ab_run["after_run"]["text"], key  # the same report, drawn again
+
+
+@pytest.mark.browser
+@pytest.mark.comfyui
+def test_the_report_comes_back_after_a_page_reload(ab_run):
+    state = ab_run["after_reload"]
+    assert state is not None and _report_shown(state) and state["summaryInView"], (state, ab_run["reload_debug"])
+    assert state["text"] == ab_run["after_run"]["text"]
 
 
 @pytest.mark.browser

@@ -2,12 +2,16 @@
 // (speed-up, PSNR, what ran, against what), then a bounded, scrollable part with the per-step table, sampled
 // accuracy and fallback reasons. The node sends the report as JSON in its UI output (key "sage_rdna4_report");
 // text goes in with textContent only, never as HTML, since fallback reasons are free text. The report is drawn
-// again from the node's stored output (app.nodeOutputs) after a reload, a tab switch or a cached re-run.
+// again from the node's stored output (app.nodeOutputs) after a tab switch or a cached re-run, and from the copy
+// in the node's properties after a page reload.
 import { app } from "../../scripts/app.js";
 
 const NODE_ID = "SageAttentionBenchmarkRDNA4";
 const WIDGET_NAME = "sage_rdna4_report";
 const REPORT_KEY = "sage_rdna4_report";
+// The last report is also kept in the node's properties, which the workflow saves: after a page reload the
+// frontend has no outputs (app.nodeOutputs is empty) but restores the workflow.
+const PROPERTY = "sage_rdna4_last_report";
 
 function fmt(x, digits = 1) {
   if (x === null || x === undefined) return "-";
@@ -292,6 +296,10 @@ function showRaw(node, raw) {
     return;
   }
   node.sageShownReport = raw;
+  if (typeof raw === "string") {
+    node.properties ??= {};
+    node.properties[PROPERTY] = raw;
+  }
   showOnNode(node, report);
 }
 
@@ -309,15 +317,16 @@ export function storedReport(node, outputs = app.nodeOutputs) {
   return undefined;
 }
 
-// After a reload or a tab switch the node is new and empty while the frontend still holds its output: draw it.
+// After a reload or a tab switch the node is new and empty while the frontend still holds its output (or the
+// workflow its properties): draw it.
 function restore(node) {
   if (node.sageRestorePending) return;
-  const raw = storedReport(node);
+  const raw = storedReport(node) ?? node.properties?.[PROPERTY];
   if (raw === undefined || raw === node.sageShownReport) return;
   node.sageRestorePending = true;
   setTimeout(() => { // not inside a canvas draw: adding the widget resizes the node
     node.sageRestorePending = false;
-    showRaw(node, storedReport(node));
+    showRaw(node, storedReport(node) ?? node.properties?.[PROPERTY]);
   }, 0);
 }
 
