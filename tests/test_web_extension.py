@@ -14,8 +14,15 @@ registered exactly once, no console error or warning about the pack, no overlapp
 the page's app.graph, title bars included), every node at least as large as LiteGraph's computeSize, the
 template thumbnails served, and the report widget sized to its content without covering other nodes.
 
+Then the A/B template for real (the same server with a test-only node giving a tiny Flux and its conditioning):
+wired to the tiny model and queued from the UI on the CPU, its report must show its summary and last line at the
+template's layout (screenshots go to $SAGE_BROWSER_SHOTS if set), come back after a tab switch, a cached re-run
+and a page reload; a bad exact_blocks queued from the UI, and bad API prompts, must fail at queue time with the
+node's name; the Missing Models dialog must list the template's files; the A/B node must run with nothing after it.
+The server runs with the Python running the tests, which needs ComfyUI's requirements.
+
 Marked `browser` (skipped when no Chromium is installed; CI: `apt-get install -y chromium`) and, for the
-second part, `comfyui` (skipped without COMFYUI_PATH).
+ComfyUI parts, `comfyui` (skipped without COMFYUI_PATH).
 """
 import asyncio
 import html
