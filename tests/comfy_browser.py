@@ -479,6 +479,7 @@ async def run_benchmark_on_tiny_model(page: Page, server: ComfyServer, workflow:
                         timeout=timeout, what="the A/B report on the node")
     rect = await page.evaluate(_js("return await frameBench();"))
     out["after_run"] = await page.evaluate(_js("return reportState(benchNode());"))
+    out["after_run_graph"] = await page.evaluate(_js("return snapshot();"))
     shots.mkdir(parents=True, exist_ok=True)
     (shots / "ab_report_after_run.jpg").write_bytes(await page.screenshot_jpeg({**rect, "scale": 1}, quality=85))
     # Another tab, then back: the node is new, the frontend restores its stored output.

@@ -548,6 +548,8 @@ def test_ab_template_runs_on_a_tiny_model_and_shows_its_report(ab_run):
                and re.search(r" vs own attention( \([\w -]+\))?$", line) for line in r["summaryLines"]), r
     assert r["summaryLines"][0].startswith("CPU run"), r["summaryLines"]  # no speed claim on the CPU
     assert (ab_run["shots"] / "ab_report_after_run.jpg").stat().st_size > 5000
+    graph = ab_run["after_run_graph"]
+    assert cb.overlaps(graph["nodes"], graph["titleHeight"]) == []  # it grew into free space only
 
 
 @pytest.mark.browser
