@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..sage_patch.config import KERNEL_CHOICES, PROLOGUE_CHOICES, PatchConfig
+from ..sage_patch.config import KERNEL_CHOICES, ON_UNSUPPORTED, PROLOGUE_CHOICES, PatchConfig
 from ..sage_patch.install import patch_model
+from .inputs import choice, flag, number, queue_time_error, text
 
 DISPLAY_NAME = "Patch Sage Attention (RDNA4)"
 
@@ -17,13 +18,31 @@ KERNEL_TOOLTIP = (
     "GPU, unsupported head size...) sends it to ComfyUI's own attention and the reason is counted and logged once.")
 
 
+CROSS_ATTENTION = ("quantized", "exact")
+
+
 def config_from_inputs(kernel, smooth_k, prologue, on_unsupported, step_start=0.0, step_end=1.0,
                        exact_blocks="", min_seq_len=0, cross_attention="quantized",
                        time_attention=False, smooth_v=False) -> PatchConfig:
-    return PatchConfig(kernel=kernel, smooth_k=bool(smooth_k), prologue=prologue, on_unsupported=on_unsupported,
-                       step_start=float(step_start), step_end=float(step_end), exact_blocks=exact_blocks.strip(),
-                       min_seq_len=int(min_seq_len), cross_attention=cross_attention,
-                       time_attention=bool(time_attention), smooth_v=bool(smooth_v))
+    """The node's inputs as a PatchConfig; ValueError (InputError for a wrong type) naming the input."""
+    return PatchConfig(kernel=choice("kernel", kernel, KERNEL_CHOICES), smooth_k=flag("smooth_k", smooth_k),
+                       prologue=choice("prologue", prologue, PROLOGUE_CHOICES),
+                       on_unsupported=choice("on_unsupported", on_unsupported, ON_UNSUPPORTED),
+                       step_start=number("step_start", step_start), step_end=number("step_end", step_end),
+                       exact_blocks=text("exact_blocks", exact_blocks).strip(),
+                       min_seq_len=number("min_seq_len", min_seq_len, integer=True),
+                       cross_attention=choice("cross_attention", cross_attention, CROSS_ATTENTION),
+                       time_attention=flag("time_attention", time_attention), smooth_v=flag("smooth_v", smooth_v))
+
+
+def check_inputs(kernel=None, prologue=None, on_unsupported=None, step_start=None, step_end=None,
+                 exact_blocks=None, cross_attention=None) -> None:
+    """What can be checked before the run; an input a link feeds (None here) takes its least strict value."""
+    def pick(value, default):
+        return default if value is None else value
+    config_from_inputs(pick(kernel, "auto"), True, pick(prologue, "auto"), pick(on_unsupported, "fallback"),
+                       pick(step_start, 0.0), pick(step_end, 1.0), pick(exact_blocks, ""), 0,
+                       pick(cross_attention, "quantized"))
 
 
 class PatchSageAttentionRDNA4(io.ComfyNode):
@@ -78,13 +97,21 @@ class PatchSageAttentionRDNA4(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, kernel=None, prologue=None, on_unsupported=None, step_start=None, step_end=None,
+                        exact_blocks=None, cross_attention=None):
+        # Named arguments, not **kwargs: ComfyUI then still checks the other inputs' ranges itself. It skips
+        # the min/max of the ones named here, so step_start/step_end are range-checked by PatchConfig.
+        return queue_time_error(DISPLAY_NAME, lambda: check_inputs(
+            kernel, prologue, on_unsupported, step_start, step_end, exact_blocks, cross_attention))
+
+    @classmethod
     def execute(cls, model, kernel, smooth_k, prologue, on_unsupported, step_start=0.0, step_end=1.0,
                 exact_blocks="", min_seq_len=0, cross_attention="quantized", time_attention=False,
                 smooth_v=False) -> io.NodeOutput:
         try:
             config = config_from_inputs(kernel, smooth_k, prologue, on_unsupported, step_start, step_end,
                                         exact_blocks, min_seq_len, cross_attention, time_attention, smooth_v)
-        except ValueError as exc:  # e.g. a value from a prompt JSON that no combo checked: say which node
+        except ValueError as exc:  # a value validate_inputs could not see (from a link), or a direct call
             raise ValueError(f"{DISPLAY_NAME}: {exc}") from exc
         patched, _ = patch_model(model, config)
         return io.NodeOutput(patched)

@@ -1,8 +1,9 @@
 """A/B benchmark: sample twice with the same seed, the model as without this patch vs patched, and compare.
 
 Run A is the baseline a user has without the patch: every attention call goes to the model's own attention (in
-ComfyUI that is SDPA unless it was started with another, or another override was on the model), through an
-override that only times it. Run B is the patch's own config. That is also what `auto` runs when it keeps exact
+ComfyUI the one it chose at start-up, e.g. PyTorch SDPA or sub-quadratic, or another override that was on the
+model), through an override that only times it; the report names it (`baseline`, `baseline_name`).
+Run B is the patch's own config. That is also what `auto` runs when it keeps exact
 attention, so a run where `auto` kept it differs from the baseline only by noise and the patch's host time.
 Both have attention timing on. The first step of each run is the warm-up: it is timed and
 shown but left out of the totals; the per-call accuracy samples are taken in that step too, so the
@@ -28,7 +29,7 @@ from .config import PatchConfig
 from .install import OVERRIDE_KEY, find_override, patch_model
 from .layouts import expand_mask, to_hnd
 from .override import bind_attention_args
-from .report import format_report_text, plot_step_times, report_json, summarize_steps, timing_caveat
+from .report import baseline_label, format_report_text, plot_step_times, report_json, summarize_steps, timing_caveat
 from .stats import PatchStats
 from .timing import step_timer_of
 
@@ -37,6 +38,22 @@ ACCURACY_SAMPLES = 4
 FROM_PATCH = "from patch node"
 
 log = logging.getLogger("sage_rdna4")
+
+# ComfyUI's attention functions (comfy/ldm/modules/attention.py) by the name of the one it chose at start-up.
+ATTENTION_NAMES = {"attention_pytorch": "PyTorch SDPA", "attention_sub_quad": "sub-quadratic",
+                   "attention_split": "split", "attention_xformers": "xformers", "attention_sage": "SageAttention",
+                   "attention_flash": "FlashAttention", "attention_basic": "basic"}
+
+
+def comfy_attention_name() -> Optional[str]:
+    """The attention ComfyUI chose at start-up (what the model's attention calls run without a patch), or None
+    where ComfyUI is not importable or names it in a way this does not know."""
+    try:
+        from comfy.ldm.modules import attention
+    except ImportError:
+        return None
+    name = getattr(getattr(attention, "optimized_attention", None), "__name__", None)
+    return ATTENTION_NAMES.get(name) if isinstance(name, str) else None
 
 
 class AccuracyProbe:
@@ -134,7 +151,8 @@ def accuracy_flags(rows: List[dict]) -> List[str]:
 
 
 def fidelity(sdpa_latent: torch.Tensor, patched_latent: torch.Tensor, sdpa_image=None, patched_image=None) -> dict:
-    """Patched result against the SDPA result: latent PSNR (peak = SDPA latent's range) and cosine;
+    """Patched result against the baseline's (`sdpa_*`: the own-attention run): latent PSNR (peak = the baseline
+    latent's range) and cosine;
     image PSNR with peak 1 when both decoded images are given."""
     out = {"latent_psnr_db": metrics.psnr(patched_latent, sdpa_latent),
            "latent_cosine": metrics.cosine(patched_latent, sdpa_latent), "image_psnr_db": None}
@@ -173,6 +191,7 @@ def run_ab(model, positive, negative, latent: dict, seed: int, steps: int, cfg: 
     probe = AccuracyProbe(ab_override, step_index=0, max_samples=accuracy_samples)
     ab_model.model_options["transformer_options"][OVERRIDE_KEY] = probe
 
+    own = comfy_attention_name()
     total = 2 * steps
 
     def step_callback(offset):
@@ -198,14 +217,17 @@ def run_ab(model, positive, negative, latent: dict, seed: int, steps: int, cfg: 
         "kind": "sage_rdna4 A/B benchmark",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "kernel": config.kernel,
-        "baseline": "the model's own attention, as without this patch (SDPA in a default ComfyUI)",
+        "baseline": "the model's own attention, as without this patch" + (f" ({own}, ComfyUI's choice)" if own
+                                                                           else ""),
+        "baseline_name": own,
         "config": dataclasses.asdict(config),
         "model": type(getattr(model, "model", model)).__name__,
         "device": _device_name(device), "clock": run_b.clock,
         "cpu_run": caveat is not None, "timing_caveat": caveat,
         "latent_shape": list(latent["samples"].shape), "steps": steps, "cfg": cfg, "seed": seed,
         "sampler": sampler_name, "scheduler": scheduler,
-        "ratio_definition": "patched time / SDPA time per step (below 1 is faster); speed-up = SDPA / patched",
+        "ratio_definition": "patched time / own attention's time per step (below 1 is faster); speed-up = own / "
+                            "patched; the keys named sdpa_* hold the own-attention run",
         "warmup_note": f"the first {WARMUP_STEPS} step(s) of each run are warm-up: shown, excluded from totals; "
                        "attention accuracy samples are taken there",
         **summary,
@@ -228,8 +250,9 @@ def run_ab(model, positive, negative, latent: dict, seed: int, steps: int, cfg: 
         log.warning("[sage_rdna4 A/B] %s", report["save_error"])
     report["json_path"] = path
     text = format_report_text(report)
-    plot = plot_step_times(summary["per_step"], title=f"time per step: SDPA vs {config.kernel}"
-                                                      + (" (CPU: not speed claims)" if caveat else ""))
+    plot = plot_step_times(summary["per_step"], title=f"time per step: {baseline_label(report)} vs {config.kernel}"
+                                                      + (" (CPU: not speed claims)" if caveat else ""),
+                           baseline=baseline_label(report))
     out = dict(latent)
     out["samples"] = patched_samples
     return out, report, text, plot, path

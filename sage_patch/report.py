@@ -1,7 +1,9 @@
 """The A/B report as numbers, text, JSON and a plot. Pure: no ComfyUI, testable on its own.
 
-Conventions (stated in the report too): `ratio` = patched time / SDPA time (below 1 is faster);
-`speedup` = SDPA time / patched time (above 1 is faster); the first `warmup` steps of each run are
+Conventions (stated in the report too): `ratio` = patched time / baseline time (below 1 is faster);
+`speedup` = baseline time / patched time (above 1 is faster). The baseline is the model's own attention (what it
+runs without the patch; `baseline_label`); its figures keep the keys `sdpa_*` so saved reports stay readable.
+The first `warmup` steps of each run are
 shown but left out of every total, median and ratio, since they carry compilation and autotuning.
 """
 from __future__ import annotations
@@ -28,6 +30,12 @@ def timing_caveat(device) -> Optional[str]:
         return CPU_CAVEAT if torch.device(device).type == "cpu" else None
     except (RuntimeError, TypeError, ValueError):  # not a device torch knows: say nothing rather than guess
         return None
+
+
+def baseline_label(report: dict) -> str:
+    """What the baseline run ran, for labels: "own attention", with ComfyUI's name for it where known."""
+    name = report.get("baseline_name")
+    return f"own attention ({name})" if name else "own attention"
 
 
 def _share(attention_ms: Optional[float], step_ms: float) -> Optional[float]:
@@ -104,7 +112,8 @@ def format_decision_row(row: dict) -> str:
 def format_report_text(report: dict) -> str:
     """The report as a plain-text table (what the node's STRING output and the console show)."""
     t = report.get("totals", {})
-    lines = [f"Sage Attention A/B (RDNA4 pack): kernel '{report.get('kernel', '?')}' vs exact SDPA",
+    base = baseline_label(report)
+    lines = [f"Sage Attention A/B (RDNA4 pack): kernel '{report.get('kernel', '?')}' vs the model's {base}",
              f"model {report.get('model', '?')} | latent {report.get('latent_shape', '?')} | "
              f"{report.get('sampler', '?')}/{report.get('scheduler', '?')} | steps {report.get('steps', '?')} | "
              f"cfg {report.get('cfg', '?')} | seed {report.get('seed', '?')} | {report.get('device', '?')} "
@@ -113,7 +122,7 @@ def format_report_text(report: dict) -> str:
     if caveat:
         lines.append(caveat)
     lines += ["",
-             f"{'step':>4} {'SDPA ms':>9} {'patched ms':>10} {'ratio':>6} {'attn SDPA':>9} {'attn patched':>12}"]
+             f"{'step':>4} {'own ms':>9} {'patched ms':>10} {'ratio':>6} {'attn own':>9} {'attn patched':>12}"]
     for s in report.get("per_step", []):
         mark = "  (warm-up, excluded)" if s["warmup"] else ""
         lines.append(f"{s['index']:>4} {_fmt(s['sdpa_ms']):>9} {_fmt(s['patched_ms']):>10} "
@@ -122,18 +131,19 @@ def format_report_text(report: dict) -> str:
     lines.append("")
     if t.get("measured_steps"):
         lines.append(f"total over {t['measured_steps']} steps ({t['warmup_steps_excluded']} warm-up excluded): "
-                     f"SDPA {_fmt(t['sdpa_ms'])} ms, patched {_fmt(t['patched_ms'])} ms -> ratio "
+                     f"{base} {_fmt(t['sdpa_ms'])} ms, patched {_fmt(t['patched_ms'])} ms -> ratio "
                      f"{_fmt(t['ratio'], '.3f')}, speed-up {_fmt(t['speedup'], '.3f')}x"
                      + (" (CPU: not a speed claim)" if caveat else ""))
         if t.get("attention_speedup") is not None:
-            lines.append(f"attention: SDPA {_fmt(t['sdpa_attention_ms'])} ms ({_pct(t['sdpa_attention_share'])} of "
+            lines.append(f"attention: own {_fmt(t['sdpa_attention_ms'])} ms ({_pct(t['sdpa_attention_share'])} of "
                          f"the step), patched {_fmt(t['patched_attention_ms'])} ms "
                          f"({_pct(t['patched_attention_share'])}) -> attention speed-up "
                          f"{_fmt(t['attention_speedup'], '.3f')}x")
     else:
         lines.append("no measured steps: sample at least 2 steps (the first is warm-up)")
     f = report.get("fidelity", {})
-    lines.append(f"fidelity of the patched result vs SDPA: latent PSNR {_fmt(f.get('latent_psnr_db'), '.2f')} dB, "
+    lines.append(f"fidelity of the patched result vs the {base} run: latent PSNR "
+                 f"{_fmt(f.get('latent_psnr_db'), '.2f')} dB, "
                  f"latent cosine {_fmt(f.get('latent_cosine'), '.6f')}, image PSNR "
                  f"{_fmt(f.get('image_psnr_db'), '.2f', 'n/a (no VAE connected)')}"
                  + (" dB" if f.get("image_psnr_db") is not None else ""))
@@ -147,10 +157,10 @@ def format_report_text(report: dict) -> str:
     for msg in report.get("accuracy_flags", []):
         lines.append(f"WARNING: {msg}")
     calls = report.get("calls", {})
-    for run in ("patched", "sdpa"):
+    for run, label in (("patched", "patched"), ("sdpa", base)):
         if run in calls:
             served = ", ".join(f"{k} {v}" for k, v in sorted(calls[run].items()))
-            lines.append(f"{run} run, calls served by a kernel of this pack: "
+            lines.append(f"{label} run, calls served: "
                          + (served or "none ran a kernel of this pack (see fallbacks)"))
     fallbacks = report.get("fallbacks", {})
     if fallbacks:
@@ -195,8 +205,19 @@ SDPA_COLOR = (70, 130, 220)
 PATCHED_COLOR = (235, 120, 40)
 
 
+def _font(size: int):
+    """Pillow's own font at `size` px (Pillow 10.1+ with FreeType); else its fixed bitmap font. The bitmap font's
+    narrow spaces made a title read as one word."""
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=size)
+    except (TypeError, ValueError, OSError, ImportError):
+        return ImageFont.load_default()
+
+
 def plot_step_times(per_step: List[dict], title: str = "time per step", width: int = 768,
-                    height: int = 384) -> torch.Tensor:
+                    height: int = 384, baseline: str = "own attention") -> torch.Tensor:
     """Per-step times of both runs as a ComfyUI IMAGE: float (1, H, W, 3) in [0, 1].
 
     Warm-up steps are drawn on a grey band and labelled as excluded."""
@@ -204,8 +225,9 @@ def plot_step_times(per_step: List[dict], title: str = "time per step", width: i
 
     img = Image.new("RGB", (width, height), (255, 255, 255))
     draw = ImageDraw.Draw(img)
-    left, right, top, bottom = 64, width - 16, 36, height - 40
-    draw.text((left, 10), title, fill=(0, 0, 0))
+    draw.font = _font(13)
+    left, right, top, bottom = 64, width - 16, 52, height - 40
+    draw.text((left, 8), title, fill=(0, 0, 0))
     values = [v for s in per_step for v in (s["sdpa_ms"], s["patched_ms"]) if v is not None]
     if not values:
         draw.text((left, height // 2), "no steps were timed", fill=(0, 0, 0))
@@ -244,10 +266,12 @@ def plot_step_times(per_step: List[dict], title: str = "time per step", width: i
             if s[key] is not None and s[key] > y_max:  # clipped (warm-up): say its real value
                 x, y = xy(s["index"], s[key])
                 draw.text((x + 6, y + (2 if key == "sdpa_ms" else 14)), f"{s[key]:.0f} ms", fill=color)
-    for j, (label, color) in enumerate((("SDPA (exact)", SDPA_COLOR), ("patched", PATCHED_COLOR))):
-        x, y = right - 170 + 100 * j, 10
-        draw.rectangle([x, y + 2, x + 10, y + 10], fill=color)
+    x = left
+    for label, color in ((baseline, SDPA_COLOR), ("patched", PATCHED_COLOR)):  # legend under the title
+        y = 28
+        draw.rectangle([x, y + 3, x + 10, y + 13], fill=color)
         draw.text((x + 14, y), label, fill=(0, 0, 0))
+        x += 14 + int(draw.textlength(label)) + 24
     return _to_image_tensor(img)
 
 

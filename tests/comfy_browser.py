@@ -20,9 +20,11 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Optional
+from urllib.parse import quote
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOW_DIR = ROOT / "example_workflows"
@@ -63,11 +65,40 @@ def workflows():
 
 
 # -- ComfyUI -----------------------------------------------------------------------------------------------
+# A test-only node pack the server gets beside this one (with `tiny_models=True`): a tiny Flux with random weights
+# and its conditioning, built by tests/comfy_harness.py, so the A/B node runs on the CPU in seconds.
+TINY_MODEL_NODE = "SageTestTinyFlux"
+TINY_MODEL_PACK = '''"""Test fixture of the sage_rdna4 browser tests: not part of the pack."""
+import sys
+
+sys.path.insert(0, {tests!r})
+import comfy_harness  # noqa: E402
+
+
+class SageTestTinyFlux:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {{"required": {{}}}}
+
+    RETURN_TYPES = ("MODEL", "CONDITIONING", "CONDITIONING")
+    RETURN_NAMES = ("model", "positive", "negative")
+    FUNCTION = "build"
+    CATEGORY = "testing"
+
+    def build(self):
+        return (comfy_harness.tiny_flux(0), comfy_harness.flux_conditioning(seed=1),
+                comfy_harness.flux_conditioning(seed=2))
+
+
+NODE_CLASS_MAPPINGS = {{"SageTestTinyFlux": SageTestTinyFlux}}
+'''
+
+
 class ComfyServer:
     """`python main.py --cpu` from a ComfyUI checkout, with a temporary base directory holding this pack."""
 
-    def __init__(self, comfy: Path, base: Path, python: str = sys.executable):
-        self.comfy, self.base, self.python = Path(comfy), Path(base), python
+    def __init__(self, comfy: Path, base: Path, python: str = sys.executable, tiny_models: bool = False):
+        self.comfy, self.base, self.python, self.tiny_models = Path(comfy), Path(base), python, tiny_models
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = self.base / "comfyui.log"
@@ -77,6 +108,10 @@ class ComfyServer:
         custom = self.base / "custom_nodes"
         custom.mkdir(parents=True, exist_ok=True)
         (custom / PACK_FOLDER).symlink_to(ROOT, target_is_directory=True)
+        if self.tiny_models:
+            (custom / "sage_rdna4_test_fixture").mkdir()
+            (custom / "sage_rdna4_test_fixture" / "__init__.py").write_text(
+                TINY_MODEL_PACK.format(tests=str(ROOT / "tests")))
         settings = self.base / "user" / "default" / "comfy.settings.json"
         settings.parent.mkdir(parents=True, exist_ok=True)
         settings.write_text(json.dumps(USER_SETTINGS))
@@ -101,12 +136,23 @@ class ComfyServer:
         raise TimeoutError(f"ComfyUI did not answer within {timeout:.0f} s:\n{self.log()[-4000:]}")
 
     def get_json(self, path: str):
-        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+        with urllib.request.urlopen(self.url + quote(path, safe="/?=&:"), timeout=30) as r:
             return json.loads(r.read())
 
     def get(self, path: str):
-        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+        """(status, content type, body); the path is quoted as a browser does (template names have spaces)."""
+        with urllib.request.urlopen(self.url + quote(path, safe="/?=&:"), timeout=30) as r:
             return r.status, r.headers.get("Content-Type", ""), r.read()
+
+    def post_json(self, path: str, body: dict):
+        """(status, JSON answer) of a POST; an HTTP error's status and body too."""
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"null")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -290,6 +336,26 @@ const loadWorkflow = async (wf, name) => {
   await app.loadGraphData(wf, true, true, name);
   await settle();
 };
+// The report widget of a benchmark node as the page shows it: the summary (whole and in view?), the scrolled
+// body (its visible and full heights), the last line (in view?), the text.
+const reportState = (node) => {
+  const widget = node.widgets?.find((w) => w.name === "sage_rdna4_report");
+  const el = widget?.element;
+  const body = el?.querySelector(".sage-rdna4-body"), summary = el?.querySelector(".sage-rdna4-summary");
+  const box = el?.getBoundingClientRect(), last = body?.lastElementChild;
+  const rect = (e) => (e ? e.getBoundingClientRect() : null);
+  return {
+    after: Array.from(node.size), min: Array.from(node.computeSize()),
+    widgetHeight: widget?.computedHeight ?? null, mounted: !!el?.isConnected,
+    visible: !!el && el.offsetParent !== null && (box?.height ?? 0) > 0,
+    clientHeight: body?.clientHeight ?? 0, scrollHeight: body?.scrollHeight ?? 0,
+    clientWidth: body?.clientWidth ?? 0, scrollWidth: body?.scrollWidth ?? 0,
+    summaryLines: summary ? [...summary.children].map((d) => d.textContent) : [],
+    summaryInView: !!summary && rect(summary).bottom <= box.bottom + 0.5 && rect(summary).top >= box.top - 0.5,
+    lastLine: last?.textContent ?? "", lastInView: !!last && rect(last).bottom <= rect(body).bottom + 0.5,
+    text: el?.textContent ?? "",
+  };
+};
 const snapshot = () => ({
   nodes: graphNodes().map(nodeInfo),
   missing: window.__sageMissing,
@@ -298,8 +364,50 @@ const snapshot = () => ({
 """
 
 
+JS_RUN_HELPERS = """
+const benchNode = () => graphNodes().find((n) => n.type === "SageAttentionBenchmarkRDNA4");
+const setWidget = (node, name, value) => { node.widgets.find((w) => w.name === name).value = value; };
+// Programmatic edits are not seen by the workflow's change tracker until it checks: a tab switch would bring the
+// graph back as it was loaded.
+const recordState = () => app.extensionManager?.workflow?.activeWorkflow?.changeTracker?.checkState?.();
+// The loaded A/B template, run on the tiny model: its loaders, text and decode nodes removed (a muted loader
+// leaves an entry without class_type in the prompt after a tab switch), the tiny model's outputs wired in their
+// place, a 64 px latent, 3 steps. The nodes next to the A/B node (Patch, latent, previews) stay where they are.
+const wireTinyModel = () => {
+  const bench = benchNode();
+  const patch = graphNodes().find((n) => n.type === "PatchSageAttentionRDNA4");
+  const latent = graphNodes().find((n) => n.type === "EmptySD3LatentImage");
+  const keep = new Set([bench, patch, latent, ...graphNodes().filter((n) => ["PreviewImage", "PreviewAny"]
+    .includes(n.type))]);
+  for (const n of [...graphNodes()]) if (!keep.has(n)) app.graph.remove(n);
+  const tiny = LiteGraph.createNode("SageTestTinyFlux");
+  tiny.pos = [20, 1000];
+  app.graph.add(tiny);
+  tiny.connect(0, patch, patch.findInputSlot("model"));
+  tiny.connect(1, bench, bench.findInputSlot("positive"));
+  tiny.connect(2, bench, bench.findInputSlot("negative"));
+  bench.disconnectInput(bench.findInputSlot("vae"));
+  setWidget(latent, "width", 64);
+  setWidget(latent, "height", 64);
+  setWidget(bench, "steps", 3);
+  recordState();
+  return { bench: bench.id, patch: patch.id };
+};
+// Brings the A/B node into view at scale 1 and returns its page rectangle, title bar included.
+const frameBench = async () => {
+  const node = benchNode(), ds = app.canvas.ds, title = LiteGraph.NODE_TITLE_HEIGHT;
+  ds.scale = 1;
+  ds.offset[0] = 40 - node.pos[0];
+  ds.offset[1] = 40 + title - node.pos[1];
+  await settle();
+  const r = app.canvas.canvas.getBoundingClientRect();
+  return { x: r.left + 30, y: r.top + 30, width: node.size[0] + 20, height: node.size[1] + title + 20 };
+};
+"""
+
+
 def _js(body: str) -> str:
-    return f"(async () => {{ {JS_HELPERS}\n{body} }})()"
+    return f"(async () => {{ {JS_HELPERS}\n{JS_RUN_HELPERS}\n{body} }})()"
 
 
 async def open_comfy(page: Page, server: ComfyServer):
@@ -341,15 +449,82 @@ async def show_report(page: Page, report_json: str, move_below: Optional[int] = 
       await settle();
       node.onExecuted(message);  // a second run refills the same widget
       await settle();
-      const widget = node.widgets.find((w) => w.name === "sage_rdna4_report");
-      const el = widget?.element;
-      return {{
-        ...snapshot(), id: node.id, before, after: Array.from(node.size),
-        widgetHeight: widget?.computedHeight ?? null, mounted: !!el?.isConnected,
-        clientHeight: el?.clientHeight ?? 0, scrollHeight: el?.scrollHeight ?? 0,
-        clientWidth: el?.clientWidth ?? 0, scrollWidth: el?.scrollWidth ?? 0,
-        text: el?.textContent ?? "",
-      }};"""))
+      return {{ ...snapshot(), id: node.id, before, ...reportState(node) }};"""))
+
+
+# The text of the open dialogs (the Missing Models dialog lists the template's model files with download
+# buttons), then closes them: they would cover the graph.
+JS_CLOSE_DIALOGS = """
+  await new Promise((r) => setTimeout(r, 300));
+  const dialogs = [...document.querySelectorAll(".p-dialog")].map((d) => d.innerText);
+  for (const b of document.querySelectorAll(".p-dialog .p-dialog-close-button")) b.click();
+  await settle();
+  return dialogs;"""
+
+
+async def run_benchmark_on_tiny_model(page: Page, server: ComfyServer, workflow: dict, name: str,
+                                      shots: Path, timeout: float = 300.0) -> dict:
+    """Loads the A/B template, runs it on the tiny model (the server needs `tiny_models=True`) and returns what
+    the page showed: the report after the run (and its screenshot at the template's layout), after a switch to
+    another tab and back, and after a re-run with the same inputs (cached by ComfyUI); then the prompt of the
+    graph for API checks, and the node errors of a queued bad exact_blocks."""
+    await load_and_snapshot(page, workflow, name)
+    out = {"dialogs": await page.evaluate(_js(JS_CLOSE_DIALOGS))}
+    ids = await page.evaluate(_js("return wireTinyModel();"))
+    out["ids"] = ids
+    await page.evaluate(_js("await app.queuePrompt(0, 1); return true;"))
+    await page.wait_for("(() => { const n = (app.graph.nodes ?? app.graph._nodes).find((n) => n.type === "
+                        "'SageAttentionBenchmarkRDNA4'); const w = n?.widgets?.find((w) => w.name === "
+                        "'sage_rdna4_report'); return !!w && w.element.textContent.includes('speed-up'); })()",
+                        timeout=timeout, what="the A/B report on the node")
+    rect = await page.evaluate(_js("return await frameBench();"))
+    out["after_run"] = await page.evaluate(_js("return reportState(benchNode());"))
+    out["after_run_graph"] = await page.evaluate(_js("return snapshot();"))
+    shots.mkdir(parents=True, exist_ok=True)
+    (shots / "ab_report_after_run.jpg").write_bytes(await page.screenshot_jpeg({**rect, "scale": 1}, quality=85))
+    # Another tab, then back: the node is new, the frontend restores its stored output.
+    await page.evaluate(_js("""
+      await app.extensionManager.command.execute("Comfy.NewBlankWorkflow"); await settle();
+      await app.extensionManager.command.execute("Workspace.PreviousOpenedWorkflow"); await settle();
+      await new Promise((r) => setTimeout(r, 500)); await settle(); return true;"""))
+    out["after_tab_switch"] = await page.evaluate(_js("await frameBench(); return reportState(benchNode());"))
+    (shots / "ab_report_after_tab_switch.jpg").write_bytes(
+        await page.screenshot_jpeg({**(await page.evaluate(_js("return await frameBench();"))), "scale": 1}))
+    # The same inputs again: ComfyUI answers from its cache, and the report stays (or comes back).
+    await page.evaluate(_js("await app.queuePrompt(0, 1); return true;"))
+    await asyncio.sleep(3)
+    out["after_cached_run"] = await page.evaluate(_js("return reportState(benchNode());"))
+    out["prompt"] = (await page.evaluate(_js("return await app.graphToPrompt();")))["output"]
+    # A page reload: the frontend restores the open workflow and, as for image previews, its stored outputs.
+    await page.evaluate(_js("recordState(); return true;"))
+    await asyncio.sleep(1.5)  # the workflow is persisted on a short delay
+    await page.call("Page.reload")
+    await page.wait_for("!window.__sageProbe", timeout=60, what="the reloaded page")  # the old page is gone
+    await page.wait_for(JS_READY, timeout=180, what="the frontend after a reload")
+    await page.evaluate(JS_INSTALL_PROBE)
+    try:
+        await page.wait_for("(() => { const n = (app.graph.nodes ?? app.graph._nodes).find((n) => n.type === "
+                            "'SageAttentionBenchmarkRDNA4'); return !!n?.widgets?.find((w) => w.name === "
+                            "'sage_rdna4_report'); })()", timeout=20, what="the report after a reload")
+    except PageError:
+        pass  # checked by the test, from the state below
+    out["after_reload"] = await page.evaluate(_js("await settle(); const n = benchNode(); "
+                                                  "return n ? reportState(n) : null;"))
+    out["reload_debug"] = await page.evaluate(_js("return { outputs: Object.keys(app.nodeOutputs || {}), "
+                                                  "nodes: graphNodes().map((n) => [n.id, n.type]) };"))
+    # A bad block spec queued from the UI: ComfyUI's validation answers before anything runs.
+    out["bad_blocks_errors"] = await page.evaluate(_js(f"""
+      const patch = app.graph.getNodeById({ids["patch"]});
+      setWidget(patch, "exact_blocks", "0-5,7-");
+      recordState();
+      const sent = (await app.graphToPrompt()).output[{ids["patch"]}]?.inputs?.exact_blocks;
+      const queued = await app.queuePrompt(0, 1);
+      await settle();
+      const errors = JSON.parse(JSON.stringify(app.lastNodeErrors));  // a reactive store object
+      setWidget(patch, "exact_blocks", "");
+      return {{ errors, queued, sent }};"""))
+    out["queue_after_bad"] = server.get_json("/queue")
+    return out
 
 
 # -- Checks shared by the tests ----------------------------------------------------------------------------

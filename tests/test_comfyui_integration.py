@@ -202,6 +202,13 @@ def test_benchmark_node_end_to_end(env, caplog, capsys):
     assert report["attention_accuracy"] and all(a["cosine"] > 0.998 for a in report["attention_accuracy"])
     assert all(a["backend"] == "reference" for a in report["attention_accuracy"])
     assert "speed-up" in text and "(warm-up, excluded)" in text
+    # The baseline is named for what ComfyUI runs (sub-quadratic on a CPU ComfyUI, not SDPA).
+    import comfy.ldm.modules.attention as comfy_attention
+
+    from comfyui_sage_rdna4.sage_patch.ab_benchmark import ATTENTION_NAMES
+
+    own = ATTENTION_NAMES[comfy_attention.optimized_attention.__name__]
+    assert report["baseline_name"] == own and text.splitlines()[0].endswith(f"vs the model's own attention ({own})")
     saved = list(Path(env["output"], "sage_rdna4").glob("ab_*.json"))
     assert len(saved) == 1 and json.loads(saved[0].read_text())["kernel"] == "reference"
     # The input model is still patched with its own override and untouched by the A/B runs.

@@ -71,9 +71,41 @@ def test_text_report_shows_every_part():
     assert "2 x reference: head_dim 300 is too large" in text
     assert "exact by policy (short call (< 64 query tokens)): 1" in text
     assert "note: block policy cannot apply" in text
-    assert "patched run, calls served by a kernel of this pack: reference 4" in text
+    assert "patched run, calls served: reference 4" in text
     assert "kernels 'auto' passed over" in text
     assert "auto passed over hip_int8_fp8 on 4 calls: hip_int8_fp8 disabled on cuda:0: self-check failed: NaN" in text
+
+
+def test_the_baseline_is_named_own_attention_not_sdpa():
+    """The baseline run is the model's own attention (on a CPU ComfyUI often sub-quadratic): the text must not
+    call it SDPA, and names ComfyUI's choice when the report carries it."""
+    plain = format_report_text(make_report())
+    assert plain.splitlines()[0].endswith("vs the model's own attention")
+    assert "own ms" in plain and "attn own" in plain and "SDPA ms" not in plain and "exact SDPA" not in plain
+    assert "own attention 100.0 ms, patched 50.0 ms" in plain
+    assert "own attention run, calls served: sdpa 6" in plain
+    named = format_report_text({**make_report(), "baseline_name": "sub-quadratic"})
+    assert named.splitlines()[0].endswith("vs the model's own attention (sub-quadratic)")
+    assert "fidelity of the patched result vs the own attention (sub-quadratic) run" in named
+    assert report_mod.baseline_label({"baseline_name": None}) == "own attention"
+
+
+def test_comfyui_attention_is_named_from_its_function(monkeypatch):
+    import sys
+    import types
+
+    from comfyui_sage_rdna4.sage_patch.ab_benchmark import comfy_attention_name
+
+    def attention_sub_quad():
+        pass
+    module = types.SimpleNamespace(optimized_attention=attention_sub_quad)
+    for name, value in (("comfy", types.ModuleType("comfy")), ("comfy.ldm", types.ModuleType("comfy.ldm")),
+                        ("comfy.ldm.modules", types.SimpleNamespace(attention=module)),
+                        ("comfy.ldm.modules.attention", module)):
+        monkeypatch.setitem(sys.modules, name, value)
+    assert comfy_attention_name() == "sub-quadratic"
+    module.optimized_attention = lambda: None  # a name this does not know: no guess
+    assert comfy_attention_name() is None
 
 
 def test_cpu_report_says_its_timings_are_no_speed_claims():

@@ -36,13 +36,13 @@ def load(path):
 
 def test_the_promised_workflows_exist():
     names = {p.name for p in WORKFLOWS}
-    assert {"flux_text_to_image_sage_rdna4.json", "wan_text_to_video_sage_rdna4.json", "sdxl_sage_rdna4.json",
-            "ab_benchmark_flux_sage_rdna4.json"} <= names
+    assert {"Flux Sage text to image.json", "Wan Sage text to video.json", "SDXL Sage text to image.json",
+            "Flux Sage benchmark.json"} <= names
     for path in WORKFLOWS:
         types = {n["type"] for n in load(path)["nodes"]}
         assert "PatchSageAttentionRDNA4" in types, f"{path.name} does not use the Patch node"
     assert "SageAttentionBenchmarkRDNA4" in {n["type"] for n in load(ROOT / "example_workflows" /
-                                                                       "ab_benchmark_flux_sage_rdna4.json")["nodes"]}
+                                                                       "Flux Sage benchmark.json")["nodes"]}
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
@@ -115,26 +115,64 @@ def test_nodes_are_tall_enough_for_their_widgets(path):
 
 
 def test_the_patch_node_shows_all_its_widgets():
-    wf = load(ROOT / "example_workflows" / "flux_text_to_image_sage_rdna4.json")
+    wf = load(ROOT / "example_workflows" / "Flux Sage text to image.json")
     patch = next(n for n in wf["nodes"] if n["type"] == "PatchSageAttentionRDNA4")
     assert min_height(patch) == 298  # what the frontend's computeSize gives (1 socket row, 11 widgets)
 
 
+# The longest card title the frontend's template browser shows unclipped ("wan_text_to_video_sage_rdn..." was cut
+# at 26 characters).
+CARD_TITLE_CHARS = 24
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_template_file_name_reads_as_its_card_title(path):
+    """Frontend 1.27 shows a custom node's template by its file name, as title and (with '-' and '_' made spaces)
+    as description; it ignores `extra.template`. So the name itself is the title: words, short enough to show."""
+    name = path.stem
+    assert "_" not in name and "-" not in name and name.strip() == name and "  " not in name, name
+    assert 8 <= len(name) <= CARD_TITLE_CHARS, name
+    assert "Sage" in name and name[0].isupper(), name
+
+
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
 def test_template_has_a_readable_title_and_a_one_line_description(path):
-    """Released ComfyUI shows a custom node's template by its file name (server: /workflow_templates lists names
-    only; frontend: workflowTemplatesStore takes title and description from the name), cut off on the card. Each
-    template carries its own title and description in the workflow's `extra.template`, in the fields of a core
-    template entry (templates/index.json: title, description), for a frontend or an index that reads them."""
+    """For a frontend or an index that reads them: a title and description in `extra.template`, in the fields of
+    a core template entry (templates/index.json: title, description)."""
     meta = load(path)["extra"].get("template")
     assert isinstance(meta, dict), f"{path.name}: no extra.template"
     title, description = meta.get("title"), meta.get("description")
     assert isinstance(title, str) and title.strip() == title and 8 <= len(title) <= 40, f"{path.name}: {title!r}"
     assert "_" not in title and not title.endswith(".json")  # words, not a file name
-    assert title.lower() != path.stem.replace("_", " ").lower()
     assert isinstance(description, str) and description.strip() == description, f"{path.name}: {description!r}"
     assert "\n" not in description and 20 <= len(description) <= 160, f"{path.name}: {description!r}"
     assert description.endswith(".") and description != title
+    assert "SDPA" not in title + description  # the A/B baseline is the model's own attention
+
+
+# The model files the workflows load, and where ComfyUI's own templates (comfyui-workflow-templates) download them.
+OFFICIAL_HOSTS = ("https://huggingface.co/Comfy-Org/", "https://huggingface.co/comfyanonymous/",
+                  "https://huggingface.co/stabilityai/")
+MODEL_FOLDERS = {"UNETLoader": "diffusion_models", "CheckpointLoaderSimple": "checkpoints", "VAELoader": "vae",
+                 "CLIPLoader": "text_encoders", "DualCLIPLoader": "text_encoders"}
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_every_model_file_has_its_download_for_the_missing_models_dialog(path):
+    """The frontend's Missing Models dialog reads `properties.models` of each node: name, url, directory (the
+    format of the core templates). Each file a loader names must be listed there, from an official repository,
+    in the folder the loader reads."""
+    loaders = [n for n in load(path)["nodes"] if n["type"] in MODEL_FOLDERS]
+    assert loaders, f"{path.name} loads no model"
+    for node in loaders:
+        files = [v for v in node["widgets_values"] if isinstance(v, str) and v.endswith(".safetensors")]
+        models = node["properties"].get("models")
+        assert isinstance(models, list) and [m["name"] for m in models] == files, (path.name, node["id"], models)
+        for m in models:
+            assert set(m) == {"name", "url", "directory"}, m
+            assert m["url"].startswith(OFFICIAL_HOSTS) and "/resolve/main/" in m["url"], m
+            assert m["url"].split("?")[0].endswith("/" + m["name"]), m
+            assert m["directory"] == MODEL_FOLDERS[node["type"]], m
 
 
 def test_template_titles_are_distinct():

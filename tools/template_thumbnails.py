@@ -3,8 +3,9 @@
     COMFYUI_PATH=/path/to/ComfyUI python tools/template_thumbnails.py
 
 Starts ComfyUI's server with this pack and headless Chromium (tests/comfy_browser.py, the browser test's own
-driver, loaded by path), loads each example workflow, fits its graph into the canvas with everything but the graph
-hidden, and writes the picture beside the workflow. Needs Chromium on PATH and a ComfyUI checkout in COMFYUI_PATH.
+driver, loaded by path), loads each example workflow and writes, beside it, a picture of the pack's node in it (the
+A/B node, else the Patch node) with a little of its neighbours, drawn at full size: a whole-graph miniature was
+unreadable at the size of a template card. Needs Chromium on PATH and a ComfyUI checkout in COMFYUI_PATH.
 tests/test_workflows.py checks that every workflow has its picture; tests/test_web_extension.py that ComfyUI
 serves them.
 """
@@ -37,35 +38,37 @@ JS_HIDE_CHROME = """(() => {
 })()"""
 
 
+ASPECT = 1.4  # width / height of the picture, about that of a template card
+CONTEXT = 70  # graph units shown around the node: the links in and out, the neighbours' edges
+
+
 async def thumbnail(page: "cb.Page", workflow: dict, name: str, scale: float, quality: int) -> bytes:
-    """A picture of the workflow's graph as the frontend draws it: fitted into the canvas, shrunk by `scale`."""
+    """The workflow's main pack node as the frontend draws it, at scale 1 with some context, shrunk by `scale`."""
     await cb.load_and_snapshot(page, workflow, name)
     await page.evaluate(JS_HIDE_CHROME)
-    rect = await page.evaluate(cb._js("""
+    rect = await page.evaluate(cb._js(f"""
       const canvas = app.canvas;
       canvas.show_info = false;  // no frame statistics in the corner
-      if ("min_font_size_for_lod" in canvas) canvas.min_font_size_for_lod = 0;  // full drawing when zoomed out
       canvas.deselectAll?.();
-      const r = canvas.canvas.getBoundingClientRect();
       const nodes = graphNodes();
-      const pad = 40;
-      const x0 = Math.min(...nodes.map((n) => n.pos[0])) - pad;
-      const y0 = Math.min(...nodes.map((n) => n.pos[1] - LiteGraph.NODE_TITLE_HEIGHT)) - pad;
-      const x1 = Math.max(...nodes.map((n) => n.pos[0] + n.size[0])) + pad;
-      const y1 = Math.max(...nodes.map((n) => n.pos[1] + n.size[1])) + pad;
-      const s = Math.min(r.width / (x1 - x0), r.height / (y1 - y0));
-      const w = (x1 - x0) * s, h = (y1 - y0) * s;
-      canvas.ds.scale = s;
-      canvas.ds.offset[0] = -x0;
-      canvas.ds.offset[1] = -y0;
+      const focus = nodes.find((n) => n.type === "SageAttentionBenchmarkRDNA4")
+        ?? nodes.find((n) => n.type === "PatchSageAttentionRDNA4");
+      const title = LiteGraph.NODE_TITLE_HEIGHT, pad = {CONTEXT};
+      let w = focus.size[0] + 2 * pad, h = focus.size[1] + title + 2 * pad;
+      if (w / h < {ASPECT}) w = h * {ASPECT}; else h = w / {ASPECT};
+      const cx = focus.pos[0] + focus.size[0] / 2, cy = focus.pos[1] - title + (focus.size[1] + title) / 2;
+      canvas.ds.scale = 1;
+      canvas.ds.offset[0] = w / 2 - cx;
+      canvas.ds.offset[1] = h / 2 - cy;
       await settle();
-      return { x: r.left, y: r.top, width: w, height: h };"""))
+      const r = canvas.canvas.getBoundingClientRect();
+      return {{ x: r.left, y: r.top, width: w, height: h }};"""))
     clip = {k: round(v) for k, v in rect.items()}
     return await page.screenshot_jpeg({**clip, "scale": scale}, quality=quality)
 
 
-async def write_thumbnails(chromium: str, server: "cb.ComfyServer", tmp: Path, width=2000, height=1300, scale=0.4,
-                           quality=80):
+async def write_thumbnails(chromium: str, server: "cb.ComfyServer", tmp: Path, width=2000, height=1300, scale=0.8,
+                           quality=85):
     page = await cb.Page.open(chromium, tmp / "profile", width, height)
     try:
         await cb.open_comfy(page, server)
