@@ -27,11 +27,10 @@ def sage_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensor_lay
     """
     if tensor_layout not in LAYOUTS:
         raise ValueError(f"tensor_layout must be 'HND' or 'NHD', got {tensor_layout!r}")
-    if torch.compiler.is_compiling():  # inside a torch.compile trace: one opaque op, this function at run time
-        out, lse = torch.ops.sage_rdna4.sage_attention(q, k, v, attn_mask, tensor_layout, bool(is_causal),
-                                                       None if sm_scale is None else float(sm_scale), kernel,
-                                                       bool(smooth_k), prologue, bool(return_lse), qk_group,
-                                                       bool(smooth_v))
+    if torch.compiler.is_compiling() and traced_api.sage_attention_op is not None:  # one opaque op in a trace
+        out, lse = traced_api.sage_attention_op(q, k, v, attn_mask, tensor_layout, bool(is_causal),
+                                                  None if sm_scale is None else float(sm_scale), kernel,
+                                                  bool(smooth_k), prologue, bool(return_lse), qk_group, bool(smooth_v))
         return (out, lse) if return_lse else out
     return eager_attention(q, k, v, tensor_layout, is_causal, sm_scale, kernel, smooth_k, prologue, return_lse,
                            attn_mask, qk_group, smooth_v)

@@ -11,13 +11,7 @@ from typing import Optional, Tuple
 import torch
 
 from .eager_call import eager_attention
-
-OP = "sage_rdna4::sage_attention"
-
-
-def _tags():
-    tag = getattr(torch.Tag, "cudagraph_unsafe", None)  # the body runs host work a CUDA graph cannot replay
-    return (tag,) if tag is not None else ()
+from .opaque_op import op_name, try_define
 
 
 def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor], tensor_layout: str,
@@ -41,8 +35,5 @@ def _fake(q, k, v, attn_mask, tensor_layout, is_causal, sm_scale, kernel, smooth
     return out, lse
 
 
-try:
-    sage_attention_op = torch.library.custom_op(OP, _op, mutates_args=(), tags=_tags())
-except TypeError:  # a torch without op tags
-    sage_attention_op = torch.library.custom_op(OP, _op, mutates_args=())
-sage_attention_op.register_fake(_fake)
+# None (with the reason) where torch could not register it: then the API runs eagerly inside traces.
+sage_attention_op, OP_PROBLEM = try_define(op_name("sage_attention", __name__), _op, _fake)

@@ -3,7 +3,7 @@
 Dynamo never traces the override (its plans, locks, stats, auto's trials and watch, self-checks, file caches)
 nor our kernels. At trace time the override only names the call: its tensors, `heads`, the layout flags, the
 transformer_options the policies read, and the call site's attention by module and name. It emits
-`sage_rdna4::attention`, whose body at run time is the eager override. So a compiled model gets the same plans,
+`sage_rdna4::attention_<copy>`, whose body at run time is the eager override. So a compiled model gets the same plans,
 policies, auto measuring in the step, watch and stats as an eager one, our Triton kernels are never handed to
 inductor, and nothing checks, compiles or measures under a fake tensor.
 
@@ -17,18 +17,19 @@ site's own attention inside the graph, as without the patch, and is not counted.
 """
 from __future__ import annotations
 
+import logging
 import sys
 import weakref
 from typing import Optional
 
 import torch
 
+from ..kernels.opaque_op import op_name, try_define
 from .layouts import from_hnd, hnd_inputs
 
-OP = "sage_rdna4::attention"
 # ComfyUI's attention keywords the op carries; a call with any other keyword is not ours under compile.
-CARRIED = frozenset({"mask", "attn_precision", "skip_reshape", "skip_output_reshape", "transformer_options",
-                     "_inside_attn_wrapper", "scale", "enable_gqa", "low_precision_attention"})
+CARRIED = frozenset({"q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape",
+                     "transformer_options", "_inside_attn_wrapper", "scale", "enable_gqa", "low_precision_attention"})
 NO_BLOCK = -1  # block_index / total_blocks the model did not pass
 
 _OVERRIDES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
@@ -65,17 +66,12 @@ def traced_call(override_id: int, func, args, kwargs, bound) -> Optional[torch.T
         return None
     to = kwargs.get("transformer_options") or {}
     block, total = to.get("block_index"), to.get("total_blocks")
-    return torch.ops.sage_rdna4.attention(
+    return attention_op(
         bound["q"], bound["k"], bound["v"], bound["mask"], to.get("sigmas"), to.get("sample_sigmas"), override_id,
         site, int(bound["heads"]), bool(bound["skip_reshape"]), bool(bound["skip_output_reshape"]),
         bound["attn_precision"], kwargs.get("scale"), bool(kwargs.get("enable_gqa", False)),
         kwargs.get("low_precision_attention", True) is not False,
         NO_BLOCK if block is None else int(block), NO_BLOCK if total is None else int(total))
-
-
-def _tags():
-    tag = getattr(torch.Tag, "cudagraph_unsafe", None)  # the body runs host work a CUDA graph cannot replay
-    return (tag,) if tag is not None else ()
 
 
 def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
@@ -115,8 +111,10 @@ def _fake(q, k, v, mask, sigmas, sample_sigmas, override_id, site, heads, skip_r
     return q.new_empty(shape)
 
 
-try:
-    attention_op = torch.library.custom_op(OP, _op, mutates_args=(), tags=_tags())
-except TypeError:  # a torch without op tags
-    attention_op = torch.library.custom_op(OP, _op, mutates_args=())
-attention_op.register_fake(_fake)
+# One op per copy of the pack in the process; None (with the reason) where torch could not register it, and then
+# the override runs eagerly inside traces (sage_patch/override.py asks `TRACEABLE`).
+attention_op, OP_PROBLEM = try_define(op_name("attention", __name__), _op, _fake)
+TRACEABLE = attention_op is not None
+if OP_PROBLEM:
+    logging.getLogger("sage_rdna4").warning("[sage_rdna4] under torch.compile the patch runs eagerly (graph breaks): "
+                                            "its op could not be registered: %s", OP_PROBLEM)

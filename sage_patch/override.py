@@ -33,8 +33,8 @@ from ..kernels.registry import KernelRefused, decision_generation
 from ..kernels.routing import EXACT, MEASURE, RUN
 from ..kernels.tuner import Tuner, default_tuner
 from .call_plans import CallPlan, PlanCache, call_signature
+from .compiled_call import TRACEABLE, traced_call
 from .compiled_call import register as register_for_traces
-from .compiled_call import traced_call
 from .config import PatchConfig
 from .layouts import MALFORMED, from_hnd, hnd_inputs, strided_layout
 from .policies import CallPolicies
@@ -187,7 +187,7 @@ class SageAttentionOverride:
             return self._pass_on(func, args, kwargs)
 
     def __call__(self, func, *args, **kwargs):
-        if torch.compiler.is_compiling():  # inside a torch.compile trace: the call becomes one opaque op
+        if TRACEABLE and torch.compiler.is_compiling():  # inside a torch.compile trace: one opaque op
             return self._traced(func, args, kwargs)
         if self.baseline:
             return self._baseline_call(func, args, kwargs)

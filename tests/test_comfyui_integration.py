@@ -214,3 +214,35 @@ def test_benchmark_node_end_to_end(env, caplog, capsys):
     # The input model is still patched with its own override and untouched by the A/B runs.
     assert type(patched.model_options["transformer_options"]["optimized_attention_override"]).__name__ == \
         "SageAttentionOverride"
+
+
+@pytest.mark.parametrize("name", ["flux", "wan"])
+def test_a_compiled_model_gets_the_same_calls_and_no_graph_break_from_the_pack(env, name):
+    """ComfyUI's TorchCompileModel path (set_torch_compile_wrapper, here with backend="aot_eager"): the patched model
+    breaks the graph no more often than the unpatched one (for no reason of its own), and samples and counts as the eager patched model."""
+    from torch._dynamo.utils import counters
+
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    model, pos, neg, latent, cfg = MODELS[name](env["harness"])
+
+    def compiled_breaks(m):
+        m = m.clone()
+        set_torch_compile_wrapper(m, backend="aot_eager")
+        torch._dynamo.reset()
+        counters.clear()
+        out = sample(m, pos, neg, latent, cfg)
+        return out, dict(counters["graph_break"])
+
+    _, plain_breaks = compiled_breaks(model)
+    patched = patch(env, model, "reference")
+    override = patched.model_options["transformer_options"]["optimized_attention_override"]
+    eager = sample(patched, pos, neg, latent, cfg)
+    eager_stats = override.stats.snapshot()
+    override.stats.reset()
+    out, breaks = compiled_breaks(patched)
+    stats = override.stats.snapshot()
+    # ComfyUI's own CPU attention (sub-quadratic) breaks graphs; the patch adds none (its op replaces those calls)
+    assert sum(breaks.values()) <= sum(plain_breaks.values()) and set(breaks) <= set(plain_breaks)
+    assert stats["calls"] == eager_stats["calls"] and sum(stats["calls"].values()) > 0 and not stats["fallbacks"]
+    assert torch.allclose(out, eager, atol=1e-5, rtol=1e-5)
