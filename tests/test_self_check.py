@@ -506,6 +506,23 @@ def test_the_spec_without_smooth_k_passes_with_its_variants_bounds():
     assert reason and "'lse'" in reason and "LSE off by 0.06" in reason
 
 
+def test_a_key_dropped_only_without_causal_is_caught_by_the_diagonal_case(monkeypatch):
+    """A kernel that loses the last key of non-causal calls only (a key loop's bound off by one outside the causal
+    path): every other case passes it (cross-attention rel L1 0.061 < 0.08); in the non-causal diagonal case the
+    row that the key decides is another key's V (rel L1 1.7, its query block 0.70)."""
+    backend = registry.get_backend("reference")
+    launch = type(backend).launch.__get__(backend)
+    dropping = LAUNCH_FAULTS["last key dropped"](launch)
+
+    def faulty(q, k, v, call, sm_scale, mask):
+        return (launch if call.is_causal else dropping)(q, k, v, call, sm_scale, mask)
+    monkeypatch.setattr(backend, "launch", faulty)
+    result = sc.run_self_check(sc.backend_attention(backend, ALL_VARIANTS[0]), "cpu", accepts=accept_all,
+                               stop_at_first=False)
+    failed = [r.case.name for r in result.results if r.reason]
+    assert failed == ["diagonal"], [r.reason for r in result.results if r.reason]
+
+
 def test_first_use_judges_a_weak_variant_by_its_own_bounds():
     """Through SelfCheck (first use): the spec with block128 groups and smooth_k off reaches LSE 0.1452 on the LSE
     case, above the accurate bound (0.0338) and the former one (0.1); its variant's bound (0.2904) passes it, so a
