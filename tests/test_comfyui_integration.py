@@ -219,10 +219,10 @@ def test_benchmark_node_end_to_end(env, caplog, capsys):
 @pytest.mark.parametrize("name", ["flux", "wan"])
 def test_a_compiled_model_gets_the_same_calls_and_no_graph_break_from_the_pack(env, name):
     """ComfyUI's TorchCompileModel path (set_torch_compile_wrapper, here with backend="aot_eager"): the patched model
-    breaks the graph no more often than the unpatched one (for no reason of its own), and samples and counts as the eager patched model."""
-    from torch._dynamo.utils import counters
-
+    breaks the graph no more often than the unpatched one (for no reason of its own), and samples and counts as
+    the eager patched model."""
     from comfy_api.torch_helpers import set_torch_compile_wrapper
+    from torch._dynamo.utils import counters
 
     model, pos, neg, latent, cfg = MODELS[name](env["harness"])
 

@@ -1205,6 +1205,26 @@ def test_the_gpu_fuzz_makes_at_least_100_calls_per_backend_and_path(monkeypatch)
             gpu_fuzz_calls()
 
 
+INTERPRETER_FAULTS = ("LSE + 0.05", "causal one key late")
+
+
+@pytest.mark.parametrize("fault", [None, *INTERPRETER_FAULTS])
+def test_fuzz_triton_interpreter_sees_planted_lse_and_causal_faults(fault):
+    """The default run's Triton fuzz: a few small causal calls returning the LSE through the Triton FP8 kernel
+    under TRITON_INTERPRET=1 (a fresh process; a few seconds of calls), with a fault of tests/planted_faults.py
+    planted into its launch: an LSE + 0.05 or a causal diagonal one key late is reported, and without a fault
+    nothing is."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    args = [sys.executable, __file__, "--triton-interpreter", "--quick"] + (["--plant", fault] if fault else [])
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    print(proc.stdout[-4000:])
+    if fault is None:
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    else:
+        assert proc.returncode == 1 and "violations" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(GPU_FUZZ_TIMEOUT_S)
 @pytest.mark.parametrize("kernel", GPU_FUZZ_KERNELS)
@@ -1224,7 +1244,10 @@ def test_fuzz_gpu(monkeypatch, summary_lines, kernel):
 
 
 def _triton_interpreter_main():
-    """Runs inside the subprocess of test_fuzz_triton_interpreter_cpu."""
+    """Runs inside the subprocess of test_fuzz_triton_interpreter_cpu, or with --quick (and --plant FAULT) of
+    test_fuzz_triton_interpreter_sees_planted_lse_and_causal_faults."""
+    if "--quick" in sys.argv:
+        return _triton_interpreter_quick(sys.argv[sys.argv.index("--plant") + 1] if "--plant" in sys.argv else None)
     kernels = ["triton_int8_fp8", "triton_int8_fp16"]
     reasons = {k: get_backend(k).unavailable("cpu", None) for k in kernels}
     present = [k for k in kernels if reasons[k] is None]
@@ -1251,6 +1274,34 @@ def _triton_interpreter_main():
         tallies.append(tally)
     try:
         report_and_assert(tallies, min_results=3)
+    except AssertionError as exc:
+        print(exc)
+        sys.exit(1)
+
+
+def _triton_interpreter_quick(fault: Optional[str]):
+    """Six small causal calls with the LSE through the Triton FP8 kernel, `fault` planted into its launch."""
+    from planted_faults import LAUNCH_FAULTS
+
+    backend = get_backend("triton_int8_fp8")
+    if backend.unavailable("cpu", None):
+        print("Triton FP8 backend unavailable:", backend.unavailable("cpu", None))
+        sys.exit(2)
+    if fault:
+        backend.launch = LAUNCH_FAULTS[fault](type(backend).launch.__get__(backend))
+    rng = random.Random(SEED + 3)
+    cases = []
+    while len(cases) < 6:
+        c = random_case(rng, False)
+        if c.q_len >= 4 and c.kv_len >= 4 and c.batch * c.q_heads * max(c.q_len, c.kv_len) * c.head_dim <= 8000:
+            cases.append(dict_replace(c, values="normal", mask=None, is_causal=True, return_lse=True,
+                                      dtype=torch.float16))
+    tally = Tally(f"api kernel=triton_int8_fp8 on cpu (TRITON_INTERPRET=1), planted: {fault}")
+    for case in cases:
+        with Watchdog():
+            api_call(tally, case, "triton_int8_fp8", "cpu")
+    try:
+        report_and_assert([tally], min_results=4)
     except AssertionError as exc:
         print(exc)
         sys.exit(1)

@@ -557,3 +557,43 @@ else:
         warnings = [r for r in caplog.records if "inline-asm" in r.getMessage()]
         assert len(warnings) == 1 and ta.asm_conversion_failure in warnings[0].getMessage()
         assert torch.equal(first, soft) and torch.equal(second, soft)
+
+    # ---- the first-use self-check on the Triton kernel, and faults planted into its launch
+
+    import importlib
+
+    from planted_faults import LAUNCH_FAULTS
+
+    sc = importlib.import_module("comfyui_sage_rdna4.kernels.self_check")
+    # The self-check's kinds on shapes the interpreter runs in seconds (fp16: its bf16 is not exact): the probe (the
+    # gain's case), the LSE case, the causal diagonal and a softmax scale of its own.
+    SMALL_CASES = (
+        sc.Case("small-lse", "peaked", torch.float16, 64, 1, 2, 1, 40, 70, is_causal=True, return_lse=True),
+        sc.Case("small-diagonal", "diagonal", torch.float16, 64, 1, 2, 1, 64, 64, is_causal=True),
+        sc.Case("small-scale", "peaked", torch.float16, 64, 1, 2, 2, 32, 96, scale=0.06),
+        sc.Case("small-probe", "probe", torch.float16, 64, 1, 2, 2, 32, 256),
+    )
+    # The default run plants the faults the interpreter fuzz missed before (LSE, causal); the slow run the others.
+    QUICK_FAULTS = ("LSE + 0.05", "causal one key late")
+
+    def triton_self_check(kernel, variant):
+        backend = get_backend(kernel)
+        return sc.run_self_check(sc.backend_attention(backend, variant), "cpu", SMALL_CASES,
+                                 accepts=lambda c: True, variant=variant)
+
+    @pytest.mark.parametrize("kernel", ["triton_int8_fp8", pytest.param("triton_int8_fp16", marks=SLOW)])
+    def test_triton_kernel_passes_the_self_check_oracles(kernel):
+        """Unplanted, the Triton kernel passes the self-check's oracles (rel L1, gain, per row, LSE and its mean)."""
+        result = triton_self_check(kernel, sc.Variant("auto", "token", True, False))
+        assert result.reason is None, result.reason
+        assert len(result.results) == len(SMALL_CASES)
+
+    @pytest.mark.parametrize("fault", [f if f in QUICK_FAULTS else pytest.param(f, marks=SLOW)
+                                       for f in LAUNCH_FAULTS])
+    def test_a_fault_planted_in_the_triton_launch_fails_the_self_check(monkeypatch, fault):
+        """Each fault of tests/planted_faults.py, planted into the Triton FP8 backend's launch, fails the self-check
+        (in the small cases here, run by the kernel under the interpreter)."""
+        backend = get_backend("triton_int8_fp8")
+        monkeypatch.setattr(backend, "launch", LAUNCH_FAULTS[fault](type(backend).launch.__get__(backend)))
+        result = triton_self_check("triton_int8_fp8", sc.Variant("auto", "token", True, False))
+        assert result.reason, f"{fault} passed the self-check"
