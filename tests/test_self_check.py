@@ -539,9 +539,10 @@ def test_a_key_dropped_only_without_causal_is_caught_by_the_diagonal_case(monkey
 
 
 def test_first_use_judges_a_weak_variant_by_its_own_bounds():
-    """Through the first-use verdicts (gating.Verdicts): the spec with block128 groups and smooth_k off reaches LSE 0.1452 on the LSE
-    case, above the accurate bound (0.0338) and the former one (0.1); its variant's bound (0.2904) passes it, so a
-    kernel equal to the spec keeps serving those options (the H200's Triton FP8 kernel was refused for it)."""
+    """Through the first-use verdicts (gating.Verdicts): the spec with block128 groups and smooth_k off reaches LSE
+    0.1452 on the LSE case, above the accurate bound (0.0338) and the former one (0.1); its variant's bound (0.2904)
+    passes it, so a kernel equal to the spec keeps serving those options (the H200's Triton FP8 kernel was refused
+    for it)."""
     from comfyui_sage_rdna4.kernels.call_spec import describe_call
     lse_case = [c for c in sc.DEFAULT_CASES if c.return_lse]
     t = torch.empty(1, 2, 8, 64, dtype=torch.bfloat16)
