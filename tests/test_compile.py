@@ -223,3 +223,23 @@ def test_inductor_compiles_a_patched_model_with_no_graph_break():
     eager = counted(override)
     got, breaks = run(model, to, x, "inductor")
     assert breaks == {} and torch.allclose(got, want, atol=1e-5, rtol=1e-5) and counted(override) == eager
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["triton_int8_fp8", "auto"])
+def test_inductor_never_sees_our_triton_kernels_on_a_gpu(kernel):
+    """Inductor with fullgraph=True around the public API on a GPU: our Triton kernels run inside the op's body (its
+    prologue's Python float arguments never typed by inductor: the 'fp64' failure of a traced prologue), bit for
+    bit what the eager call gives, and no graph break."""
+    g = torch.Generator(device="cuda").manual_seed(8)
+    q, k, v = (torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+
+    def f(q, k, v):
+        return sage_attention(q, k, v, kernel=kernel, sm_scale=0.07) * 2.0
+
+    eager = f(q, k, v)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(f, backend="inductor", fullgraph=True)(q, k, v)
+    assert dict(counters["graph_break"]) == {}
+    assert torch.equal(compiled, eager)
