@@ -30,6 +30,18 @@ OTHER = f"other reasons (past the {MAX_REASONS} the stats keep apart)"
 _NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+")
 
 
+def _warn_beside_progress_bars(*args) -> None:
+    """log.warning on a line of its own while ComfyUI's sampler draws a tqdm bar (it lands mid-bar otherwise)."""
+    try:
+        from tqdm import tqdm
+        write_mode = tqdm.external_write_mode
+    except Exception:  # no tqdm: nothing draws bars
+        log.warning(*args)
+        return
+    with write_mode():
+        log.warning(*args)
+
+
 def reason_kind(reason: str) -> str:
     """The reason with its numbers (and hex addresses) replaced by '#'."""
     return _NUMBERS.sub("#", reason)
@@ -93,10 +105,12 @@ class PatchStats:
             kind = self._fallbacks.add(reason)
             first = kind is not None and self._first_time(("fallback", kind))
         if first and kind == OTHER:
-            log.warning("[%s] attention falls back to the call site's own attention: %s (more kinds of reason than "
-                        "the stats keep: counted as %r from now on, not logged)", self.label, reason, OTHER)
+            _warn_beside_progress_bars("[%s] attention falls back to the call site's own attention: %s (more kinds of "
+                                       "reason than the stats keep: counted as %r from now on, not logged)",
+                                       self.label, reason, OTHER)
         elif first:
-            log.warning("[%s] attention falls back to the call site's own attention: %s", self.label, reason)
+            _warn_beside_progress_bars("[%s] attention falls back to the call site's own attention: %s", self.label,
+                                       reason)
 
     def record_passed_over(self, passed_over: Dict[str, str], ran: Optional[str]) -> None:
         """`auto` passed over these backends (name -> reason) on one call; `ran` is what it took (None: nothing

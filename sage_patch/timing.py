@@ -191,7 +191,9 @@ class StepTimer:
         config = self.override.config
         self.override.attention_timer = AttentionTimer(self.device) if config.time_attention else None
         clock = "cuda events" if _is_cuda(self.device) else "host clock"
-        self._run = RunTiming(label=f"sage_rdna4[{config.kernel}]", clock=clock)
+        # The A/B baseline runs the model's own attention whatever its config names: its label says so.
+        label = "sage_rdna4[own attention]" if self.override.baseline else f"sage_rdna4[{config.kernel}]"
+        self._run = RunTiming(label=label, clock=clock)
         self._watches = []
         self._stats_before = self.override.stats.snapshot()
         self._run_start = time.perf_counter()

@@ -187,3 +187,32 @@ def test_attach_installs_one_pair_of_wrappers_per_model():
         assert model.get_wrappers(kind, WRAPPER_KEY) == []
     assert step_timer_of(ov1) is not step_timer_of(ov2)
     assert twice.get_wrappers(WrappersMP.PREDICT_NOISE, WRAPPER_KEY)[0].__self__ is step_timer_of(ov2)
+
+
+def test_the_ab_baselines_run_is_named_for_the_models_own_attention():
+    """The A/B baseline runs the call site's own attention whatever its config names: its run says so."""
+    for baseline, label in ((True, "sage_rdna4[own attention]"), (False, "sage_rdna4[sdpa]")):
+        override = SageAttentionOverride(PatchConfig(kernel="sdpa"), PatchStats("test"), baseline=baseline)
+        timer = StepTimer(override, torch.device("cpu"), [].append)
+        sample(timer, override, 2)
+        assert timer.last_run.label == label
+
+
+def test_a_fallback_warning_clears_the_progress_bar_first(monkeypatch, caplog):
+    """ComfyUI's sampler draws a tqdm bar: the first fallback of a kind is written through tqdm's external write
+    mode, so it gets a line of its own instead of landing mid-bar."""
+    tqdm = pytest.importorskip("tqdm")
+    entered = []
+
+    class Mode:
+        def __enter__(self):
+            entered.append(True)
+
+        def __exit__(self, *exc):
+            return False
+    monkeypatch.setattr(tqdm.tqdm, "external_write_mode", classmethod(lambda cls, *a, **k: Mode()))
+    stats = PatchStats("test")
+    with caplog.at_level(logging.WARNING):
+        stats.record_fallback("reason one")
+        stats.record_fallback("reason one")  # the same kind again: counted, not logged
+    assert entered == [True] and "reason one" in caplog.text
