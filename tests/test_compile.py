@@ -57,8 +57,9 @@ class Model(torch.nn.Module):
 
 
 def patched(config):
-    install.override_hook_missing = lambda: None  # no ComfyUI here
-    model, override = install.patch_model(FakePatcher(), config)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(install, "override_hook_missing", lambda: None)  # no ComfyUI here
+        model, override = install.patch_model(FakePatcher(), config)
     return model.model_options["transformer_options"], override
 
 
