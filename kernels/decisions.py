@@ -263,6 +263,10 @@ class DecisionBook:
         with self._lock:
             self._entries[key] = decision
 
+    def forget(self, key: tuple) -> None:
+        with self._lock:
+            self._entries.pop(key, None)
+
     def put_first(self, key: tuple, decision: Optional[Decision]) -> Optional[Decision]:
         """Keep `decision` unless another thread decided the key first; the one kept."""
         with self._lock:

@@ -108,8 +108,10 @@ def route(call: AttentionCall, kernel: str = "auto", *, quantized_only: bool = F
                 watch = tuner.measuring(call) if method == IN_STEP and name == decision.chosen else None
                 return Route(RUN, backend, passed_over=passed_over, decision=decision, measurement=watch)
             passed_over[name] = state
+        check = tuner.measuring(call) if method == IN_STEP else None  # a remembered SDPA choice checked now
         if quantized_only:
-            return Route(EXACT, None, decision.sdpa_reason(), passed_over=passed_over, decision=decision)
+            return Route(EXACT, None, decision.sdpa_reason(), passed_over=passed_over, decision=decision,
+                         measurement=check)
         return Route(RUN, get_backend(SDPA), decision.sdpa_reason(), passed_over=passed_over, decision=decision)
 
     # auto, not decided yet: a trial under way, or a measurement to begin among the ready candidates.

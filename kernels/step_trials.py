@@ -274,3 +274,58 @@ class Watch(Measurement):
                             candidates=old.candidates)
         self._on_revert(decision, True)
         return decision
+
+
+class Recheck(Measurement):
+    """A decision recalled from disk, checked in the first steps that run its kind of call: WATCH_CALLS adjacent
+    pairs of SDPA and `backend` (the stored choice, or the best quantized candidate when SDPA was chosen) per step,
+    timed as a watch times them, until WATCH_MIN of each. `on_result(agrees, ratio)` then says whether the ratio
+    measured now is the stored one within MARGIN (relative). Untimed calls take the route's default meanwhile."""
+
+    SDPA_TURN = "auto: checking a remembered choice (exact attention's turn, timed against it)"
+
+    def __init__(self, decision: Decision, backend, device, events, on_result):
+        super().__init__(device, events)
+        self.decision = decision
+        self.backend_name = backend.name
+        self._backend = backend
+        self.passed_over = dict(decision.passed_over)
+        self.stored_ratio = decision.ratio(backend.name)
+        self.measured_ratio: Optional[float] = None
+        self.samples: Dict[str, List[float]] = {SDPA: [], backend.name: []}
+        self._failed: Optional[str] = None
+        self._on_result = on_result
+        self._calls = 0
+        self.done = False
+
+    def backend(self, name: str):
+        return self._backend
+
+    def fail(self, name: str, reason: str) -> None:
+        """The remembered backend raised while checked: that disagrees with any stored timing."""
+        self._failed = reason
+
+    def pick(self) -> Optional[str]:
+        n = self._calls
+        self._calls += 1
+        pair, offset = divmod(n, 2)
+        if self.done or pair >= WATCH_CALLS:
+            return None
+        return SDPA if (pair % 2 == 0) == (offset == 0) else self.backend_name
+
+    def end_step(self) -> Optional[bool]:
+        calls, self._calls = self._calls, 0
+        for name, ms in self._read():
+            self.samples[name].append(ms)
+        if self.done or (calls == 0 and self._failed is None):
+            return None
+        sdpa, mine = self.samples[SDPA], self.samples[self.backend_name]
+        if self._failed is None and (len(sdpa) < WATCH_MIN or len(mine) < WATCH_MIN):
+            return None
+        agrees = False
+        if self._failed is None:
+            self.measured_ratio = trimmed_mean(mine) / trimmed_mean(sdpa)
+            agrees = abs(self.measured_ratio / self.stored_ratio - 1.0) <= MARGIN
+        self.done = True
+        self._on_result(agrees, self.measured_ratio)
+        return agrees

@@ -28,7 +28,7 @@ from . import settings
 from .decisions import ALONE, IN_STEP, NOT_DECIDED, SDPA, Decision, DecisionBook, DecisionStore
 from .quant import default_sm_scale
 from .registry import get_backend, invalidate_decisions
-from .step_trials import DeviceEvents, Measurement, StepTrial, Watch
+from .step_trials import DeviceEvents, Measurement, Recheck, StepTrial, Watch
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +135,38 @@ class Tuner:
                                                  self._on_decided(key, device, route.candidates))
                 return
             decision.passed_over, decision.candidates = dict(route.passed_over), names
-            self._keep(key, decision, device, route.candidates)
+            self.book.put(key, decision)
+            self._recheck(key, decision, device, route.candidates)
         log.info("%s", decision.summary)
+
+    def _recheck(self, key, decision: Decision, device, candidates) -> None:
+        """A decision recalled from disk is checked against this step's own timings before it is trusted (under
+        the lock): kept when they agree, measured again when not (Recheck)."""
+        best = decision.best_quantized[0] if decision.best_quantized else None
+        name = decision.chosen if decision.chosen != SDPA else best
+        backend = next((b for b in candidates if b.name == name), None)
+        if backend is None:  # nothing quantized to time against SDPA: the decision stands
+            self._keep(key, decision, device, candidates)
+            return
+        self._measuring[key] = Recheck(decision, backend, device, self.events,
+                                       self._on_rechecked(key, device, candidates, backend.name))
+
+    def _on_rechecked(self, key, device, candidates, name: str):
+        def rechecked(agrees: bool, ratio: Optional[float]) -> None:
+            with self._lock:
+                decision = self.book.get(key)
+                if agrees:
+                    self._keep(key, decision, device, candidates)
+                else:  # the stored timings no longer hold here: this kind of call is measured again
+                    self.book.forget(key)
+                    self._measuring[key] = StepTrial(key[3], device, candidates, decision.passed_over, self.events,
+                                                     self._on_decided(key, device, candidates))
+            if not agrees:
+                now = f"{ratio:.2f}x SDPA" if ratio is not None else "a failure"
+                log.warning("auto's remembered choice for (%s) is measured again: %s gave %s in this step, %.2fx "
+                            "stored", key[3].label(), name, now, decision.ratio(name))
+            self._on_change()
+        return rechecked
 
     def _keep(self, key, decision: Decision, device, candidates) -> None:
         """Record a decision (under the lock); a quantized choice is watched from now on."""

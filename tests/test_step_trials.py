@@ -253,9 +253,11 @@ def test_the_watch_reverts_a_choice_that_turns_slow(monkeypatch, tmp_path, caplo
     text = format_report_text({"auto_decisions": snap["auto_decisions"]})
     assert ("float16, D64, Nq<=256, Nk<=256: sdpa (best quantized triton_int8_fp16 1.200x) (measured in step); "
             "reverted to SDPA") in text
-    # the stored decision says so: a new process keeps SDPA for this kind of call without measuring
-    again = Scene(monkeypatch, {"sdpa": 10.0, "triton_int8_fp16": 8.0}, store=store)
-    assert again.step(3) == ["sdpa"] * 3 and again.events.marks == 0
+    # the stored decision says so: a new process where it still holds checks it in its first step and keeps SDPA
+    again = Scene(monkeypatch, {"sdpa": 10.0, "triton_int8_fp16": 12.0}, store=store)
+    first = again.step()
+    assert first.count("triton_int8_fp16") == step_trials.WATCH_CALLS and again.events.marks == 4 * 3
+    assert again.step() == ["sdpa"] * FLUX_CALLS and again.events.marks == 4 * 3
     assert again.decision().source == "disk" and again.decision().reverted == decision.reverted
 
 
@@ -275,7 +277,9 @@ def test_decisions_persist_per_way_of_measuring_and_are_reused(monkeypatch, tmp_
     scene.step()
     assert scene.decision().chosen == "triton_int8_fp8"
     again = Scene(monkeypatch, {"sdpa": 10.0, "triton_int8_fp8": 8.0}, store=store)
-    assert again.step(5) == ["triton_int8_fp8"] * 5 and again.events.marks == 0  # no trial: from disk
+    first = again.step()  # no trial: from disk, checked against SDPA in its first step (3 timed pairs)
+    assert first.count("sdpa") == step_trials.WATCH_CALLS and first.count("triton_int8_fp8") == FLUX_CALLS - 3
+    assert again.step() == ["triton_int8_fp8"] * FLUX_CALLS and again.events.marks == 4 * 3
     assert again.decision().source == "disk" and again.decision().samples == scene.decision().samples
     # a decision measured alone (the public API) is another entry: the step is measured all the same
     store_alone = decisions.DecisionStore(str(tmp_path / "alone"), enabled=True, identity=lambda device: IDENTITY)
@@ -411,3 +415,43 @@ def test_on_a_gpu_the_watch_reverts_a_choice_that_turns_slow_with_real_events(mo
     (decision,) = tuner.decisions()
     assert decision.chosen == "sdpa" and decision.reverted and "reverted to SDPA" in decision.reverted
     assert "reverted to SDPA" in override.stats.summary()
+
+
+def test_a_remembered_choice_that_no_longer_holds_is_measured_again(monkeypatch, tmp_path, caplog):
+    """A stored decision (here edited to say triton_int8_fp8 runs at 0.02x SDPA: within the plausible band) is checked
+    in its first step; measured at 0.80x it disagrees by more than the margin, so the kind is measured again."""
+    store = decisions.DecisionStore(str(tmp_path), enabled=True, identity=lambda device: IDENTITY)
+    scene = Scene(monkeypatch, {"sdpa": 10.0, "triton_int8_fp8": 8.0}, store=store)
+    scene.step()
+    edited = decisions.Decision(scene.decision().key, {"sdpa": 10.0, "triton_int8_fp8": 0.2}, method=decisions.IN_STEP,
+                                samples=scene.decision().samples, candidates=scene.decision().candidates)
+    store.save(torch.device("cpu"), edited, edited.candidates)
+    again = Scene(monkeypatch, {"sdpa": 10.0, "triton_int8_fp8": 8.0}, store=store)
+    with caplog.at_level(logging.WARNING):
+        again.step()  # the check: 0.80x now against 0.02x stored
+    assert any("is measured again" in r.getMessage() for r in caplog.records)
+    assert again.decision() is None  # forgotten: a trial measures this kind again
+    for _ in range(3):
+        again.step()
+        if again.decision() is not None:
+            break
+    decision = again.decision()
+    assert decision.source == "measured" and decision.ratio("triton_int8_fp8") == pytest.approx(0.8)
+
+
+def test_a_remembered_sdpa_choice_is_checked_against_the_best_quantized_kernel(monkeypatch, tmp_path):
+    """SDPA stored as faster (fp8 1.05x); in this process fp8 runs at 0.70x: the check times fp8 against SDPA,
+    disagrees, and the measuring that follows takes fp8."""
+    store = decisions.DecisionStore(str(tmp_path), enabled=True, identity=lambda device: IDENTITY)
+    scene = Scene(monkeypatch, {"sdpa": 10.0, "triton_int8_fp8": 10.5}, store=store)
+    scene.step()
+    assert scene.decision().chosen == "sdpa"
+    again = Scene(monkeypatch, {"sdpa": 10.0, "triton_int8_fp8": 7.0}, store=store)
+    first = again.step()
+    assert first.count("triton_int8_fp8") == step_trials.WATCH_CALLS  # the check's turns; the rest ran SDPA
+    for _ in range(3):
+        again.step()
+        if again.decision() is not None:
+            break
+    assert again.decision().chosen == "triton_int8_fp8" and again.decision().ratio("triton_int8_fp8") == \
+        pytest.approx(0.7)
