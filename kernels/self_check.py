@@ -118,6 +118,7 @@ class Case:
     kv_len: int
     is_causal: bool = False
     return_lse: bool = False  # optional: only for backends that return the LSE (see default_accepts)
+    key_mask: bool = False  # optional: a key-only padding mask over keys that hold huge values (`padding_mask`)
 
     @property
     def gqa(self) -> bool:
@@ -134,7 +135,8 @@ class Case:
     def label(self) -> str:
         return (f"'{self.name}' ({str(self.dtype).replace('torch.', '')} D{self.head_dim} B{self.batch} "
                 f"Hq{self.q_heads}/Hkv{self.kv_heads} Nq{self.q_len} Nk{self.kv_len} {self.kind}"
-                f"{' causal' if self.is_causal else ''}{' +LSE' if self.return_lse else ''})")
+                f"{' causal' if self.is_causal else ''}{' +LSE' if self.return_lse else ''}"
+                f"{' +key mask' if self.key_mask else ''})")
 
 
 # Every length is a tail: none is a multiple of 64 except the 512 text keys of cross-attention.
@@ -156,12 +158,27 @@ DEFAULT_CASES: Tuple[Case, ...] = (
     Case("long-tail", "long-tail", torch.bfloat16, 128, 2, 2, 2, 200, 2100),
     # LSE (optional): causal, GQA, both tails
     Case("lse", "peaked", torch.bfloat16, 64, 2, 4, 2, 200, 333, is_causal=True, return_lse=True),
+    # A key-only padding mask (HunyuanVideo's: -finfo.max on the padding, in q's dtype), padding keys holding K and V
+    # PADDING_SCALE times larger: a kernel that lets them into the row max or the K/V statistics fails.
+    Case("padded-keys", "peaked", torch.bfloat16, 128, 2, 2, 2, 300, 1100, return_lse=True, key_mask=True),
 )
+PADDING_SCALE = 1000.0
+PADDED_KEYS = (180, 357)  # masked keys at the end of batch 0, 1
 
 
 def default_accepts(case: Case) -> bool:
-    """A plain `attention(q, k, v, is_causal=False)` is assumed to take GQA and causal, not to return LSE."""
-    return not case.return_lse
+    """A plain `attention(q, k, v, is_causal=False)` is assumed to take GQA and causal, not to return LSE nor to
+    take a mask."""
+    return not case.return_lse and not case.key_mask
+
+
+def padding_mask(case: Case, device) -> torch.Tensor:
+    """The key-mask case's additive mask (B, 1, 1, Nk) in the case's dtype: 0, or -finfo.max on batch b's last
+    PADDED_KEYS[b] keys."""
+    m = torch.zeros(case.batch, 1, 1, case.kv_len, dtype=case.dtype)
+    for b in range(case.batch):
+        m[b, ..., case.kv_len - PADDED_KEYS[b % len(PADDED_KEYS)]:] = -torch.finfo(case.dtype).max
+    return m.to(device)
 
 
 def make_inputs(case: Case, device, seed: Optional[int] = None):
@@ -186,6 +203,11 @@ def make_inputs(case: Case, device, seed: Optional[int] = None):
         k *= 0.7
         if case.kind == "probe":
             v += 2.0 + 2.0 * torch.randn(b, hkv, 1, d, generator=g).abs()
+    if case.key_mask:  # the padding keys hold huge values (they must reach neither the row max nor any scale)
+        for bi in range(b):
+            pad = case.kv_len - PADDED_KEYS[bi % len(PADDED_KEYS)]
+            k[bi, :, pad:] *= PADDING_SCALE
+            v[bi, :, pad:] *= PADDING_SCALE
     return tuple(t.to(device=device, dtype=case.dtype) for t in (q, k, v))
 
 
@@ -310,12 +332,14 @@ def check_case(attention: Callable, case: Case, device) -> CaseResult:
         return CaseResult(case, reason, seconds=time.perf_counter() - t0, **kw)
 
     q, k, v = make_inputs(case, device)
+    mask = padding_mask(case, device) if case.key_mask else None
+    masked = {"attn_mask": mask} if case.key_mask else {}
 
     def call():
         if case.return_lse:
-            got = attention(q, k, v, is_causal=case.is_causal, return_lse=True)
+            got = attention(q, k, v, is_causal=case.is_causal, return_lse=True, **masked)
             return got if isinstance(got, tuple) else (got, None)
-        got = attention(q, k, v, is_causal=case.is_causal)
+        got = attention(q, k, v, is_causal=case.is_causal, **masked)
         return (got[0] if isinstance(got, tuple) else got), None
 
     try:
@@ -342,7 +366,8 @@ def check_case(attention: Callable, case: Case, device) -> CaseResult:
         return done(f"{label}: output has NaN/Inf ({where}, row {bad[2]})")
     if not isinstance(again, torch.Tensor) or again.shape != out.shape or not torch.equal(again, out):
         return done(f"{label}: the same call a second time gave a different output")
-    exact, exact_lse = exact_attention(q, k, v, is_causal=case.is_causal, return_lse=case.return_lse)
+    exact, exact_lse = exact_attention(q, k, v, is_causal=case.is_causal, return_lse=case.return_lse,
+                                       attn_mask=mask)
     sums = _block_sums(out.float(), exact, QUERY_BLOCK)
     rel_bh, cos_bh = _rel_cos(sums.sum(-1))  # per (batch, head)
     rel_blk, cos_blk = _rel_cos(sums)  # per (batch, head, query block)
@@ -444,7 +469,8 @@ def _case_call(case: Case, like_call, variant):
     meta = torch.device("meta")
     q = torch.empty(case.batch, case.q_heads, case.q_len, case.head_dim, dtype=case.dtype, device=meta)
     kv = torch.empty(case.batch, case.kv_heads, case.kv_len, case.head_dim, dtype=case.dtype, device=meta)
-    call = describe_call(q, kv, kv, is_causal=case.is_causal, return_lse=case.return_lse,
+    mask = torch.empty(case.batch, 1, 1, case.kv_len, dtype=case.dtype, device=meta) if case.key_mask else None
+    call = describe_call(q, kv, kv, attn_mask=mask, is_causal=case.is_causal, return_lse=case.return_lse,
                          smooth_k=variant.smooth_k, prologue=variant.prologue, qk_group=variant.qk_group,
                          smooth_v=variant.smooth_v)
     return replace(call, device_type=like_call.device_type, device_index=like_call.device_index,
@@ -456,13 +482,14 @@ def backend_attention(backend, variant: Variant) -> Callable:
     from .call_spec import describe_call
     from .registry import KernelRefused
 
-    def attention(q, k, v, is_causal=False, return_lse=False):
-        call = describe_call(q, k, v, is_causal=is_causal, return_lse=return_lse, smooth_k=variant.smooth_k,
-                             prologue=variant.prologue, qk_group=variant.qk_group, smooth_v=variant.smooth_v)
+    def attention(q, k, v, is_causal=False, return_lse=False, attn_mask=None):
+        call = describe_call(q, k, v, attn_mask=attn_mask, is_causal=is_causal, return_lse=return_lse,
+                             smooth_k=variant.smooth_k, prologue=variant.prologue, qk_group=variant.qk_group,
+                             smooth_v=variant.smooth_v)
         reason = backend.refuse(call)
         if reason:
             raise KernelRefused(backend.name, reason)
-        out, lse = backend.launch(q, k, v, call, 1.0 / math.sqrt(q.shape[-1]), None)
+        out, lse = backend.launch(q, k, v, call, 1.0 / math.sqrt(q.shape[-1]), attn_mask)
         return (out, lse) if return_lse else out
     return attention
 
