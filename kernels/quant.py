@@ -201,11 +201,15 @@ def live_keys(bias: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def smooth_keys_live(x: torch.Tensor, live: torch.Tensor, smooth: bool = True):
-    """x (K or V) with dead keys 0: minus the mean over the live keys (FP64 sum / live count) when `smooth`.
-    Returns (FP32 x, the FP32 mean (B, H, 1, D) or None). `live` broadcasts to (B, H, Nk)."""
+    """x (K or V) with dead keys x * 0: minus the mean over the live keys (FP64 sum / live count) when `smooth`.
+    Returns (FP32 x, the FP32 mean (B, H, 1, D) or None). `live` broadcasts to (B, H, Nk).
+    x * 0 is 0, or NaN where a dead key holds NaN/Inf: that reaches the mean or the scale, so the output is NaN as
+    exact attention's is (its masked score or P * V is NaN there), never a finite answer from non-finite input."""
     w = live.expand(x.shape[:3]).unsqueeze(-1)
+    xf = x.float()
     if not smooth:
-        return torch.where(w, x.float(), 0.0), None
+        return torch.where(w, xf, xf * 0), None
     count = w.sum(dim=2, keepdim=True).clamp_min(1)
-    mean = (torch.where(w, x.double(), 0.0).sum(dim=2, keepdim=True) / count).float()
-    return torch.where(w, x.float() - mean, 0.0), mean
+    xd = x.double()
+    mean = (torch.where(w, xd, xd * 0).sum(dim=2, keepdim=True) / count).float()
+    return torch.where(w, xf - mean, xf * 0), mean

@@ -17,8 +17,8 @@ from fakes import FakeBackend
 sc = importlib.import_module("comfyui_sage_rdna4.kernels.self_check")  # kernels.self_check is the function
 
 
-def reference(q, k, v, is_causal=False, return_lse=False):
-    out, lse = reference_attention(q, k, v, is_causal=is_causal, return_lse=return_lse)
+def reference(q, k, v, is_causal=False, return_lse=False, attn_mask=None):
+    out, lse = reference_attention(q, k, v, is_causal=is_causal, return_lse=return_lse, attn_mask=attn_mask)
     return (out, lse) if return_lse else out
 
 
@@ -30,8 +30,8 @@ def accept_all(case):
 
 def planted(fault):
     """Wrap the reference: `fault(out, q, k, v, is_causal)` returns the output a broken kernel would give."""
-    def attention(q, k, v, is_causal=False, return_lse=False):
-        out, lse = reference_attention(q, k, v, is_causal=is_causal, return_lse=return_lse)
+    def attention(q, k, v, is_causal=False, return_lse=False, attn_mask=None):
+        out, lse = reference_attention(q, k, v, is_causal=is_causal, return_lse=return_lse, attn_mask=attn_mask)
         out = fault(out.clone(), q, k, v, is_causal)
         return (out, lse) if return_lse else out
     return attention
@@ -163,6 +163,28 @@ def test_public_api_and_default_accepts():
     assert any(c.kind == "long-tail" and c.kv_len >= 2048 for c in cases)  # tests/test_long_tail_case.py
     assert any(c.gqa for c in cases) and any(c.is_causal for c in cases) and any(c.kind == "diffuse" for c in cases)
     assert sc.BOUNDS["probe"].max_rel_l1 < sc.SCALE_LOSS_MUST_FAIL
+    masked = [c for c in cases if c.key_mask]
+    assert masked and not any(sc.default_accepts(c) for c in masked)  # a plain callable takes no mask
+
+
+def padded_keys_case():
+    return next(c for c in sc.DEFAULT_CASES if c.key_mask)
+
+
+def test_padded_keys_case_catches_padding_in_the_statistics_or_the_row_max(monkeypatch):
+    """The spec passes the key-mask case; the same spec with the padding keys let into smooth_k's mean, the V scale
+    (quant.live_keys keeping every key), or with the mask ignored (padding in the row max), fails it. Measured:
+    spec rel L1 0.0375 cos 0.99929; padding in the statistics cos 0.099 (rel L1 6.2); mask ignored rel L1 1.3e4."""
+    case = padded_keys_case()
+    ok = sc.check_case(reference, case, "cpu")
+    assert ok.reason is None and ok.worst_rel_l1 < 0.7 * case.bound.max_rel_l1, ok
+    monkeypatch.setattr(quant, "live_keys", lambda bias, kv_heads: torch.ones_like(bias, dtype=torch.bool))
+    stats = sc.check_case(reference, case, "cpu")
+    assert stats.reason and "'padded-keys'" in stats.reason and "cosine" in stats.reason, stats.reason
+    monkeypatch.undo()
+    monkeypatch.setattr(quant, "mask_bias_base2", lambda m: torch.zeros(m.shape))
+    ignored = sc.check_case(reference, case, "cpu")
+    assert ignored.reason and "'padded-keys'" in ignored.reason, ignored.reason
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
@@ -411,8 +433,9 @@ def test_cached_pass_skips_the_check_and_a_failure_is_never_cached(tmp_path, mon
 def test_the_spec_without_smooth_k_passes_too():
     """smooth_k off is a user's choice the spec serves less accurately (LSE 0.0695 on the LSE case's K offset, as
     the H200 kernels do): a kernel computing exactly that must not be disabled for it."""
-    def no_smooth_k(q, k, v, is_causal=False, return_lse=False):
-        out, lse = reference_attention(q, k, v, is_causal=is_causal, smooth_k=False, return_lse=return_lse)
+    def no_smooth_k(q, k, v, is_causal=False, return_lse=False, attn_mask=None):
+        out, lse = reference_attention(q, k, v, is_causal=is_causal, smooth_k=False, return_lse=return_lse,
+                                       attn_mask=attn_mask)
         return (out, lse) if return_lse else out
     assert kernels.self_check(no_smooth_k, torch.device("cpu"), accepts=accept_all) is None
 

@@ -74,6 +74,12 @@ def _floor_tiny(x):
 
 
 @triton.jit
+def _dead(x):
+    """A dead key's value times 0 (quant.smooth_keys_live): 0, or NaN where x is NaN/Inf (x - x is not 0 there)."""
+    return tl.where(x - x == 0, 0.0, float("nan"))
+
+
+@triton.jit
 def round_to_e4m3(x):
     """Round FP32 |x| <= 448 to the nearest e4m3fn value (ties to even), still as FP32."""
     bits = x.to(tl.int32, bitcast=True)
@@ -131,15 +137,19 @@ def _kv_stats(K, V, KSUM, VMAX, VSUM, VMIN, LIVE,
     for s in range(0, CHUNK, SUB):
         n = (start + s + rows).to(tl.int64)
         live = n < Nk
-        if HAS_LIVE:  # a key-only mask's dead keys stay out of every statistic
-            live = live & (tl.load(LIVE + b * slb + h * slh + n, mask=live, other=0) != 0)
+        if HAS_LIVE:  # a key-only mask's dead keys add 0 (NaN where theirs is not finite) to every statistic
+            kept = (tl.load(LIVE + b * slb + h * slh + n, mask=live, other=0) != 0)[:, None]
         if DO_KSUM:
             k = tl.load(k_base + n[:, None] * skn + offs_d[None, :] * skd,
-                        mask=live[:, None] & (offs_d[None, :] < D), other=0.0)
-            k_hi, k_lo = _two_sum_add(k_hi, k_lo, k.to(tl.float32))
+                        mask=live[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+            if HAS_LIVE:
+                k = tl.where(kept, k, _dead(k))
+            k_hi, k_lo = _two_sum_add(k_hi, k_lo, k)
         v_live = live[:, None] & (offs_dv[None, :] < DV)
         v = tl.load(v_base + n[:, None] * svn + offs_dv[None, :] * svd, mask=v_live, other=0.0)
         v = v.to(tl.float32)
+        if HAS_LIVE:
+            v = tl.where(kept, v, _dead(v))
         if SMOOTH_V:
             v_hi, v_lo = _two_sum_add(v_hi, v_lo, v)
             vmax = tl.maximum(vmax, tl.where(v_live, v, float("-inf")))
@@ -251,12 +261,13 @@ def _int8_tile(X, mean, Q8, SCALE, mult, sxb, sxh, sxn, sxd, H, N, s_row, pid_bh
     offs_d = tl.arange(0, D_PAD)
     n = (blk * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     live = (n[:, None] < N) & (offs_d[None, :] < D)
-    if HAS_LIVE:
-        live = live & (tl.load(LIVE + b * slb + h * slh + n, mask=n < N, other=0) != 0)[:, None]
     x = tl.load(X + b * sxb + h * sxh + n[:, None] * sxn + offs_d[None, :] * sxd, mask=live, other=0.0)
     x = x.to(tl.float32)
     if HAS_MEAN:
         x = tl.where(live, x - mean[None, :], 0.0)  # padded rows must not reach the amax
+    if HAS_LIVE:  # dead keys: 0 (NaN where not finite), so they reach no block's amax
+        kept = (tl.load(LIVE + b * slb + h * slh + n, mask=n < N, other=0) != 0)[:, None]
+        x = tl.where(kept, x, _dead(x))
     if HAS_MULT:
         x = x * mult
     if PER_BLOCK:
@@ -270,7 +281,7 @@ def _int8_tile(X, mean, Q8, SCALE, mult, sxb, sxh, sxn, sxd, H, N, s_row, pid_bh
     y = tl.where(y == y, y, 0.0)  # an all-zero row gives 0 * inf = NaN (max/min would turn it into -127)
     q = tl.minimum(tl.maximum(_rint(y, INTERPRETER), -127.0), 127.0)
     row = pid_bh.to(tl.int64) * N + n
-    tl.store(Q8 + row[:, None] * D + offs_d[None, :], q.to(tl.int8), mask=(n[:, None] < N) & (offs_d[None, :] < D))
+    tl.store(Q8 + row[:, None] * D + offs_d[None, :], q.to(tl.int8), mask=live)
     tl.store(SCALE + pid_bh.to(tl.int64) * s_row + n, tl.math.div_rn(amax, 127.0), mask=n < N)
 
 
@@ -285,15 +296,13 @@ def _v_tile(V, scale, v_mean, VOUT, svb, svh, svn, svd, sob, soh, son, sod, H, N
     offs_d = tl.arange(0, DV_PAD)
     n = (blk * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     live = (n[:, None] < N) & (offs_d[None, :] < DV)
-    if HAS_LIVE:
-        kept = (tl.load(LIVE + b * slb + h * slh + n, mask=n < N, other=0) != 0)[:, None]
-        live = live & kept
     v = tl.load(V + b * svb + h * svh + n[:, None] * svn + offs_d[None, :] * svd, mask=live, other=0.0)
     x = v.to(tl.float32)
     if SMOOTH_V:
         x = x - v_mean[None, :]
-        if HAS_LIVE:
-            x = tl.where(kept, x, 0.0)
+    if HAS_LIVE:  # dead keys: 0 (NaN where not finite)
+        kept = (tl.load(LIVE + b * slb + h * slh + n, mask=n < N, other=0) != 0)[:, None]
+        x = tl.where(kept, x, _dead(v.to(tl.float32)))
     x = tl.math.div_rn(x, scale[None, :])
     if PV_FP8:
         x = round_to_e4m3(tl.minimum(tl.maximum(x, -448.0), 448.0))
@@ -309,8 +318,7 @@ def _v_tile(V, scale, v_mean, VOUT, svb, svh, svn, svd, sob, soh, son, sod, H, N
         out_ptr = VOUT + b * sob + h * soh + offs_d[:, None] * sod + n[None, :] * son
         tl.store(out_ptr, tl.trans(x), mask=(offs_d[:, None] < DV) & (n[None, :] < n_store))
     else:
-        tl.store(VOUT + b * sob + h * soh + n[:, None] * son + offs_d[None, :] * sod, x,
-                 mask=(n[:, None] < N) & (offs_d[None, :] < DV))
+        tl.store(VOUT + b * sob + h * soh + n[:, None] * son + offs_d[None, :] * sod, x, mask=live)
 
 
 @triton.jit
