@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from ... import launch_split, quant
-from ...call_spec import key_mask, mask_refusal
+from ...call_spec import key_mask, mask_refusal, mask_scope
 from ...registry import Backend
 from ...self_check import SelfCheck
 from .configs import MAX_HEAD_DIM, attention_config
@@ -131,6 +131,9 @@ class TritonBackend(Backend):
         cfg = attention_config(call.arch, max(call.head_dim, call.v_head_dim), self.pv)
         bias = live = None
         if attn_mask is not None:
+            if mask_scope(attn_mask) != "keys":  # a plan keyed without the mask's strides must not reach row 0 only
+                raise ValueError(f"a mask {tuple(attn_mask.shape)} that differs between query rows reached the "
+                                 "Triton kernels, which take key-only masks")
             # Key-only (refuse): one FP32 base-2 bias per (batch or 1, head or 1, key), and the keys it leaves live.
             bias = quant.mask_bias_base2(key_mask(attn_mask, call.kv_len)).contiguous()
             live = quant.live_keys(bias, call.kv_heads)
