@@ -546,6 +546,29 @@ else:
         plain = quant.quantize_qkv_torch(q, k, v, **kw)
         assert float(got.v_scale.max()) < float(plain.v_scale.max()) / 100  # padding's V is not in the scale
 
+    @pytest.mark.parametrize("kind", ["bool", "neg-inf fp16", "-finfo.max bf16 3d", "-finfo.max expanded",
+                                      "per-head bool", "soft bias", "nan and all -inf heads"])
+    def test_mask_operands_in_one_launch_match_the_spec(kind):
+        """masks.key_mask_operands (one launch) gives quant.mask_bias_base2 and quant.live_keys bit for bit, and the
+        live count per (batch, kv head)."""
+        from comfyui_sage_rdna4.kernels.backends.triton.masks import key_mask_operands
+        from comfyui_sage_rdna4.kernels.call_spec import key_mask
+        b, hq, hkv, n = 2, 4, 2, 1500  # two blocks of the prep kernel
+        if kind == "nan and all -inf heads":
+            mask = torch.randn(b, hq, 1, n) * 3.0
+            mask[0, 1] = -math.inf
+            mask[1, 2, :, 7] = float("nan")
+            mask[1, 3, :, : n // 2] = -8000.0
+        else:
+            mask = mask_variants(b, hq, n, 333)[kind]
+        bias, live = key_mask_operands(mask, b, hq, hkv, n)
+        want = quant.mask_bias_base2(key_mask(mask, n))
+        assert torch.equal(bias.isnan(), want.isnan())
+        assert torch.equal(torch.nan_to_num(bias), torch.nan_to_num(want))
+        want_live = quant.live_keys(want, hkv).expand(b, hkv, n)
+        assert torch.equal(live.flags.bool(), want_live)
+        assert torch.equal(live.count, want_live.sum(-1).double().clamp_min(1).reshape(-1))
+
     # ---- small V through FP16 P.V: the V scale goes up as well as down (quant.fp16_v_scale)
     @pytest.mark.parametrize("dtype,magnitude", [
         (torch.float32, 1e-7), (torch.float32, 1e-9),

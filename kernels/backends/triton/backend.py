@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from ... import launch_split, quant
-from ...call_spec import key_mask, mask_refusal, mask_scope
+from ... import launch_split
+from ...call_spec import mask_refusal, mask_scope
 from ...registry import Backend
 from ...self_check import SelfCheck
 from .configs import MAX_HEAD_DIM, attention_config
@@ -135,8 +135,8 @@ class TritonBackend(Backend):
                 raise ValueError(f"a mask {tuple(attn_mask.shape)} that differs between query rows reached the "
                                  "Triton kernels, which take key-only masks")
             # Key-only (refuse): one FP32 base-2 bias per (batch or 1, head or 1, key), and the keys it leaves live.
-            bias = quant.mask_bias_base2(key_mask(attn_mask, call.kv_len)).contiguous()
-            live = quant.live_keys(bias, call.kv_heads)
+            bias, live = masks_module().key_mask_operands(attn_mask, call.batch, call.q_heads, call.kv_heads,
+                                                          call.kv_len)
         if call.prologue == "hip":
             qq = _hip_prologue()[1](q, k, v, sm_scale=sm_scale, smooth_k=call.smooth_k, pv=self.pv,
                                     qk_group=call.qk_group, smooth_v=call.smooth_v)
@@ -200,6 +200,12 @@ def _kernel_modules():
         from . import attention, prologue
         _modules = (prologue, attention)
     return _modules
+
+
+def masks_module():
+    """kernels/backends/triton/masks.py, imported at the first masked launch (it needs triton)."""
+    from . import masks
+    return masks
 
 
 def make_backend(pv: str) -> Backend:

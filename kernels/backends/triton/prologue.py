@@ -36,6 +36,7 @@ from ... import quant
 from ...call_spec import device_arch
 from .configs import MAX_HEAD_DIM, ceil_div, padded_head_dim, prologue_config
 from .launcher import launch, tensor_key
+from .masks import LiveKeys, live_keys_operands
 from .workspace import WorkspaceCache
 
 # 1.5 * 2**23: adding and subtracting it rounds an FP32 of magnitude < 2**22 to an integer, ties to even.
@@ -530,15 +531,16 @@ WORKSPACES = WorkspaceCache()
 def triton_quantize_qkv(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: str = "fp8",
                         qk_group: str = "token", v_transposed: bool = False,
                         smooth_v: bool = False, reuse_buffers: bool = False,
-                        pad_k_scale_rows: bool = False, live: Optional[torch.Tensor] = None) -> quant.QuantizedQKV:
+                        pad_k_scale_rows: bool = False, live=None) -> quant.QuantizedQKV:
     """The spec's prologue as Triton kernels; returns what `quant.quantize_qkv_torch` returns.
 
     `v_transposed=True` (internal to the Triton attention where its config asks for it) stores V as
     (B, Hkv, Dv, Nk_pad) and hands out its (B, Hkv, Nk, Dv) transposed view; every other consumer gets
     contiguous V. `pad_k_scale_rows=True` (internal to the Triton attention too) stores k_scale with rows
     padded to 16 entries and hands out its (B, Hkv, Nk) view.
-    `live` (bool (1 or B, 1 or Hkv, Nk), `quant.live_keys` of a key-only mask): only live keys enter the means
-    and scales, and dead keys' K and V codes are 0, as `quant.quantize_qkv_torch(live=...)`.
+    `live` (bool (1 or B, 1 or Hkv, Nk), `quant.live_keys` of a key-only mask, or its `masks.LiveKeys`): only live
+    keys enter the means and scales, and dead keys' K and V codes are 0 (NaN where not finite), as
+    `quant.quantize_qkv_torch(live=...)`.
     `reuse_buffers=True` (the backend's own path only) writes into this signature's kept workspace
     (workspace.py): the result is overwritten by the next such call on the same stream.
     """
@@ -557,11 +559,13 @@ def triton_quantize_qkv(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: 
         buf = allocate_buffers(plan, shapes, dev)
     k_strides, v_strides = k.stride(), v.stride()
     if live is not None:
-        if live.dim() != 3 or live.shape[-1] != nk or live.shape[0] not in (1, b) or live.shape[1] not in (1, hkv):
-            raise ValueError(f"live must be (1 or B, 1 or Hkv, Nk) = {(b, hkv, nk)}, got {tuple(live.shape)}")
-        live_i8 = live.to(torch.int8).contiguous()
-        live_strides = tuple(0 if live.shape[i] == 1 else live_i8.stride(i) for i in (0, 1))
-        count = live.expand(b, hkv, nk).sum(dim=-1, dtype=torch.float64).clamp_min(1).reshape(-1)
+        flags = live.flags if isinstance(live, LiveKeys) else live
+        if flags.dim() != 3 or flags.shape[-1] != nk or flags.shape[0] not in (1, b) or flags.shape[1] not in (1, hkv):
+            raise ValueError(f"live must be (1 or B, 1 or Hkv, Nk) = {(b, hkv, nk)}, got {tuple(flags.shape)}")
+        live_i8, count = live if isinstance(live, LiveKeys) else live_keys_operands(live, b, hkv)
+        if not live_i8.is_contiguous() or live_i8.dtype != torch.int8 or count.shape != (b * hkv,):
+            raise ValueError("LiveKeys must hold contiguous int8 flags and a (B * Hkv,) count")
+        live_strides = tuple(0 if live_i8.shape[i] == 1 else live_i8.stride(i) for i in (0, 1))
     else:
         live_i8, live_strides, count = buf.vmax, (0, 0), buf.vmax  # stand-ins the kernels never read
     k_mean_arg = buf.v_scale if buf.k_mean is None else buf.k_mean
