@@ -173,9 +173,10 @@ def quantize_qkv_torch(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: s
 # to -inf (a row of zeros), so finite values are floored at -FP32 max: the swamped scores stay equal, as in SDPA.
 FP32_MAX = torch.finfo(torch.float32).max
 # A key whose base-2 bias lies this far below the largest bias of its (batch, head) has weight below 2**-8000 of
-# that key's in every row whose scores spread less than that (|scale * q.k| differences under ~5600): it is
-# "dead" and leaves the K/V statistics (smooth_k/smooth_v means, V scale, K block scales), and its K and V codes
-# are 0, so padding keys holding huge values cannot coarsen the kept keys' quantization.
+# that key's in every row whose scores spread less than that (|scale * q.k| differences under ~5600), 0 in FP32:
+# it is "dead". Its bias becomes -inf (the kernels skip a tail of dead keys), it leaves the K/V statistics
+# (smooth_k/smooth_v means, V scale, K block scales), and its K and V codes are 0, so padding keys holding huge
+# values cannot coarsen the kept keys' quantization.
 DEAD_KEY_RANGE = 8192.0
 
 
@@ -188,13 +189,24 @@ def mask_bias_base2(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(m == -math.inf, m, (m * LOG2E).clamp(min=-FP32_MAX))  # the product may overflow to -inf
 
 
+def dead_keys(bias: torch.Tensor) -> torch.Tensor:
+    """Where a key-only mask's base-2 bias (..., Nk) lies DEAD_KEY_RANGE or more below its row's largest (never
+    where that largest is -inf or NaN: such rows keep every key)."""
+    top = bias.amax(dim=-1, keepdim=True) if bias.shape[-1] else bias
+    return bias < top - DEAD_KEY_RANGE
+
+
+def key_mask_bias(bias: torch.Tensor) -> torch.Tensor:
+    """The bias the kernels add for a key-only mask (Bm, Hm, Nk): -inf on its dead keys."""
+    return bias.masked_fill(dead_keys(bias), -math.inf)
+
+
 def live_keys(bias: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """The keys a key-only mask leaves in the K/V statistics: bias (Bm, Hm, Nk) base 2, Hm 1 or a multiple of
     kv_heads. Returns bool (Bm, kv_heads or 1, Nk): a key is live for a kv head where, for some q head of its group,
     its bias is within DEAD_KEY_RANGE of that head's largest bias. A head whose keys are all -inf keeps them all
     (its rows are empty anyway), as does a NaN bias (its rows are NaN)."""
-    top = bias.amax(dim=-1, keepdim=True) if bias.shape[-1] else bias
-    live = ~(bias < top - DEAD_KEY_RANGE)  # NaN compares false: kept
+    live = ~dead_keys(bias)  # NaN compares false: kept
     if live.shape[1] > 1:
         live = live.unflatten(1, (kv_heads, -1)).any(dim=2)
     return live

@@ -495,6 +495,7 @@ else:
     @pytest.mark.parametrize("name", ["bool", "neg-inf fp16", "-finfo.max bf16 3d", "-finfo.max expanded",
                                       "per-head bool", "soft bias"])
     def test_key_masks_against_sdpa_and_spec(kernel, name):
+        from comfyui_sage_rdna4.kernels.call_spec import key_mask
         """Padding keys 1000x larger than the rest: the output and LSE follow SDPA and the spec (which keeps dead keys
         out of the statistics); letting them in costs cos ~0.1 on the self-check's padded-keys case."""
         pv = kernel.rsplit("_", 1)[1]
@@ -503,6 +504,21 @@ else:
         q, k, v = padded(2, 4, 2, 70, 64, 17, scale=1.0 if name in ("per-head bool", "soft bias") else 1000.0)
         mask = mask_variants(2, 4, 70, 17)[name]
         out, lse = sage_attention(q, k, v, kernel=kernel, attn_mask=mask, return_lse=True)
+        # The kernel on the spec's own quantization, with the bias and the key end the backend computes: the spec
+        # to its tight bound (the end skips the padding's tiles, which must change nothing).
+        from comfyui_sage_rdna4.kernels.backends.triton.masks import key_mask_operands
+        bias, key_end, live = key_mask_operands(mask, 2, 4, 2, 70)
+        assert key_end.max() <= (70 if name in ("per-head bool", "soft bias") else 53)
+        qq = quant.quantize_qkv_torch(q, k, v, sm_scale=0.125, pv=pv, live=quant.live_keys(
+            quant.mask_bias_base2(key_mask(mask, 70)), 2))
+        cfg = attention_config("cpu", 64, pv)
+        got, got_lse = attention_from_quantized_triton(qq, pv=pv, config=cfg, return_lse=True, key_bias=bias,
+                                                       key_end=key_end, out_dtype=torch.float32)
+        ref, ref_lse = reference.attention_from_quantized(qq, pv=pv, return_lse=True, p_tile=cfg.block_n,
+                                                          key_bias=quant.key_mask_bias(
+                                                              quant.mask_bias_base2(key_mask(mask, 70))))
+        assert metrics.rel_l1(got, ref) <= SPEC_REL_L1[pv], metrics.rel_l1(got, ref)
+        torch.testing.assert_close(got_lse, ref_lse, rtol=0, atol=1e-4)
         sdpa_mask = mask if mask.dtype == torch.bool else mask.float()  # SDPA takes FP32 masks with FP32 q (exact)
         sdpa = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
                                                                 attn_mask=sdpa_mask)
@@ -561,11 +577,15 @@ else:
             mask[1, 3, :, : n // 2] = -8000.0
         else:
             mask = mask_variants(b, hq, n, 333)[kind]
-        bias, live = key_mask_operands(mask, b, hq, hkv, n)
-        want = quant.mask_bias_base2(key_mask(mask, n))
+        bias, key_end, live = key_mask_operands(mask, b, hq, hkv, n)
+        raw = quant.mask_bias_base2(key_mask(mask, n))
+        want = quant.key_mask_bias(raw)
         assert torch.equal(bias.isnan(), want.isnan())
         assert torch.equal(torch.nan_to_num(bias), torch.nan_to_num(want))
-        want_live = quant.live_keys(want, hkv).expand(b, hkv, n)
+        alive = ~quant.dead_keys(raw)
+        idx = torch.arange(1, n + 1, dtype=torch.int32)
+        assert torch.equal(key_end, torch.where(alive, idx, 0).amax(-1).to(torch.int32))
+        want_live = quant.live_keys(raw, hkv).expand(b, hkv, n)
         assert torch.equal(live.flags.bool(), want_live)
         assert torch.equal(live.count, want_live.sum(-1).double().clamp_min(1).reshape(-1))
 

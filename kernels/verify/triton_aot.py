@@ -172,10 +172,10 @@ def _compile_attention(arch, head_dim, pv, config, *, is_causal=False, return_ls
     d_pad, dv_pad = padded_head_dim(head_dim), padded_head_dim(dv)
     v_ty = "*fp8e4nv" if pv == "fp8" else "*fp16"
     sig = {"Q8": "*i8", "QS": "*fp32", "K8": "*i8", "KS": "*fp32", "V": v_ty, "VS": "*fp32", "VM": "*fp32",
-           "O": f"*{out_dtype}", "LSE": "*fp32", "BIAS": "*fp32"}
+           "O": f"*{out_dtype}", "LSE": "*fp32", "BIAS": "*fp32", "KEND": "*i32"}
     # sks: k_scale's row stride, a multiple of 16 from the Triton prologue (pad_k_scale_rows)
     strides = ["sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "svd", "sob", "soh", "son", "sks",
-               "sbb", "sbh"]
+               "sbb", "sbh", "seb", "seh"]
     unit = "svn" if config.v_transposed else "svd"
     for s in strides:
         sig[s] = "constexpr" if s == unit else "i32"

@@ -119,14 +119,16 @@ def _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_ba
         # q_scale > 0 per row commutes with the row max, so it folds into exp2's argument as one FMA
         # instead of an outer-product multiply per score (H200: Wan 480p fp8 1.06 -> 1.00x cuDNN).
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * ks[None, :]
+    elif HAS_BIAS:
+        # A key-only mask's base-2 bias, one value per key, added to whole scores (FOLD_Q_SCALE is off): the row
+        # scale and the bias in one FMA per score.
+        if MASKED:
+            bias = tl.load(bias_base + cols, mask=cols < Nk, other=float("-inf"))
+        else:
+            bias = tl.load(bias_base + cols)
+        s = (tl.dot(q, tl.trans(k)).to(tl.float32) * ks[None, :]) * q_scale[:, None] + bias[None, :]
     else:
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * (q_scale[:, None] * ks[None, :])
-    if HAS_BIAS:
-        # A key-only mask's base-2 bias, one value per key (FOLD_Q_SCALE is off: the bias adds to whole scores).
-        if MASKED:
-            s = s + tl.load(bias_base + cols, mask=cols < Nk, other=float("-inf"))[None, :]
-        else:
-            s = s + tl.load(bias_base + cols)[None, :]
     if MASKED:
         keep = cols[None, :] < Nk
         if IS_CAUSAL:
@@ -217,8 +219,8 @@ def _key_tiles(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_b
 
 
 @triton.jit
-def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE, BIAS,
-                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, svd, sob, soh, son, sks, sbb, sbh,
+def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE, BIAS, KEND,
+                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, svd, sob, soh, son, sks, sbb, sbh, seb, seh,
                    Hq, Hkv, Nq, Nk,
                    KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                    DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -263,6 +265,11 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE, BIAS,
         full_end = tl.minimum(full_end, start_m)
     else:
         hi = Nk
+    if HAS_BIAS:
+        # Keys past the mask row's last live one are dead (bias -inf, weight 0): their tiles are skipped.
+        key_end = tl.load(KEND + b64 * seb + h64 * seh)
+        hi = tl.minimum(hi, key_end)
+        full_end = tl.minimum(full_end, (key_end // BLOCK_N) * BLOCK_N)
     acc, l_i, m_i, m_run = _key_tiles(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base, 0, full_end,
                                       offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
                                       HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, False, IS_CAUSAL, PV_FP8, V_T,
@@ -352,12 +359,14 @@ def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: 
                                     is_causal: bool = False, return_lse: bool = False,
                                     out_dtype: torch.dtype = torch.float16,
                                     out: Optional[torch.Tensor] = None,
-                                    key_bias: Optional[torch.Tensor] = None):
+                                    key_bias: Optional[torch.Tensor] = None,
+                                    key_end: Optional[torch.Tensor] = None):
     """Attention on a prologue's output. Returns (out (B, Hq, Nq, Dv) in out_dtype, LSE of the
     smoothed scores (B, Hq, Nq) fp32 or None). The caller adds the smooth_k term to the LSE.
     A `qq.v_mean` (smooth_v) is added back to the output; the LSE does not depend on it.
     `key_bias`: a key-only mask as FP32 base-2 bias (quant.mask_bias_base2) broadcasting to (B, Hq, Nk), its
-    last dim unit-stride; it is added to every query row's scores."""
+    last dim unit-stride; it is added to every query row's scores. `key_end` (int32, key_bias's (1 or B, 1 or Hq)):
+    the keys from there on are dead (bias -inf) and skipped; None: none is skipped."""
     if pv not in ("fp8", "fp16"):
         raise ValueError(f"pv must be 'fp8' or 'fp16', got {pv!r}")
     q8, k8, v = qq.q8, qq.k8, qq.v
@@ -389,17 +398,25 @@ def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: 
             raise ValueError(f"key_bias must be FP32 (1 or B, 1 or Hq, Nk) with unit-stride keys, got "
                              f"{tuple(key_bias.shape)} {key_bias.dtype} strides {key_bias.stride()}")
         bias_strides = tuple(0 if key_bias.shape[i] == 1 else key_bias.stride(i) for i in (0, 1))
+        if key_end is None:
+            key_end = torch.full((1, 1), nk, dtype=torch.int32, device=q8.device)
+        if key_end.dtype != torch.int32 or key_end.dim() != 2 or \
+                any(key_end.shape[i] not in (1, key_bias.shape[i]) for i in (0, 1)):
+            raise ValueError(f"key_end must be int32 (1 or B, 1 or Hq), got {tuple(key_end.shape)} {key_end.dtype}")
+        end_strides = tuple(0 if key_end.shape[i] == 1 else key_end.stride(i) for i in (0, 1))
     else:
-        bias_strides = (0, 0)
+        bias_strides = end_strides = (0, 0)
     grid, meta = attention_launch(b, hq, nq, d, hkv, dv, config, pv, bool(is_causal), bool(return_lse), v_t,
                                   has_vmean, has_bias)
     o_strides = out.stride()
     tensors = (q8, qq.q_scale, k8, qq.k_scale, v, qq.v_scale, qq.v_mean if has_vmean else qq.v_scale, out,
-               lse if return_lse else qq.q_scale, key_bias if has_bias else qq.q_scale)
+               lse if return_lse else qq.q_scale, key_bias if has_bias else qq.q_scale,
+               key_end if has_bias else qq.q_scale)
     # Triton specializes on each tensor's dtype and alignment and on the strides (the sizes are in the plan).
-    key = (tuple(tensor_key(t) for t in tensors), q_strides, k_strides, v_strides, o_strides, ks_row, bias_strides)
-    args = (*tensors, *q_strides[:3], *k_strides[:3], *v_strides, *o_strides[:3], ks_row, *bias_strides, hq, hkv,
-            nq, nk)
+    key = (tuple(tensor_key(t) for t in tensors), q_strides, k_strides, v_strides, o_strides, ks_row, bias_strides,
+           end_strides)
+    args = (*tensors, *q_strides[:3], *k_strides[:3], *v_strides, *o_strides[:3], ks_row, *bias_strides,
+            *end_strides, hq, hkv, nq, nk)
     signature = (b, hq, nq, d, hkv, dv)
     flags = (pv, bool(is_causal), bool(return_lse), v_t, has_vmean, has_bias)
     _launch_attention(grid, args, meta, key, lambda: attention_launch(

@@ -1,7 +1,7 @@
 """A key-only mask's operands for the Triton kernels, in one launch: the FP32 base-2 bias the attention adds per key
-(`quant.mask_bias_base2`), and the live keys with their count per (batch, kv head) that the prologue's statistics
-take (`quant.live_keys`). The same values as the torch spec, bit for bit; done in torch they were about a dozen
-small launches per call.
+(`quant.key_mask_bias`: -inf on dead keys), the end of each mask row's last live key (the attention stops there),
+and the live keys with their count per (batch, kv head) that the prologue's statistics take (`quant.live_keys`).
+The same values as the torch spec, bit for bit; done in torch they were about a dozen small launches per call.
 """
 from __future__ import annotations
 
@@ -46,11 +46,11 @@ def _bias(m, IS_BOOL: tl.constexpr):
 
 
 @triton.jit
-def _key_mask_prep(M, BIAS, LIVE, COUNT, smb, smh, smn, sbb, sbh, Bm, Hkv, Nk,
+def _key_mask_prep(M, BIAS, KEND, LIVE, COUNT, smb, smh, smn, sbb, sbh, Bm, Hm, Hkv, Nk,
                    GROUP: tl.constexpr, PER_HEAD: tl.constexpr, IS_BOOL: tl.constexpr, BLOCK: tl.constexpr):
     """One program per (batch, kv head): for each mask head its kv head sees (GROUP of them with a mask per q head,
     else the one), the largest bias, then the bias (stored once per mask row) and the live flags (OR over the
-    heads), then the live count."""
+    heads), then the live count. KEND (Bm, Hm) int32: 1 + the last key of the mask row that is not dead."""
     pid = tl.program_id(0)
     b = pid // Hkv
     hk = pid % Hkv
@@ -77,15 +77,19 @@ def _key_mask_prep(M, BIAS, LIVE, COUNT, smb, smh, smn, sbb, sbh, Bm, Hkv, Nk,
             top = tl.where(nan, float("nan"), tl.maximum(top, step))
             n0 += BLOCK
         n0 = 0
+        end = tl.zeros([BLOCK], dtype=tl.int32)
         while n0 < Nk:
             n = n0 + offs
             x = _bias(tl.load(m_row + n * smn, mask=n < Nk, other=0), IS_BOOL)
-            tl.store(BIAS + bm * sbb + hm * sbh + n, x, mask=(n < Nk) & writer)
-            live = (x < top - _DEAD_KEY_RANGE) == 0  # NaN compares false: live
+            dead = x < top - _DEAD_KEY_RANGE  # NaN compares false: live
+            tl.store(BIAS + bm * sbb + hm * sbh + n, tl.where(dead, float("-inf"), x), mask=(n < Nk) & writer)
+            end = tl.maximum(end, tl.where(dead | (n >= Nk), 0, n + 1))
+            live = dead == 0
             if j > 0:
                 live = live | (tl.load(live_row + n, mask=n < Nk, other=0) != 0)
             tl.store(live_row + n, live.to(tl.int8), mask=n < Nk)
             n0 += BLOCK
+        tl.store(KEND + bm * Hm + hm, tl.max(end, 0), mask=writer)
     total = tl.zeros([BLOCK], dtype=tl.int32)
     n0 = 0
     while n0 < Nk:
@@ -100,7 +104,8 @@ _META = {}
 
 def key_mask_operands(attn_mask: torch.Tensor, b: int, hq: int, hkv: int, nk: int,
                       bias_out: Optional[torch.Tensor] = None):
-    """(bias (Bm, Hm, Nk) FP32 contiguous, LiveKeys with flags (B, Hkv, Nk)) of a key-only mask, in one launch."""
+    """(bias (Bm, Hm, Nk) FP32 contiguous, key end (Bm, Hm) int32, LiveKeys with flags (B, Hkv, Nk)) of a key-only
+    mask, in one launch."""
     m = key_mask(attn_mask, nk)
     bm, hm = m.shape[0], m.shape[1]
     is_bool = m.dtype == torch.bool
@@ -108,6 +113,7 @@ def key_mask_operands(attn_mask: torch.Tensor, b: int, hq: int, hkv: int, nk: in
         m = m.view(torch.uint8)
     dev = m.device
     bias = torch.empty((bm, hm, nk), dtype=torch.float32, device=dev) if bias_out is None else bias_out
+    key_end = torch.empty((bm, hm), dtype=torch.int32, device=dev)
     flags = torch.empty((b, hkv, nk), dtype=torch.int8, device=dev)
     count = torch.empty((b * hkv,), dtype=torch.float64, device=dev)
     per_head = hm > 1
@@ -118,7 +124,7 @@ def key_mask_operands(attn_mask: torch.Tensor, b: int, hq: int, hkv: int, nk: in
         meta = _META.setdefault(key, dict(GROUP=group, PER_HEAD=per_head, IS_BOOL=is_bool, BLOCK=PREP_BLOCK,
                                           num_warps=4))
     strides = (m.stride(0) if bm > 1 else 0, m.stride(1) if hm > 1 else 0, m.stride(2) if nk > 1 else 0)
-    args = (*strides, bias.stride(0), bias.stride(1), bm, hkv, nk)
+    args = (*strides, bias.stride(0), bias.stride(1), bm, hm, hkv, nk)
     # Triton specializes the integers by value class: the values themselves are the key.
-    launch(_key_mask_prep, (b * hkv,), (m, bias, flags, count, *args), meta, (tensor_key(m), args))
-    return bias, LiveKeys(flags, count)
+    launch(_key_mask_prep, (b * hkv,), (m, bias, key_end, flags, count, *args), meta, (tensor_key(m), args))
+    return bias, key_end, LiveKeys(flags, count)
