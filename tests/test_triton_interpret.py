@@ -105,7 +105,7 @@ else:
     import triton.language as tl
 
     @triton.jit
-    def _unrounded_shift(row_max):
+    def _unrounded_shift(row_max, EXACT_S: tl.constexpr):
         """The FP8 shift as it was: fl(row_max - P_SHIFT), which can land below the exact value."""
         return row_max - tl.constexpr(8.8067)
 

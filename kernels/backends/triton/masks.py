@@ -5,7 +5,7 @@ The same values as the torch spec, bit for bit; done in torch they were about a 
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import triton
@@ -102,8 +102,7 @@ def _key_mask_prep(M, BIAS, KEND, LIVE, COUNT, smb, smh, smn, sbb, sbh, Bm, Hm, 
 _META = {}
 
 
-def key_mask_operands(attn_mask: torch.Tensor, b: int, hq: int, hkv: int, nk: int,
-                      bias_out: Optional[torch.Tensor] = None):
+def key_mask_operands(attn_mask: torch.Tensor, b: int, hq: int, hkv: int, nk: int):
     """(bias (Bm, Hm, Nk) FP32 contiguous, key end (Bm, Hm) int32, LiveKeys with flags (B, Hkv, Nk)) of a key-only
     mask, in one launch."""
     m = key_mask(attn_mask, nk)
@@ -112,7 +111,7 @@ def key_mask_operands(attn_mask: torch.Tensor, b: int, hq: int, hkv: int, nk: in
     if is_bool:
         m = m.view(torch.uint8)
     dev = m.device
-    bias = torch.empty((bm, hm, nk), dtype=torch.float32, device=dev) if bias_out is None else bias_out
+    bias = torch.empty((bm, hm, nk), dtype=torch.float32, device=dev)
     key_end = torch.empty((bm, hm), dtype=torch.int32, device=dev)
     flags = torch.empty((b, hkv, nk), dtype=torch.int8, device=dev)
     count = torch.empty((b * hkv,), dtype=torch.float64, device=dev)
