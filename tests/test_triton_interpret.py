@@ -193,6 +193,14 @@ else:
             got = triton_quantize_qkv(q, k, v, sm_scale=0.125, smooth_k=True, pv=pv, smooth_v=smooth_v)
             want = quant.quantize_qkv_torch(q, k, v, sm_scale=0.125, smooth_k=True, pv=pv, smooth_v=smooth_v)
             assert_same_quantization(got, want)
+            # A key-only mask's live keys (a different set per batch) through the same path: the counts reach
+            # the finalize launch.
+            live = torch.ones(1, 1, 200, dtype=torch.bool)
+            live[..., 130:] = False
+            got = triton_quantize_qkv(q, k, v, sm_scale=0.125, smooth_k=True, pv=pv, smooth_v=smooth_v, live=live)
+            want = quant.quantize_qkv_torch(q, k, v, sm_scale=0.125, smooth_k=True, pv=pv, smooth_v=smooth_v,
+                                            live=live)
+            assert_same_quantization(got, want)
 
     def test_prologue_reads_fused_qkv_views_in_place():
         # (B, N, 3, H, D) projection output: q, k, v are strided NHD views, seen as HND.
@@ -551,6 +559,7 @@ else:
                                                             (False, False, "block64")])
     def test_prologue_keeps_dead_keys_out_like_the_spec(pv, smooth_k, smooth_v, qk_group):
         q, k, v = padded(2, 4, 2, 101, 64, 30)
+        v = v + 3.0  # an offset: with smooth_v a dead key's 0 must not widen V's range
         bias = quant.mask_bias_base2(mask_variants(2, 4, 101, 30)["bool"][:, :, 0])
         live = quant.live_keys(bias, 2)
         assert live.shape == (2, 1, 101) and not bool(live.all())

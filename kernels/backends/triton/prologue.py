@@ -153,6 +153,8 @@ def _kv_stats(K, V, KSUM, VMAX, VSUM, VMIN, LIVE,
             v = tl.where(kept, v, _dead(v))
         if SMOOTH_V:
             v_hi, v_lo = _two_sum_add(v_hi, v_lo, v)
+            if HAS_LIVE:  # a dead key's 0 is no value of V's: it must not widen max/min (its NaN is in the sum)
+                v_live = v_live & kept
             vmax = tl.maximum(vmax, tl.where(v_live, v, float("-inf")))
             vmin = tl.minimum(vmin, tl.where(v_live, v, float("inf")))
         else:
