@@ -122,11 +122,12 @@ def mask_4d(attn_mask: torch.Tensor) -> torch.Tensor:
 def mask_scope(attn_mask: Optional[torch.Tensor]) -> str:
     """"keys" where the mask is one value per (batch, head, key), the same for every query row: its query dim is
     1 or a stride-0 expand. A mask materialized per row is "rows" even when its rows repeat: telling would mean
-    reading Nq x Nk values (and a device sync) on every call."""
+    reading Nq x Nk values (and a device sync) on every call. With no query row at all it is "rows" (no row to
+    read the keys' values from; every quantized kernel refuses such a call anyway)."""
     if attn_mask is None:
         return "none"
     m = mask_4d(attn_mask)
-    return "keys" if m.shape[2] == 1 or m.stride(2) == 0 else "rows"
+    return "keys" if m.shape[2] == 1 or (m.shape[2] > 1 and m.stride(2) == 0) else "rows"
 
 
 def key_mask(attn_mask: torch.Tensor, kv_len: int) -> torch.Tensor:

@@ -48,6 +48,13 @@ def test_expanded_rows_are_key_only_and_materialized_ones_are_not():
     assert key_mask(expanded, 6).shape == (2, 1, 6)
 
 
+def test_no_query_row_is_no_key_mask():
+    """An expanded mask over zero query rows has no row to read: described as "rows" (the call is zero-size)."""
+    q = torch.zeros(2, 4, 0, 16)
+    call = describe_call(q, K, K, attn_mask=torch.zeros(2, 1, 1, 6).expand(2, 1, 0, 6))
+    assert call.mask_scope == "rows" and call.has_zero_size
+
+
 def test_comfyui_3d_key_mask_becomes_key_only():
     """HunyuanVideo's (1, 1, N) bias: ComfyUI's rule makes it (1, 1, 1, N), one value per key."""
     mask = torch.zeros(1, 1, 6)

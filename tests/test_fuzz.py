@@ -449,6 +449,16 @@ def beyond_dtype_resolution(q, k, sm_scale=None) -> bool:
     return half_ulp is not None and score_peak(q, k, sm_scale) * half_ulp > SCORE_ROUNDING_LIMIT
 
 
+def mask_beyond_fp32_resolution(mask) -> bool:
+    """Whether a float mask holds finite values so large that FP32 scores added to them lose more than the exact
+    kernels' magnitude bounds allow (|m| x 2^-24 > 1e-4: SDPA adding HunyuanVideo-style -65504 moves each weight by
+    up to 0.2 %, as the spec does): then exact kernels are range-checked only, and counted."""
+    if mask is None or not mask.is_floating_point() or mask.numel() == 0:
+        return False
+    finite = mask[torch.isfinite(mask)]
+    return finite.numel() > 0 and float(finite.abs().max()) * 2.0 ** -24 > 1e-4
+
+
 def exact_for(q, k, v, mask, is_causal, sm_scale):
     """Exact attention in FP32, and in FP64 when FP32 overflowed on finite inputs."""
     e32, _ = exact_attention(q, k, v, is_causal=is_causal, sm_scale=sm_scale, attn_mask=mask)
@@ -535,7 +545,7 @@ def check_magnitude(tally, case, o, q, k, v, mask, is_causal, sm_scale, quantize
     """The scale-sensitive half of the rule, against FP64 exact attention of the same rounded inputs: rel L1 and
     max abs error per dtype (exact kernels); rel L1 per value kind and, where V has constant channels and
     smooth_v takes V's mean out exactly, those channels to the output's rounding (quantized kernels)."""
-    if not quantized and beyond_dtype_resolution(q, k, sm_scale):
+    if not quantized and (beyond_dtype_resolution(q, k, sm_scale) or mask_beyond_fp32_resolution(mask)):
         tally.dtype_limited_mag += 1  # fp16/bf16 scores rounded by > SCORE_ROUNDING_LIMIT move the result > 1 %
         return
     e, _ = exact64(q, k, v, mask, is_causal, sm_scale)
