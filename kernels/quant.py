@@ -171,6 +171,8 @@ def quantize_qkv_torch(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: s
 # An additive mask enters the base-2 scores as mask * log2(e). SDPA adds it in FP32 natural-log units, where
 # -finfo.max stays finite (a row masked with it everywhere is a uniform average); times log2(e) it would overflow
 # to -inf (a row of zeros), so finite values are floored at -FP32 max: the swamped scores stay equal, as in SDPA.
+# (Biases below -FP32 max / log2(e) all floor to the same value: SDPA still orders them; it matters only in a row
+# whose every key is masked that deep.)
 FP32_MAX = torch.finfo(torch.float32).max
 # A key whose base-2 bias lies this far below the largest bias of its (batch, head) has weight below 2**-8000 of
 # that key's in every row whose scores spread less than that (|scale * q.k| differences under ~5600), 0 in FP32:
