@@ -58,13 +58,14 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is
         # statistics (quant.live_keys); the mask is then handed on as that base-2 bias, back in natural-log units.
         bias = quant.mask_bias_base2(key_mask(attn_mask, k.shape[2]))
         live = quant.live_keys(bias, k.shape[1])
-        key_bias, attn_mask = quant.key_mask_bias(bias), None
+        key_bias, key_fill, attn_mask = quant.key_mask_bias(bias), attn_mask.dtype == torch.bool, None
     else:
-        key_bias = None
+        key_bias, key_fill = None, False
     qq = quant.quantize_qkv_torch(q, k, v, sm_scale=sm_scale, smooth_k=smooth_k, pv=pv, qk_group=qk_group,
                                   smooth_v=smooth_v, live=live)
     return attention_from_quantized(qq, pv=pv, is_causal=is_causal, attn_mask=attn_mask, return_lse=return_lse,
-                                    q=q, sm_scale=sm_scale, out_dtype=q.dtype, p_tile=p_tile, key_bias=key_bias)
+                                    q=q, sm_scale=sm_scale, out_dtype=q.dtype, p_tile=p_tile, key_bias=key_bias,
+                                    key_fill=key_fill)
 
 
 def fp8_p_tops(s: torch.Tensor, p_tile: int) -> torch.Tensor:
@@ -103,7 +104,8 @@ def attention_from_quantized(qq: quant.QuantizedQKV, *, pv: str, is_causal: bool
                              attn_mask: Optional[torch.Tensor] = None, return_lse: bool = False,
                              q: Optional[torch.Tensor] = None, sm_scale: Optional[float] = None,
                              out_dtype: torch.dtype = torch.float32, p_tile: Optional[int] = None,
-                             model_flushing_wmma: bool = False, key_bias: Optional[torch.Tensor] = None):
+                             model_flushing_wmma: bool = False, key_bias: Optional[torch.Tensor] = None,
+                             key_fill: bool = False):
     """The attention half of the spec, fed by any prologue's output.
 
     For the LSE's smooth_k correction pass the original `q` and `sm_scale`. `p_tile` (FP8 only): None rounds P
@@ -111,7 +113,8 @@ def attention_from_quantized(qq: quant.QuantizedQKV, *, pv: str, is_causal: bool
     rule. The row sum adds the unrounded P either way. `model_flushing_wmma` is for verification only (the product
     never passes it): P.V reads subnormal P (e4m3 below 2**-6, fp16 below 2**-14) as zero, as a matrix unit that
     flushes subnormal inputs would, while the row sum still counts them. `key_bias` (instead of `attn_mask`): a
-    key-only mask as the kernels add it, FP32 base 2 (Bm, Hm, Nk) (`quant.key_mask_bias`)."""
+    key-only mask as the kernels add it, FP32 base 2 (Bm, Hm, Nk) (`quant.key_mask_bias`); `key_fill` (a bool
+    mask's): its -inf keys are set to -inf instead, whatever their score (a NaN score too), as a bool mask selects."""
     if p_tile is not None and (isinstance(p_tile, bool) or not isinstance(p_tile, int) or p_tile < 1):
         raise ValueError(f"p_tile must be a positive int or None, got {p_tile!r}")
     b, hq, nq, _ = qq.q8.shape
@@ -134,9 +137,10 @@ def attention_from_quantized(qq: quant.QuantizedQKV, *, pv: str, is_causal: bool
         r1 = min(nq, r0 + rows)
         s = qk_scores_base2(qq.q8[:, :, r0:r1], qq.q_scale[:, :, r0:r1], k8, sk)
         if attn_mask is not None:
-            s = s + quant.mask_bias_base2(attn_mask[:, :, r0:r1])
+            m = attn_mask[:, :, r0:r1]
+            s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + quant.mask_bias_base2(m)
         if key_bias is not None:
-            s = s + key_bias
+            s = s.masked_fill(key_bias == -math.inf, -math.inf) if key_fill else s + key_bias
         if is_causal:
             q_idx = torch.arange(r0, r1, device=device)
             s = s.masked_fill(key_idx[None, :] > q_idx[:, None], -math.inf)

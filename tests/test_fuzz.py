@@ -766,7 +766,11 @@ def api_call(tally: Tally, case: Case, kernel: str, device):
                              qk_group=case.qk_group, return_lse=case.return_lse, smooth_v=case.smooth_v,
                              prologue=case.prologue)
         ran = choose_backend(call, "auto").backend.name
-    judge(tally, case, out, q, k, v, mask, get_backend(ran).quantized, case.is_causal, sm_scale=case.sm_scale(),
+    quantized = get_backend(ran).quantized
+    judged_mask = mask
+    if not quantized and mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
+        judged_mask = mask.to(q.dtype)  # the sdpa backend hands SDPA the mask in q's dtype (kernels/backends/sdpa.py)
+    judge(tally, case, out, q, k, v, judged_mask, quantized, case.is_causal, sm_scale=case.sm_scale(),
           label=f"{kernel}->{ran}" if kernel != ran else kernel, lse=lse, want_lse=case.return_lse)
 
 

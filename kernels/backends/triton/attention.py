@@ -127,6 +127,8 @@ def _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_ba
         else:
             bias = tl.load(bias_base + cols)
         s = (tl.dot(q, tl.trans(k)).to(tl.float32) * ks[None, :]) * q_scale[:, None] + bias[None, :]
+        if HAS_BIAS == 2:  # a bool mask selects: its masked keys are -inf whatever their score (NaN too)
+            s = tl.where(bias[None, :] == float("-inf"), float("-inf"), s)
     else:
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * (q_scale[:, None] * ks[None, :])
     if MASKED:
@@ -309,8 +311,9 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE, BIAS, KEND,
 
 @functools.lru_cache(maxsize=256)
 def attention_launch(b: int, hq: int, nq: int, d: int, hkv: int, dv: int, config: AttentionConfig, pv: str,
-                     is_causal: bool, return_lse: bool, v_t: bool, has_vmean: bool, has_bias: bool = False):
-    """(grid, constexprs and launch options) of `_sage_attn_fwd` for one signature: computed once per signature."""
+                     is_causal: bool, return_lse: bool, v_t: bool, has_vmean: bool, has_bias: int = 0):
+    """(grid, constexprs and launch options) of `_sage_attn_fwd` for one signature: computed once per signature.
+    `has_bias`: 0 no mask, 1 a key-only bias added, 2 added and its -inf keys set to -inf (a bool mask)."""
     grid = (ceil_div(nq, config.block_m), b * hq)
     meta = dict(KV_GROUP=hq // hkv, HEAD_DIM=d, D_PAD=padded_head_dim(d), DV=dv, DV_PAD=padded_head_dim(dv),
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_CAUSAL=is_causal, PV_FP8=pv == "fp8",
@@ -360,13 +363,14 @@ def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: 
                                     out_dtype: torch.dtype = torch.float16,
                                     out: Optional[torch.Tensor] = None,
                                     key_bias: Optional[torch.Tensor] = None,
-                                    key_end: Optional[torch.Tensor] = None):
+                                    key_end: Optional[torch.Tensor] = None, key_fill: bool = False):
     """Attention on a prologue's output. Returns (out (B, Hq, Nq, Dv) in out_dtype, LSE of the
     smoothed scores (B, Hq, Nq) fp32 or None). The caller adds the smooth_k term to the LSE.
     A `qq.v_mean` (smooth_v) is added back to the output; the LSE does not depend on it.
     `key_bias`: a key-only mask as FP32 base-2 bias (quant.mask_bias_base2) broadcasting to (B, Hq, Nk), its
     last dim unit-stride; it is added to every query row's scores. `key_end` (int32, key_bias's (1 or B, 1 or Hq)):
-    the keys from there on are dead (bias -inf) and skipped; None: none is skipped."""
+    the keys from there on are dead (bias -inf) and skipped; None: none is skipped. `key_fill` (a bool mask's
+    bias): its -inf keys get score -inf whatever q.k is, as a bool mask selects."""
     if pv not in ("fp8", "fp16"):
         raise ValueError(f"pv must be 'fp8' or 'fp16', got {pv!r}")
     q8, k8, v = qq.q8, qq.k8, qq.v
@@ -390,7 +394,7 @@ def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: 
     if has_vmean and (qq.v_mean.shape != qq.v_scale.shape or not qq.v_mean.is_contiguous()
                       or qq.v_mean.dtype != torch.float32):
         raise ValueError("v_mean must be a contiguous FP32 (B, Hkv, Dv) tensor")
-    has_bias = key_bias is not None
+    has_bias = 0 if key_bias is None else (2 if key_fill else 1)
     if has_bias:
         if key_bias.dim() != 3 or key_bias.dtype != torch.float32 or key_bias.shape[-1] != nk or \
                 (nk > 1 and key_bias.stride(-1) != 1) or key_bias.shape[0] not in (1, b) or \

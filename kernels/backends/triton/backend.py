@@ -156,13 +156,15 @@ class TritonBackend(Backend):
             out = torch.empty((b, nq, hq, call.v_head_dim), dtype=q.dtype, device=q.device).transpose(1, 2)
         out, lse = split_launches(attention.attention_from_quantized_triton, qq, pv=self.pv, config=cfg,
                                   is_causal=call.is_causal, return_lse=call.return_lse, out_dtype=q.dtype, out=out,
-                                  key_bias=bias, key_end=key_end)
+                                  key_bias=bias, key_end=key_end,
+                                  key_fill=attn_mask is not None and attn_mask.dtype == torch.bool)
         if lse is not None and qq.k_mean is not None:
             lse += lse_smooth_term(q, qq.k_mean, sm_scale)
         return out, lse
 
 
-def split_launches(attend, qq, *, pv, config, is_causal, return_lse, out_dtype, out, key_bias=None, key_end=None):
+def split_launches(attend, qq, *, pv, config, is_causal, return_lse, out_dtype, out, key_bias=None, key_end=None,
+                   key_fill=False):
     """`attend` (attention_from_quantized_triton) as one launch, or, above the device's work bound, once per
     piece of kernels/launch_split.py on views of the same tensors (each output element computed as in one launch;
     the LSE pieces are copied into one tensor)."""
@@ -170,7 +172,8 @@ def split_launches(attend, qq, *, pv, config, is_causal, return_lse, out_dtype, 
     _, hkv, nk, dv = qq.v.shape
     pieces = launch_split.split_attention(b, hq, hkv, nq, nk, d, dv, pv=pv, causal=is_causal,
                                           bound=launch_split.work_bound(qq.q8.device), row_block=config.block_m)
-    kw = dict(pv=pv, config=config, is_causal=is_causal, return_lse=return_lse, out_dtype=out_dtype)
+    kw = dict(pv=pv, config=config, is_causal=is_causal, return_lse=return_lse, out_dtype=out_dtype,
+              key_fill=key_fill)
     if len(pieces) == 1:
         return attend(qq, out=out, key_bias=key_bias, key_end=key_end, **kw)
     if out is None:
