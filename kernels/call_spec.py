@@ -55,6 +55,7 @@ class AttentionCall:
     v_head_dim: int
     mask: str  # "none" | "bool" | "float"
     mask_shape: Optional[Tuple[int, ...]]
+    mask_scope: str  # "none" | "keys" (one value per key: `key_mask`) | "rows" (differs between query rows)
     is_causal: bool
     return_lse: bool
     smooth_k: bool
@@ -110,6 +111,40 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
             raise ValueError(f"mask shape {tuple(attn_mask.shape)} does not broadcast to {(b, hq, nq, nk)}")
 
 
+MASK_SCOPES = ("none", "keys", "rows")
+
+
+def mask_4d(attn_mask: torch.Tensor) -> torch.Tensor:
+    """The mask as SDPA broadcasts it: leading dims of size 1 added up to 4 (a view)."""
+    return attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+
+
+def mask_scope(attn_mask: Optional[torch.Tensor]) -> str:
+    """"keys" where the mask is one value per (batch, head, key), the same for every query row: its query dim is
+    1 or a stride-0 expand. A mask materialized per row is "rows" even when its rows repeat: telling would mean
+    reading Nq x Nk values (and a device sync) on every call. With no query row at all it is "rows" (no row to
+    read the keys' values from; every quantized kernel refuses such a call anyway)."""
+    if attn_mask is None:
+        return "none"
+    m = mask_4d(attn_mask)
+    return "keys" if m.shape[2] == 1 or (m.shape[2] > 1 and m.stride(2) == 0) else "rows"
+
+
+def key_mask(attn_mask: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """A "keys" mask as (Bm, Hm, Nk) (a view; Bm, Hm are 1 where it broadcasts)."""
+    m = mask_4d(attn_mask)
+    return m[:, :, 0, :].expand(m.shape[0], m.shape[1], kv_len)
+
+
+def mask_refusal(call: "AttentionCall") -> Optional[str]:
+    """Why a kernel that takes key-only masks cannot take this call's mask, or None: the one rule for the
+    dispatcher and the kernel wrappers."""
+    if call.mask_scope == "rows":
+        return (f"a {call.mask} mask {call.mask_shape} that differs between query rows is not supported; key-only "
+                "masks (one value per key, the query dim 1 or expanded) are")
+    return None
+
+
 # Descriptions by everything they are a function of (describing a Flux-size call took 15-18 µs of
 # host time, the key takes a few). Cleared when full; a malformed call raises before it is kept.
 _DESCRIBED: dict = {}
@@ -118,7 +153,8 @@ _DESCRIBED_MAX = 512
 
 def describe_call(q, k, v, *, attn_mask=None, is_causal=False, return_lse=False, smooth_k=True,
                   prologue="auto", qk_group="token", smooth_v=False) -> AttentionCall:
-    mask_key = None if attn_mask is None else (attn_mask.shape, attn_mask.dtype, attn_mask.device)
+    mask_key = None if attn_mask is None else (attn_mask.shape, attn_mask.stride(), attn_mask.dtype,
+                                                attn_mask.device)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (attn_mask is not None and attn_mask.requires_grad))
     key = (q.shape, k.shape, v.shape, q.stride(-1) if q.dim() else None, k.stride(-1) if k.dim() else None,
@@ -164,6 +200,7 @@ def _describe(q, k, v, attn_mask, is_causal, return_lse, smooth_k, prologue, qk_
         v_head_dim=v.shape[3],
         mask=mask_kind,
         mask_shape=mask_shape,
+        mask_scope=mask_scope(attn_mask),
         is_causal=bool(is_causal),
         return_lse=bool(return_lse),
         smooth_k=bool(smooth_k),

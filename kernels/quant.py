@@ -149,20 +149,81 @@ class QuantizedQKV:
 
 
 def quantize_qkv_torch(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: str = "fp8",
-                       qk_group: str = "token", smooth_v: bool = False) -> QuantizedQKV:
-    """The spec's prologue in torch (also the fallback prologue on any device)."""
+                       qk_group: str = "token", smooth_v: bool = False, live=None) -> QuantizedQKV:
+    """The spec's prologue in torch (also the fallback prologue on any device). `live` (bool, broadcasting to
+    (B, Hkv, Nk), from `live_keys`): only live keys enter the means and scales; dead keys' K and V codes are 0."""
     group = group_size(qk_group)
-    if smooth_k:
-        k_used, k_mean = smooth_keys(k)
+    if live is not None:
+        k_used, k_mean = smooth_keys_live(k, live, smooth_k)
+        v_used, v_mean = smooth_keys_live(v, live, smooth_v)
     else:
-        k_used, k_mean = k, None
-    if smooth_v:
-        v_used, v_mean = smooth_values(v)
-    else:
-        v_used, v_mean = v, None
+        k_used, k_mean = smooth_keys(k) if smooth_k else (k, None)
+        v_used, v_mean = smooth_values(v) if smooth_v else (v, None)
     q8, sq = quantize_int8(q, qk_multiplier(sm_scale), group)
     k8, sk = quantize_int8(k_used, 1.0, group)
     v_q, v_scale = quantize_v_fp8(v_used) if pv == "fp8" else quantize_v_fp16(v_used)
     squeeze = lambda t: None if t is None else t.squeeze(2).contiguous()  # noqa: E731
     return QuantizedQKV(q8.contiguous(), sq.contiguous(), k8.contiguous(), sk.contiguous(), v_q.contiguous(),
                         v_scale.squeeze(2).contiguous(), squeeze(k_mean), squeeze(v_mean))
+
+
+# -- masks ------------------------------------------------------------------------------------------------------
+# An additive mask enters the base-2 scores as mask * log2(e). SDPA adds it in FP32 natural-log units, where
+# -finfo.max stays finite (a row masked with it everywhere is a uniform average); times log2(e) it would overflow
+# to -inf (a row of zeros), so finite values are floored at -FP32 max: the swamped scores stay equal, as in SDPA.
+# (Biases below -FP32 max / log2(e) all floor to the same value: SDPA still orders them; it matters only in a row
+# whose every key is masked that deep.)
+FP32_MAX = torch.finfo(torch.float32).max
+# A key whose base-2 bias lies this far below the largest bias of its (batch, head) has weight below 2**-8000 of
+# that key's in every row whose scores spread less than that (|scale * q.k| differences under ~5600), 0 in FP32:
+# it is "dead". Its bias becomes -inf (the kernels skip a tail of dead keys), it leaves the K/V statistics
+# (smooth_k/smooth_v means, V scale, K block scales), and its K and V codes are 0, so padding keys holding huge
+# values cannot coarsen the kept keys' quantization.
+DEAD_KEY_RANGE = 8192.0
+
+
+def mask_bias_base2(mask: torch.Tensor) -> torch.Tensor:
+    """A mask (bool: True keeps; floating: added, natural-log units) as an FP32 base-2 additive bias, elementwise
+    (-inf where masked). -inf stays -inf and NaN stays NaN; finite values are floored at -FP32 max."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, -math.inf)
+    m = mask.float()
+    return torch.where(m == -math.inf, m, (m * LOG2E).clamp(min=-FP32_MAX))  # the product may overflow to -inf
+
+
+def dead_keys(bias: torch.Tensor) -> torch.Tensor:
+    """Where a key-only mask's base-2 bias (..., Nk) lies DEAD_KEY_RANGE or more below its row's largest (never
+    where that largest is -inf or NaN: such rows keep every key)."""
+    top = bias.amax(dim=-1, keepdim=True) if bias.shape[-1] else bias
+    return bias < top - DEAD_KEY_RANGE
+
+
+def key_mask_bias(bias: torch.Tensor) -> torch.Tensor:
+    """The bias the kernels add for a key-only mask (Bm, Hm, Nk): -inf on its dead keys."""
+    return bias.masked_fill(dead_keys(bias), -math.inf)
+
+
+def live_keys(bias: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The keys a key-only mask leaves in the K/V statistics: bias (Bm, Hm, Nk) base 2, Hm 1 or a multiple of
+    kv_heads. Returns bool (Bm, kv_heads or 1, Nk): a key is live for a kv head where, for some q head of its group,
+    its bias is within DEAD_KEY_RANGE of that head's largest bias. A head whose keys are all -inf keeps them all
+    (its rows are empty anyway), as does a NaN bias (its rows are NaN)."""
+    live = ~dead_keys(bias)  # NaN compares false: kept
+    if live.shape[1] > 1:
+        live = live.unflatten(1, (kv_heads, -1)).any(dim=2)
+    return live
+
+
+def smooth_keys_live(x: torch.Tensor, live: torch.Tensor, smooth: bool = True):
+    """x (K or V) with dead keys x * 0: minus the mean over the live keys (FP64 sum / live count) when `smooth`.
+    Returns (FP32 x, the FP32 mean (B, H, 1, D) or None). `live` broadcasts to (B, H, Nk).
+    x * 0 is 0, or NaN where a dead key holds NaN/Inf: that reaches the mean or the scale, so the output is NaN as
+    exact attention's is (its masked score or P * V is NaN there), never a finite answer from non-finite input."""
+    w = live.expand(x.shape[:3]).unsqueeze(-1)
+    xf = x.float()
+    if not smooth:
+        return torch.where(w, xf, xf * 0), None
+    count = w.sum(dim=2, keepdim=True).clamp_min(1)
+    xd = x.double()
+    mean = (torch.where(w, xd, xd * 0).sum(dim=2, keepdim=True) / count).float()
+    return torch.where(w, xf - mean, xf * 0), mean

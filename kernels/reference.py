@@ -9,6 +9,11 @@ The P grid (what the kernels round P to before P.V) is part of the spec: FP16 P 
 2**15); FP8 P is e4m3(448 * 2**(s - top)) with top the row max, or with `p_tile` each key tile's own max,
 floored 64 below the running max (`fp8_p_tops`: the HIP kernels' rule with p_tile = their BN, the Triton
 kernels' with their BLOCK_N). Nothing here has run on RDNA4.
+
+Masks: bool selects (True keeps), floating adds in natural-log units, as SDPA; both enter the base-2 scores as
+`quant.mask_bias_base2` (finite values floored at -FP32 max, so a row masked everywhere with -finfo.max is a
+uniform average, as in SDPA, and a row with every key -inf/False gives zeros and LSE -inf, as torch 2.13's SDPA on
+CPU). With a key-only mask the dead keys leave the K/V statistics (`quant.live_keys`).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import quant
+from .call_spec import key_mask, mask_scope
 
 # Elements of FP32 scores held at once (~128 MiB); bounds memory for any sequence length.
 SCORE_BUDGET = 1 << 25
@@ -46,10 +52,20 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is
         raise ValueError(f"pv must be 'fp8' or 'fp16', got {pv!r}")
     if sm_scale is None:
         sm_scale = quant.default_sm_scale(q.shape[3])
+    live = None
+    if attn_mask is not None and mask_scope(attn_mask) == "keys":
+        # A key-only mask: dead keys (far below their head's largest bias) get bias -inf and leave the K/V
+        # statistics (quant.live_keys); the mask is then handed on as that base-2 bias, back in natural-log units.
+        bias = quant.mask_bias_base2(key_mask(attn_mask, k.shape[2]))
+        live = quant.live_keys(bias, k.shape[1])
+        key_bias, key_fill, attn_mask = quant.key_mask_bias(bias), attn_mask.dtype == torch.bool, None
+    else:
+        key_bias, key_fill = None, False
     qq = quant.quantize_qkv_torch(q, k, v, sm_scale=sm_scale, smooth_k=smooth_k, pv=pv, qk_group=qk_group,
-                                  smooth_v=smooth_v)
+                                  smooth_v=smooth_v, live=live)
     return attention_from_quantized(qq, pv=pv, is_causal=is_causal, attn_mask=attn_mask, return_lse=return_lse,
-                                    q=q, sm_scale=sm_scale, out_dtype=q.dtype, p_tile=p_tile)
+                                    q=q, sm_scale=sm_scale, out_dtype=q.dtype, p_tile=p_tile, key_bias=key_bias,
+                                    key_fill=key_fill)
 
 
 def fp8_p_tops(s: torch.Tensor, p_tile: int) -> torch.Tensor:
@@ -88,14 +104,17 @@ def attention_from_quantized(qq: quant.QuantizedQKV, *, pv: str, is_causal: bool
                              attn_mask: Optional[torch.Tensor] = None, return_lse: bool = False,
                              q: Optional[torch.Tensor] = None, sm_scale: Optional[float] = None,
                              out_dtype: torch.dtype = torch.float32, p_tile: Optional[int] = None,
-                             model_flushing_wmma: bool = False):
+                             model_flushing_wmma: bool = False, key_bias: Optional[torch.Tensor] = None,
+                             key_fill: bool = False):
     """The attention half of the spec, fed by any prologue's output.
 
     For the LSE's smooth_k correction pass the original `q` and `sm_scale`. `p_tile` (FP8 only): None rounds P
     against the row max; an int against each tile of p_tile keys' own max (`fp8_p_tops`), the kernels' one-pass
     rule. The row sum adds the unrounded P either way. `model_flushing_wmma` is for verification only (the product
     never passes it): P.V reads subnormal P (e4m3 below 2**-6, fp16 below 2**-14) as zero, as a matrix unit that
-    flushes subnormal inputs would, while the row sum still counts them."""
+    flushes subnormal inputs would, while the row sum still counts them. `key_bias` (instead of `attn_mask`): a
+    key-only mask as the kernels add it, FP32 base 2 (Bm, Hm, Nk) (`quant.key_mask_bias`); `key_fill` (a bool
+    mask's): its -inf keys are set to -inf instead, whatever their score (a NaN score too), as a bool mask selects."""
     if p_tile is not None and (isinstance(p_tile, bool) or not isinstance(p_tile, int) or p_tile < 1):
         raise ValueError(f"p_tile must be a positive int or None, got {p_tile!r}")
     b, hq, nq, _ = qq.q8.shape
@@ -110,6 +129,8 @@ def attention_from_quantized(qq: quant.QuantizedQKV, *, pv: str, is_causal: bool
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=device) if return_lse else None
     if attn_mask is not None:
         attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)).expand(b, hq, nq, nk)
+    if key_bias is not None:
+        key_bias = key_bias.unsqueeze(2).expand(b, hq, 1, nk)
     rows = max(1, SCORE_BUDGET // max(1, b * hq * nk))
     key_idx = torch.arange(nk, device=device)
     for r0 in range(0, nq, rows):
@@ -117,10 +138,9 @@ def attention_from_quantized(qq: quant.QuantizedQKV, *, pv: str, is_causal: bool
         s = qk_scores_base2(qq.q8[:, :, r0:r1], qq.q_scale[:, :, r0:r1], k8, sk)
         if attn_mask is not None:
             m = attn_mask[:, :, r0:r1]
-            if m.dtype == torch.bool:
-                s = s.masked_fill(~m, -math.inf)
-            else:
-                s = s + m.float() * quant.LOG2E
+            s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + quant.mask_bias_base2(m)
+        if key_bias is not None:
+            s = s.masked_fill(key_bias == -math.inf, -math.inf) if key_fill else s + key_bias
         if is_causal:
             q_idx = torch.arange(r0, r1, device=device)
             s = s.masked_fill(key_idx[None, :] > q_idx[:, None], -math.inf)
@@ -183,10 +203,14 @@ def exact_attention(q, k, v, *, is_causal=False, sm_scale=None, attn_mask=None, 
         if is_causal:
             q_idx = torch.arange(r0, r1, device=q.device)
             s = s.masked_fill(key_idx[None, :] > q_idx[:, None], -math.inf)
-        l = torch.logsumexp(s, dim=-1, keepdim=True) if nk else s.new_full((*s.shape[:-1], 1), -math.inf)
-        # Empty rows (l = -inf) give zeros; a NaN (or +inf) l must propagate, not become zeros.
-        p = torch.where(l != -math.inf, torch.exp(s - l), torch.zeros_like(s))
-        o = torch.matmul(p, vf)
+        top = s.amax(dim=-1, keepdim=True) if nk else s.new_full((*s.shape[:-1], 1), -math.inf)
+        # Normalised by the row sum, not through the LSE: near -FP32 max (a -finfo.max mask on every key) the LSE
+        # rounds to the max and exp(s - lse) would weigh every key 1. Empty rows (max -inf) give zeros; a NaN (or
+        # +inf) max must propagate, not become zeros.
+        e = torch.exp(s - torch.where(top == -math.inf, torch.zeros_like(top), top))
+        total = e.sum(dim=-1, keepdim=True)
+        l = torch.where(top == -math.inf, top, top + torch.log(total))
+        o = torch.matmul(e, vf) / total
         # A row that sees no key is zero even where V holds NaN/Inf (0 * NaN would make it NaN).
         out[:, :, r0:r1] = torch.where(l == -math.inf, torch.zeros_like(o), o)
         lse[:, :, r0:r1] = l.squeeze(-1)

@@ -5,7 +5,7 @@ case it takes, else a reason naming the case, the (batch, head, query block), th
 `attention(q, k, v, is_causal=False)` takes and returns HND tensors (B, H, N, D) on `device` and uses the
 default softmax scale 1/sqrt(head_dim); a case that needs the LSE calls it with `return_lse=True` and
 expects `(out, lse)`, one with a softmax scale of its own passes `scale=`. It is what every HIP and Triton
-kernel + prologue combination runs on the user's GPU before its first call (`SelfCheck` below), and it runs
+kernel + prologue combination runs on the user's GPU before its first call (kernels/gating.py), and it runs
 on the CPU too (the torch reference passes it in every variant of options, each judged by its own bounds).
 
 Why these cases: a kernel that is right on short, peaked inputs can still lose output mass on
@@ -105,7 +105,7 @@ BOUNDS: Dict[str, Bound] = {
 # more so; a kernel run with those options computes exactly that (the H200's Triton FP8 kernel: 0.1452 at block128).
 LSE_SPEC_ERROR: Dict[Tuple[str, bool], float] = {
     ("token", True): 0.0169, ("block32", True): 0.0205, ("block64", True): 0.0194, ("block128", True): 0.0280,
-    ("token", False): 0.0695, ("block32", False): 0.1317, ("block64", False): 0.1061, ("block128", False): 0.1452,
+    ("token", False): 0.0780, ("block32", False): 0.1317, ("block64", False): 0.1061, ("block128", False): 0.1452,
 }
 LSE_MARGIN = 2.0  # the bound: LSE_MARGIN x the spec's figure
 MAX_LSE_ERROR = LSE_MARGIN * LSE_SPEC_ERROR[("token", True)]  # the accurate options' bound
@@ -152,6 +152,7 @@ class Case:
     is_causal: bool = False
     return_lse: bool = False  # optional: only for backends that return the LSE (see default_accepts)
     scale: Optional[float] = None  # softmax scale passed as `scale=`; None: the default 1/sqrt(head_dim), not passed
+    key_mask: bool = False  # optional: a key-only padding mask over keys that hold huge values (`padding_mask`)
 
     @property
     def gqa(self) -> bool:
@@ -169,7 +170,8 @@ class Case:
         return (f"'{self.name}' ({str(self.dtype).replace('torch.', '')} D{self.head_dim} B{self.batch} "
                 f"Hq{self.q_heads}/Hkv{self.kv_heads} Nq{self.q_len} Nk{self.kv_len} {self.kind}"
                 f"{' causal' if self.is_causal else ''}{' +LSE' if self.return_lse else ''}"
-                f"{'' if self.scale is None else f' scale {self.scale:g}'})")
+                f"{'' if self.scale is None else f' scale {self.scale:g}'}"
+                f"{' +key mask' if self.key_mask else ''})")
 
 
 # Every length is a tail: none is a multiple of 64 except the 512 text keys of cross-attention.
@@ -199,13 +201,27 @@ DEFAULT_CASES: Tuple[Case, ...] = (
     Case("diagonal", "diagonal", torch.bfloat16, 64, 2, 2, 2, 260, 260),
     # a softmax scale of its own (only for callables taking `scale`, see default_accepts)
     Case("custom-scale", "peaked", torch.float16, 64, 2, 2, 2, 260, 900, scale=0.06),
+    # A key-only padding mask (HunyuanVideo's: -finfo.max on the padding, in q's dtype), padding keys holding K and V
+    # PADDING_SCALE times larger: a kernel that lets them into the row max or the K/V statistics fails.
+    Case("padded-keys", "peaked", torch.bfloat16, 128, 2, 2, 2, 300, 1100, return_lse=True, key_mask=True),
 )
+PADDING_SCALE = 1000.0
+PADDED_KEYS = (180, 357)  # masked keys at the end of batch 0, 1
 
 
 def default_accepts(case: Case) -> bool:
     """A plain `attention(q, k, v, is_causal=False)` is assumed to take GQA and causal, not to return LSE nor to
-    take a `scale`."""
-    return not case.return_lse and case.scale is None
+    take a `scale` or a mask."""
+    return not case.return_lse and case.scale is None and not case.key_mask
+
+
+def padding_mask(case: Case, device) -> torch.Tensor:
+    """The key-mask case's additive mask (B, 1, 1, Nk) in the case's dtype: 0, or -finfo.max on batch b's last
+    PADDED_KEYS[b] keys."""
+    m = torch.zeros(case.batch, 1, 1, case.kv_len, dtype=case.dtype)
+    for b in range(case.batch):
+        m[b, ..., case.kv_len - PADDED_KEYS[b % len(PADDED_KEYS)]:] = -torch.finfo(case.dtype).max
+    return m.to(device)
 
 
 def make_inputs(case: Case, device, seed: Optional[int] = None):
@@ -232,6 +248,11 @@ def make_inputs(case: Case, device, seed: Optional[int] = None):
         k *= 0.7
         if case.kind == "probe":
             v += 2.0 + 2.0 * torch.randn(b, hkv, 1, d, generator=g).abs()
+    if case.key_mask:  # the padding keys hold huge values (they must reach neither the row max nor any scale)
+        for bi in range(b):
+            pad = case.kv_len - PADDED_KEYS[bi % len(PADDED_KEYS)]
+            k[bi, :, pad:] *= PADDING_SCALE
+            v[bi, :, pad:] *= PADDING_SCALE
     return tuple(t.to(device=device, dtype=case.dtype) for t in (q, k, v))
 
 
@@ -381,6 +402,9 @@ def check_case(attention: Callable, case: Case, device, bounds: Optional["CaseBo
 
     q, k, v = make_inputs(case, device)
     extra = {} if case.scale is None else {"scale": case.scale}
+    mask = padding_mask(case, device) if case.key_mask else None
+    if case.key_mask:
+        extra["attn_mask"] = mask
 
     def call():
         if case.return_lse:
@@ -398,7 +422,7 @@ def check_case(attention: Callable, case: Case, device, bounds: Optional["CaseBo
         _sync(device)
     except Exception as exc:  # any failure of the kernel path is a verdict, not a crash
         if out_of_memory(exc):
-            raise  # but memory that ran out says nothing of the kernel: SelfCheck.ensure tries again later
+            raise  # but memory that ran out says nothing of the kernel: gating.Verdicts.ensure tries again later
         return done(f"{label}: raised {type(exc).__name__}: {exc}")
     want_shape = (case.batch, case.q_heads, case.q_len, case.head_dim)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != want_shape or out.dtype != case.dtype:
@@ -414,7 +438,7 @@ def check_case(attention: Callable, case: Case, device, bounds: Optional["CaseBo
     if not isinstance(again, torch.Tensor) or again.shape != out.shape or not torch.equal(again, out):
         return done(f"{label}: the same call a second time gave a different output")
     exact, exact_lse = exact_attention(q, k, v, is_causal=case.is_causal, sm_scale=case.scale,
-                                       return_lse=case.return_lse)
+                                       return_lse=case.return_lse, attn_mask=mask)
     sums = _block_sums(out.float(), exact, QUERY_BLOCK)
     rel_bh, cos_bh = _rel_cos(sums.sum(-1))  # per (batch, head)
     rel_blk, cos_blk = _rel_cos(sums)  # per (batch, head, query block)
@@ -535,7 +559,8 @@ def case_call(case: Case, like_call, variant):
     meta = torch.device("meta")
     q = torch.empty(case.batch, case.q_heads, case.q_len, case.head_dim, dtype=case.dtype, device=meta)
     kv = torch.empty(case.batch, case.kv_heads, case.kv_len, case.head_dim, dtype=case.dtype, device=meta)
-    call = describe_call(q, kv, kv, is_causal=case.is_causal, return_lse=case.return_lse,
+    mask = torch.empty(case.batch, 1, 1, case.kv_len, dtype=case.dtype, device=meta) if case.key_mask else None
+    call = describe_call(q, kv, kv, attn_mask=mask, is_causal=case.is_causal, return_lse=case.return_lse,
                          smooth_k=variant.smooth_k, prologue=variant.prologue, qk_group=variant.qk_group,
                          smooth_v=variant.smooth_v)
     return replace(call, device_type=like_call.device_type, device_index=like_call.device_index,
@@ -548,13 +573,15 @@ def backend_attention(backend, variant: Variant) -> Callable:
     from .call_spec import describe_call
     from .refusal import KernelRefused
 
-    def attention(q, k, v, is_causal=False, return_lse=False, scale=None):
-        call = describe_call(q, k, v, is_causal=is_causal, return_lse=return_lse, smooth_k=variant.smooth_k,
-                             prologue=variant.prologue, qk_group=variant.qk_group, smooth_v=variant.smooth_v)
+    def attention(q, k, v, is_causal=False, return_lse=False, scale=None, attn_mask=None):
+        call = describe_call(q, k, v, attn_mask=attn_mask, is_causal=is_causal, return_lse=return_lse,
+                             smooth_k=variant.smooth_k, prologue=variant.prologue, qk_group=variant.qk_group,
+                             smooth_v=variant.smooth_v)
         reason = backend.refuse(call)
         if reason:
             raise KernelRefused(backend.name, reason)
-        out, lse = backend.launch(q, k, v, call, quant.default_sm_scale(q.shape[-1]) if scale is None else scale, None)
+        out, lse = backend.launch(q, k, v, call, quant.default_sm_scale(q.shape[-1]) if scale is None else scale,
+                                  attn_mask)
         return (out, lse) if return_lse else out
     attention.variant = variant  # run_self_check judges it by this variant's bounds
     return attention

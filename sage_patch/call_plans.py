@@ -3,10 +3,10 @@
 A Flux step makes ~57 attention calls of a handful of signatures; describing each call and asking every
 backend's rule again (arch, availability, shape limits, the self-check verdict) cost more host time than
 some of those calls take on the GPU. A signature is everything those decisions read: shapes, strides,
-dtypes and devices of q, k, v and the mask, `heads`, `skip_reshape` and whether the call needs a gradient;
-the patch's config is fixed per cache. A plan keeps the final `routing.Route` of its calls and is trusted only
-while `registry.decision_generation()` is the one it was made under, so a backend that its self-check (or
-anything else) disables is never served from here.
+dtypes and devices of q, k, v and the mask (its strides tell a key-only expand from a per-row mask), `heads`,
+`skip_reshape` and whether the call needs a gradient; the patch's config is fixed per cache. A plan keeps the
+final `routing.Route` of its calls and is trusted only while `registry.decision_generation()` is the one it was
+made under, so a backend that its self-check (or anything else) disables is never served from here.
 
 What depends on the call itself and not on its signature (transformer_options: step, block_index;
 `scale`, `enable_gqa`, `low_precision_attention`) is not in a plan: the override reads it on every call.
@@ -50,7 +50,7 @@ def call_signature(bound: Dict[str, Any]) -> Optional[tuple]:
                 q.__class__, q.shape, q.stride(), q.dtype, q.device,
                 k.__class__, k.shape, k.stride(), k.dtype, k.device,
                 v.__class__, v.shape, v.stride(), v.dtype, v.device,
-                None if mask is None else (mask.shape, mask.dtype, mask.device))
+                None if mask is None else (mask.shape, mask.stride(), mask.dtype, mask.device))
     except (AttributeError, TypeError, RuntimeError):
         return None
 

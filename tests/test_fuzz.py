@@ -62,7 +62,7 @@ if __name__ == "__main__":  # the Triton-interpreter subprocess, tests/ first on
     import conftest  # noqa: F401
 
 from comfyui_sage_rdna4.kernels import KernelRefused, sage_attention
-from comfyui_sage_rdna4.kernels.call_spec import describe_call
+from comfyui_sage_rdna4.kernels.call_spec import describe_call, key_mask, mask_scope
 from comfyui_sage_rdna4.kernels.metrics import cosine
 from comfyui_sage_rdna4.kernels.reference import exact_attention
 from comfyui_sage_rdna4.kernels.registry import get_backend
@@ -108,10 +108,14 @@ class Case:
     return_lse: bool = False
     smooth_v: bool = False
     prologue: str = "auto"
+    # How a mask's values are drawn (make_mask): random | padding (a key-only mask over the last keys: False,
+    # -inf or -finfo.max) | all_masked (every key) | expanded (key-only, expanded to (B, 1, Nq, Nk), stride 0)
+    # | other_dtype (random, in another float dtype than q)
+    mask_style: str = "random"
 
     def short(self):
         return (f"B{self.batch} H{self.q_heads}/{self.kv_heads} N{self.q_len}/{self.kv_len} D{self.head_dim}/"
-                f"{self.v_head_dim} {self.dtype} {self.layout} mask={self.mask}:{self.mask_shape} "
+                f"{self.v_head_dim} {self.dtype} {self.layout} mask={self.mask}:{self.mask_shape}:{self.mask_style} "
                 f"values={self.values} causal={self.is_causal} smooth_k={self.smooth_k} {self.qk_group} "
                 f"scale={self.scale_factor} lse={self.return_lse} smooth_v={self.smooth_v} {self.prologue} "
                 f"seed={self.seed}")
@@ -171,6 +175,10 @@ def random_case(rng: random.Random, for_comfy: bool, budget: Optional[int] = Non
         case.return_lse = orng.random() < 0.15  # SDPA refuses it: keeps 1,000 of its 1,700 small calls
         case.smooth_v = orng.random() < 0.25
         case.prologue = pick(orng, [("auto", 80), ("triton", 10), ("hip", 10)])
+    # The mask's style from a stream of its own too (the kernels take key-only masks since issue 31).
+    mrng = random.Random(case.seed ^ 0x3A5C)
+    case.mask_style = pick(mrng, [("random", 45), ("padding", 25), ("all_masked", 8), ("expanded", 12),
+                                  ("other_dtype", 10)])
     return case
 
 
@@ -253,6 +261,21 @@ def make_mask(case: Case, g: torch.Generator, device, dtype, hnd_shape):
     if case.mask is None:
         return None
     b, h, nq, nk = hnd_shape
+    mdt = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+    if case.mask_style in ("padding", "all_masked"):
+        # Key-only, as HunyuanVideo's: (1, 1, Nk) (3-D: a heads dim in ComfyUI, a leading 1 in SDPA) or (B, 1, 1, Nk).
+        shape = (1, 1, nk) if case.mask_shape in ("2d", "3d", "row") else (b, 1, 1, nk)
+        masked = torch.zeros(shape, dtype=torch.bool)
+        masked[..., nk - (nk if case.mask_style == "all_masked" else (nk * 3) // 10):] = True
+        if case.mask == "bool":
+            return (~masked).to(device)
+        fill = -math.inf if torch.rand((), generator=g).item() < 0.5 else -torch.finfo(mdt).max
+        return torch.zeros(shape, dtype=mdt).masked_fill(masked, fill).to(device)
+    if case.mask_style == "expanded":
+        return make_mask(dict_replace(case, mask_shape="key", mask_style="random"), g, device, dtype,
+                         hnd_shape).expand(b, 1, nq, nk)
+    if case.mask_style == "other_dtype" and case.mask == "float":
+        dtype = torch.float32 if mdt != torch.float32 else torch.bfloat16
     shape = {"full": (b, h, nq, nk), "2d": (nq, nk), "3d": (b, nq, nk), "row": (1, 1, nq, nk),
              "key": (b, 1, 1, nk), "head": (1, h, nq, nk)}[case.mask_shape]
     if case.mask == "bool":
@@ -427,6 +450,16 @@ def beyond_dtype_resolution(q, k, sm_scale=None) -> bool:
     return half_ulp is not None and score_peak(q, k, sm_scale) * half_ulp > SCORE_ROUNDING_LIMIT
 
 
+def mask_beyond_fp32_resolution(mask) -> bool:
+    """Whether a float mask holds finite values so large that FP32 scores added to them lose more than the exact
+    kernels' magnitude bounds allow (|m| x 2^-24 > 1e-4: SDPA adding HunyuanVideo-style -65504 moves each weight by
+    up to 0.2 %, as the spec does): then exact kernels are range-checked only, and counted."""
+    if mask is None or not mask.is_floating_point() or mask.numel() == 0:
+        return False
+    finite = mask[torch.isfinite(mask)]
+    return finite.numel() > 0 and float(finite.abs().max()) * 2.0 ** -24 > 1e-4
+
+
 def exact_for(q, k, v, mask, is_causal, sm_scale):
     """Exact attention in FP32, and in FP64 when FP32 overflowed on finite inputs."""
     e32, _ = exact_attention(q, k, v, is_causal=is_causal, sm_scale=sm_scale, attn_mask=mask)
@@ -513,7 +546,7 @@ def check_magnitude(tally, case, o, q, k, v, mask, is_causal, sm_scale, quantize
     """The scale-sensitive half of the rule, against FP64 exact attention of the same rounded inputs: rel L1 and
     max abs error per dtype (exact kernels); rel L1 per value kind and, where V has constant channels and
     smooth_v takes V's mean out exactly, those channels to the output's rounding (quantized kernels)."""
-    if not quantized and beyond_dtype_resolution(q, k, sm_scale):
+    if not quantized and (beyond_dtype_resolution(q, k, sm_scale) or mask_beyond_fp32_resolution(mask)):
         tally.dtype_limited_mag += 1  # fp16/bf16 scores rounded by > SCORE_ROUNDING_LIMIT move the result > 1 %
         return
     e, _ = exact64(q, k, v, mask, is_causal, sm_scale)
@@ -574,8 +607,11 @@ def same_quantization_oracle(case, q, k, v, mask, is_causal, sm_scale, pv):
     """(out with P quantized as the spec says, out with P unrounded, the pieces alpha's spread needs) in FP64."""
     from comfyui_sage_rdna4.kernels import quant
     sm = quant.default_sm_scale(q.shape[3]) if sm_scale is None else sm_scale
+    live = None
+    if mask is not None and mask_scope(mask) == "keys":  # the spec's dead keys leave the K/V statistics
+        live = quant.live_keys(quant.mask_bias_base2(key_mask(mask.cpu(), k.shape[2])), k.shape[1])
     qq = quant.quantize_qkv_torch(q.cpu(), k.cpu(), v.cpu(), sm_scale=sm, smooth_k=case.smooth_k, pv=pv,
-                                  qk_group=case.qk_group, smooth_v=case.smooth_v)
+                                  qk_group=case.qk_group, smooth_v=case.smooth_v, live=live)
     hq, nq, nk = q.shape[1], q.shape[2], k.shape[2]
     rep = hq // k.shape[1]
     k8 = qq.k8.double().repeat_interleave(rep, 1)
@@ -584,7 +620,10 @@ def same_quantization_oracle(case, q, k, v, mask, is_causal, sm_scale, pv):
     s = torch.matmul(qq.q8.double(), k8.transpose(-1, -2)) * qq.q_scale.double().unsqueeze(-1) * ks.unsqueeze(-2)
     if mask is not None:
         m = mask.cpu().reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-        s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.double() * quant.LOG2E
+        # The spec adds a float mask to FP32 scores (floored at -FP32 max): near a large bias (-65504, -finfo.max)
+        # FP32 holds the scores to that bias's ulp, as SDPA's FP32 sum does, so the oracle rounds there too.
+        s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else \
+            (s.float() + quant.mask_bias_base2(m)).double()
     if is_causal:
         s = s.masked_fill(torch.ones(nq, nk, dtype=torch.bool).triu(1), -math.inf)
     top = s.amax(-1, keepdim=True) if nk else s.new_full((*s.shape[:-1], 1), -math.inf)
@@ -728,7 +767,11 @@ def api_call(tally: Tally, case: Case, kernel: str, device):
                              qk_group=case.qk_group, return_lse=case.return_lse, smooth_v=case.smooth_v,
                              prologue=case.prologue)
         ran = route(call, "auto").backend.name
-    judge(tally, case, out, q, k, v, mask, get_backend(ran).quantized, case.is_causal, sm_scale=case.sm_scale(),
+    quantized = get_backend(ran).quantized
+    judged_mask = mask
+    if not quantized and mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
+        judged_mask = mask.to(q.dtype)  # the sdpa backend hands SDPA the mask in q's dtype (kernels/backends/sdpa.py)
+    judge(tally, case, out, q, k, v, judged_mask, quantized, case.is_causal, sm_scale=case.sm_scale(),
           label=f"{kernel}->{ran}" if kernel != ran else kernel, lse=lse, want_lse=case.return_lse)
 
 
@@ -1257,13 +1300,14 @@ def _triton_interpreter_main():
     rng = random.Random(SEED + 2)
     cases = []
     # Small ones only (the interpreter runs every program instance in Python), two of each value kind so
-    # NaN/Inf and near-max values are always among them; no masks (the Triton kernels refuse them).
+    # NaN/Inf and near-max values are always among them; masks as drawn (key-only ones run, per-row ones are
+    # refused with their reason).
     for values in ("normal", "scaled", "big_v", "k_offset", "constant_rows", "extreme", "nan", "inf"):
         found = 0
         while found < 2:
             c = random_case(rng, False)
             if c.batch * c.q_heads * max(c.q_len, c.kv_len) * max(c.head_dim, c.v_head_dim) <= 6000:
-                cases.append(dict_replace(c, values=values, mask=None))
+                cases.append(dict_replace(c, values=values))
                 found += 1
     tallies = []
     for kernel in present:

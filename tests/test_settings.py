@@ -12,8 +12,6 @@ from comfyui_sage_rdna4.kernels import settings
 ROOT = Path(__file__).resolve().parents[1]
 NAME = re.compile(r"SAGE_RDNA4_[A-Z0-9_]+")
 SCANNED = ("kernels", "sage_patch", "nodes")
-# Read through a module constant, not settings, until the lead's rewrite of SelfCheck.guard lands
-# (it then asks settings.self_check_enabled()); drop the entry with that rewrite.
 PENDING = set()  # (file, name) of a setting still read directly while it moves; none now
 
 

@@ -290,12 +290,13 @@ if not CHILD:
         assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
         assert " passed" in r.stdout and " failed" not in r.stdout
 else:
-    @pytest.mark.parametrize("kernel,causal,b,hq,hkv,nq,nk,units", [
-        ("triton_int8_fp8", False, 1, 2, 1, 70, 50, 1e-9),                           # rows of one head
-        pytest.param("triton_int8_fp16", True, 2, 4, 2, 40, 40, 2.0, marks=SLOW),    # groups, causal
-        pytest.param("triton_int8_fp8", False, 3, 2, 2, 33, 40, 4.0, marks=SLOW),    # batch ranges
+    @pytest.mark.parametrize("kernel,causal,b,hq,hkv,nq,nk,units,masked", [
+        ("triton_int8_fp8", False, 1, 2, 1, 70, 50, 1e-9, False),                           # rows of one head
+        pytest.param("triton_int8_fp16", True, 2, 4, 2, 40, 40, 2.0, False, marks=SLOW),    # groups, causal
+        pytest.param("triton_int8_fp8", False, 3, 2, 2, 33, 40, 4.0, False, marks=SLOW),    # batch ranges
+        ("triton_int8_fp16", False, 2, 4, 2, 33, 70, 2.0, True),  # groups, a key mask per (batch, head)
     ])
-    def test_interpreter_split_bit_identical(monkeypatch, kernel, causal, b, hq, hkv, nq, nk, units):
+    def test_interpreter_split_bit_identical(monkeypatch, kernel, causal, b, hq, hkv, nq, nk, units, masked):
         """Through the backend (NHD inputs, the NHD output view, smooth_k's LSE term): split == one launch."""
         from comfyui_sage_rdna4.kernels.api import sage_attention
         from comfyui_sage_rdna4.kernels.backends.triton import attention
@@ -307,12 +308,17 @@ else:
         q, k, v = (torch.randn(b, n, h, 64, generator=g).half() for n, h in ((nq, hq), (nk, hkv), (nk, hkv)))
         pv = kernel.rsplit("_", 1)[1]
         head = ls.call_work(ls.visible_keys(0, nq, nk, causal), 64, 64, pv)
+        mask = None
+        if masked:  # each (batch, head) its own padding: a piece must take its own rows of the bias and key end
+            mask = torch.ones(b, hq, 1, nk, dtype=torch.bool)
+            for i in range(b * hq):
+                mask.view(b * hq, nk)[i, nk - 5 - 9 * i:] = False
         runs = []
         for bound in (None, units * head):
             calls.clear()
             with ls.work_bound_override(bound):
                 out, lse = sage_attention(q, k, v, tensor_layout="NHD", is_causal=causal, kernel=kernel,
-                                          return_lse=True)
+                                          return_lse=True, attn_mask=mask)
             runs.append((out, lse, len(calls)))
         (one, one_lse, n_one), (split, split_lse, n_split) = runs
         assert n_one == 1 and n_split > 1

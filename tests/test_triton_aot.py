@@ -98,6 +98,21 @@ def test_key_loop_instruction_budget_on_gfx1201(d, pv, cfg):
             assert report.loop_ops.get("ds_load_u8", 0) == 0, "FP8 V is read from LDS a byte at a time"
 
 
+# The key-only mask's variant (HAS_BIAS: a bias load per key tile, the row scale and the bias in one FMA per score,
+# no FOLD_Q_SCALE), gfx1201, Triton 3.6: FP8 12.69 / 20.12, FP16 10.38 / 22.69 at D128 / D64 (unmasked 10.47 /
+# 17.56, 9.59 / 20.50); the same occupancy at D128. A bound ~10 % above each.
+KEY_MASK_LOOP_BOUND = {(128, "fp8"): 14.0, (64, "fp8"): 22.0, (128, "fp16"): 11.5, (64, "fp16"): 25.0}
+
+
+@pytest.mark.parametrize("d,pv,cfg", [c for c in shipped_rdna4_configs() if c[0] in (64, 128)],
+                         ids=[f"D{d}-{pv}" for d, pv, _ in shipped_rdna4_configs() if d in (64, 128)])
+def test_key_mask_variant_compiles_for_gfx1201(d, pv, cfg):
+    report = triton_aot.compile_attention("gfx1201", d, pv, cfg, key_mask=True)
+    check(report, pv, cfg.pv_accumulate)
+    ratio = report.loop_non_wmma_per_wmma
+    assert ratio is not None and ratio <= KEY_MASK_LOOP_BOUND[(d, pv)], report.line()
+
+
 def test_key_loop_counter_reads_the_loop_with_the_most_wmma():
     asm = """k:
 .LBB0_1:

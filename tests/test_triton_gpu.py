@@ -318,3 +318,35 @@ def test_huge_logits_keep_p_at_most_448_on_gpu(logit, monkeypatch):
             assert torch.isfinite(out).all() and err <= 2.0 ** -4
     finally:
         ta.attention_launch.cache_clear()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("style", ["-finfo.max bf16", "bool", "all -finfo.max"])
+def test_hunyuan_key_mask_against_sdpa(kernel, style):
+    """HunyuanVideo's key-only padding mask at a real shape (B1 H24 N 4352 D128 bf16), the padding keys' K and V
+    100x larger: the output against cuDNN/flash SDPA with the same mask as closely as the unmasked call, the LSE
+    against exact attention; every key at -finfo.max gives SDPA's uniform average."""
+    n, pad = 4352, 200
+    q, k, v = inputs(1, 24, 24, n, n, 128)
+    k[:, :, n - pad:] *= 100
+    v[:, :, n - pad:] *= 100
+    mask = torch.zeros(1, 1, 1, n, device="cuda", dtype=torch.bfloat16)
+    if style == "all -finfo.max":
+        mask[:] = -torch.finfo(torch.bfloat16).max
+    else:
+        mask[..., n - pad:] = -torch.finfo(torch.bfloat16).max
+    if style == "bool":
+        mask = mask == 0
+    out, lse = sage_attention(q, k, v, kernel=kernel, attn_mask=mask, return_lse=True)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    exact, exact_lse = reference.exact_attention(q, k, v, attn_mask=mask, return_lse=True)
+    err = metrics.rel_l1(out.float(), exact)
+    print(f"{kernel} hunyuan mask {style}: rel_l1 vs exact {err:.4f}, SDPA {metrics.rel_l1(want.float(), exact):.4f}")
+    if style == "all -finfo.max":
+        uniform = v.float().mean(dim=2, keepdim=True).expand_as(exact)
+        torch.testing.assert_close(exact, uniform, rtol=1e-4, atol=1e-3)
+        assert metrics.rel_l1(out.float(), uniform) <= 0.03
+        return
+    assert metrics.cosine(out.float(), exact) >= 0.999
+    assert err <= {"fp8": 0.05, "fp16": 0.015}[kernel.rsplit("_", 1)[1]]
+    assert float((lse - exact_lse).abs().max()) < 0.05

@@ -106,7 +106,7 @@ else:
     import triton.language as tl
 
     @triton.jit
-    def _unrounded_shift(row_max):
+    def _unrounded_shift(row_max, EXACT_S: tl.constexpr):
         """The FP8 shift as it was: fl(row_max - P_SHIFT), which can land below the exact value."""
         return row_max - tl.constexpr(8.8067)
 
@@ -193,6 +193,14 @@ else:
         for smooth_v in (False, True):
             got = triton_quantize_qkv(q, k, v, sm_scale=0.125, smooth_k=True, pv=pv, smooth_v=smooth_v)
             want = quant.quantize_qkv_torch(q, k, v, sm_scale=0.125, smooth_k=True, pv=pv, smooth_v=smooth_v)
+            assert_same_quantization(got, want)
+            # A key-only mask's live keys (a different set per batch) through the same path: the counts reach
+            # the finalize launch.
+            live = torch.ones(1, 1, 200, dtype=torch.bool)
+            live[..., 130:] = False
+            got = triton_quantize_qkv(q, k, v, sm_scale=0.125, smooth_k=True, pv=pv, smooth_v=smooth_v, live=live)
+            want = quant.quantize_qkv_torch(q, k, v, sm_scale=0.125, smooth_k=True, pv=pv, smooth_v=smooth_v,
+                                            live=live)
             assert_same_quantization(got, want)
 
     def test_prologue_reads_fused_qkv_views_in_place():
@@ -453,7 +461,11 @@ else:
         b = get_backend("triton_int8_fp8")
         assert b.unavailable("cpu") is None  # the interpreter makes CPU tensors acceptable
         mask = torch.ones(16, 16, dtype=torch.bool)
-        assert "mask" in b.why_not(describe_call(q, q, q, attn_mask=mask))
+        assert "differs between query rows" in b.why_not(describe_call(q, q, q, attn_mask=mask))
+        assert b.why_not(describe_call(q, q, q, attn_mask=mask[:1])) is None  # key-only: served
+        assert b.why_not(describe_call(q, q, q, attn_mask=mask[:1].expand(16, 16))) is None  # expanded rows
+        hip = b.why_not(describe_call(q, q, q, attn_mask=mask[:1], prologue="hip"))
+        assert hip is not None and "prologue" in hip
         big = torch.randn(1, 1, 4, 288)
         assert "256" in b.why_not(describe_call(big, big, big))
         assert "dtype" in b.why_not(describe_call(q.double(), q.double(), q.double()))
@@ -463,6 +475,129 @@ else:
         assert reason is None or "HIP" in reason
         with pytest.raises(KernelRefused):
             sage_attention(q, q, q, kernel="triton_int8_fp8", attn_mask=mask)
+
+    # ---- key-only masks: padding keys holding huge values, against SDPA and the spec
+    def padded(b, hq, hkv, n, d, pad, seed=3, scale=1000.0):
+        q, k, v = make_qkv(b, hq, hkv, n, n, d, seed=seed)
+        k[:, :, n - pad:] *= scale
+        v[:, :, n - pad:] *= scale
+        return q, k, v
+
+    def mask_variants(b, hq, n, pad):
+        keep = torch.ones(b, 1, 1, n, dtype=torch.bool)
+        keep[..., n - pad:] = False
+        neg_max = torch.zeros(b, 1, 1, n).masked_fill(~keep, -torch.finfo(torch.float32).max)
+        per_head = torch.ones(1, hq, 1, n, dtype=torch.bool)
+        per_head[:, 0, :, n - pad:] = False
+        per_head[:, -1, :, : n // 3] = False
+        return {
+            "bool": keep,
+            "neg-inf fp16": torch.zeros(b, 1, 1, n, dtype=torch.float16).masked_fill(~keep, -math.inf),
+            "-finfo.max bf16 3d": torch.zeros(1, 1, n, dtype=torch.bfloat16).masked_fill(
+                ~keep[:1, 0], -torch.finfo(torch.bfloat16).max),
+            "-finfo.max expanded": neg_max.expand(b, 1, 70, n),
+            "per-head bool": per_head,
+            "soft bias": torch.randn(b, hq, 1, n, generator=torch.Generator().manual_seed(5)) * 2.0,
+        }
+
+    @pytest.mark.parametrize("kernel", ["triton_int8_fp8", "triton_int8_fp16"])
+    @pytest.mark.parametrize("name", ["bool", "neg-inf fp16", "-finfo.max bf16 3d", "-finfo.max expanded",
+                                      "per-head bool", "soft bias"])
+    def test_key_masks_against_sdpa_and_spec(kernel, name):
+        from comfyui_sage_rdna4.kernels.call_spec import key_mask
+        """Padding keys 1000x larger than the rest: the output and LSE follow SDPA and the spec (which keeps dead keys
+        out of the statistics); letting them in costs cos ~0.1 on the self-check's padded-keys case."""
+        pv = kernel.rsplit("_", 1)[1]
+        # Masks that leave the padding live somewhere (per head, soft) get ordinary padding: live keys belong in the
+        # statistics, and 1000x keys there would be the inputs' coarseness, not the mask's.
+        q, k, v = padded(2, 4, 2, 70, 64, 17, scale=1.0 if name in ("per-head bool", "soft bias") else 1000.0)
+        mask = mask_variants(2, 4, 70, 17)[name]
+        out, lse = sage_attention(q, k, v, kernel=kernel, attn_mask=mask, return_lse=True)
+        # The kernel on the spec's own quantization, with the bias and the key end the backend computes: the spec
+        # to its tight bound (the end skips the padding's tiles, which must change nothing).
+        from comfyui_sage_rdna4.kernels.backends.triton.masks import key_mask_operands
+        bias, key_end, live = key_mask_operands(mask, 2, 4, 2, 70)
+        assert key_end.max() <= (70 if name in ("per-head bool", "soft bias") else 53)
+        qq = quant.quantize_qkv_torch(q, k, v, sm_scale=0.125, pv=pv, live=quant.live_keys(
+            quant.mask_bias_base2(key_mask(mask, 70)), 2))
+        cfg = attention_config("cpu", 64, pv)
+        got, got_lse = attention_from_quantized_triton(qq, pv=pv, config=cfg, return_lse=True, key_bias=bias,
+                                                       key_end=key_end, out_dtype=torch.float32)
+        ref, ref_lse = reference.attention_from_quantized(qq, pv=pv, return_lse=True, p_tile=cfg.block_n,
+                                                          key_bias=quant.key_mask_bias(
+                                                              quant.mask_bias_base2(key_mask(mask, 70))))
+        assert metrics.rel_l1(got, ref) <= SPEC_REL_L1[pv], metrics.rel_l1(got, ref)
+        torch.testing.assert_close(got_lse, ref_lse, rtol=0, atol=1e-4)
+        sdpa_mask = mask if mask.dtype == torch.bool else mask.float()  # SDPA takes FP32 masks with FP32 q (exact)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                                attn_mask=sdpa_mask)
+        exact, exact_lse = reference.exact_attention(q, k, v, attn_mask=mask, return_lse=True)
+        torch.testing.assert_close(exact, sdpa, rtol=1e-5, atol=1e-5)
+        spec, spec_lse = reference.reference_attention(q, k, v, pv=pv, attn_mask=mask, return_lse=True,
+                                                       p_tile=attention_config("cpu", 64, pv).block_n)
+        assert metrics.rel_l1(out, spec) <= SPEC_REL_L1[pv], metrics.rel_l1(out, spec)
+        assert metrics.rel_l1(out, sdpa) <= {"fp8": 0.05, "fp16": 0.012}[pv], metrics.rel_l1(out, sdpa)
+        torch.testing.assert_close(lse, spec_lse, rtol=0, atol=2e-3)
+        assert float((lse - exact_lse).abs().max()) < 0.05
+
+    def test_fully_masked_rows_follow_sdpa():
+        """Every key -inf/False: zeros and LSE -inf (torch 2.13's SDPA gives zeros too); every key -finfo.max: the
+        uniform average over the keys, as SDPA's FP32 sum swamps the scores."""
+        q, k, v = make_qkv(1, 2, 2, 40, 70, 64, seed=9)
+        none_kept = torch.zeros(1, 1, 1, 70, dtype=torch.bool)
+        out, lse = sage_attention(q, k, v, kernel="triton_int8_fp16", attn_mask=none_kept, return_lse=True)
+        assert torch.equal(out, torch.zeros_like(out)) and bool((lse == -math.inf).all())
+        for dtype in (torch.float32, torch.bfloat16):
+            swamped = torch.full((1, 1, 1, 70), -torch.finfo(dtype).max, dtype=dtype)
+            for kernel in ("triton_int8_fp8", "triton_int8_fp16"):
+                out = sage_attention(q, k, v, kernel=kernel, attn_mask=swamped)
+                sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=swamped.float())
+                torch.testing.assert_close(sdpa, v.mean(dim=2, keepdim=True).expand_as(sdpa), rtol=0, atol=1e-5)
+                assert metrics.rel_l1(out, sdpa) <= 0.03, (kernel, dtype, metrics.rel_l1(out, sdpa))
+
+    @pytest.mark.parametrize("pv", ["fp8", "fp16"])
+    @pytest.mark.parametrize("smooth_k,smooth_v,qk_group", [(True, False, "token"), (True, True, "block32"),
+                                                            (False, False, "block64")])
+    def test_prologue_keeps_dead_keys_out_like_the_spec(pv, smooth_k, smooth_v, qk_group):
+        q, k, v = padded(2, 4, 2, 101, 64, 30)
+        v = v + 3.0  # an offset: with smooth_v a dead key's 0 must not widen V's range
+        bias = quant.mask_bias_base2(mask_variants(2, 4, 101, 30)["bool"][:, :, 0])
+        live = quant.live_keys(bias, 2)
+        assert live.shape == (2, 1, 101) and not bool(live.all())
+        kw = dict(sm_scale=0.125, smooth_k=smooth_k, pv=pv, qk_group=qk_group, smooth_v=smooth_v)
+        got = triton_quantize_qkv(q, k, v, live=live, **kw)
+        want = quant.quantize_qkv_torch(q, k, v, live=live, **kw)
+        assert_same_quantization(got, want)
+        assert not bool(got.k8[:, :, 71:].any()) and not bool(got.v.float()[:, :, 71:].any())  # dead: code 0
+        plain = quant.quantize_qkv_torch(q, k, v, **kw)
+        assert float(got.v_scale.max()) < float(plain.v_scale.max()) / 100  # padding's V is not in the scale
+
+    @pytest.mark.parametrize("kind", ["bool", "neg-inf fp16", "-finfo.max bf16 3d", "-finfo.max expanded",
+                                      "per-head bool", "soft bias", "nan and all -inf heads"])
+    def test_mask_operands_in_one_launch_match_the_spec(kind):
+        """masks.key_mask_operands (one launch) gives quant.mask_bias_base2 and quant.live_keys bit for bit, and the
+        live count per (batch, kv head)."""
+        from comfyui_sage_rdna4.kernels.backends.triton.masks import key_mask_operands
+        from comfyui_sage_rdna4.kernels.call_spec import key_mask
+        b, hq, hkv, n = 2, 4, 2, 1500  # two blocks of the prep kernel
+        if kind == "nan and all -inf heads":
+            mask = torch.randn(b, hq, 1, n) * 3.0
+            mask[0, 1] = -math.inf
+            mask[1, 2, :, 7] = float("nan")
+            mask[1, 3, :, : n // 2] = -8000.0
+        else:
+            mask = mask_variants(b, hq, n, 333)[kind]
+        bias, key_end, live = key_mask_operands(mask, b, hq, hkv, n)
+        raw = quant.mask_bias_base2(key_mask(mask, n))
+        want = quant.key_mask_bias(raw)
+        assert torch.equal(bias.isnan(), want.isnan())
+        assert torch.equal(torch.nan_to_num(bias), torch.nan_to_num(want))
+        alive = ~quant.dead_keys(raw)
+        idx = torch.arange(1, n + 1, dtype=torch.int32)
+        assert torch.equal(key_end, torch.where(alive, idx, 0).amax(-1).to(torch.int32))
+        want_live = quant.live_keys(raw, hkv).expand(b, hkv, n)
+        assert torch.equal(live.flags.bool(), want_live)
+        assert torch.equal(live.count, want_live.sum(-1).double().clamp_min(1).reshape(-1))
 
     # ---- small V through FP16 P.V: the V scale goes up as well as down (quant.fp16_v_scale)
     @pytest.mark.parametrize("dtype,magnitude", [

@@ -135,11 +135,13 @@ def _compile(fn, signature: Dict[str, str], constexprs: Dict[str, object], arch:
 
 def compile_attention(arch: str, head_dim: int, pv: str, config: AttentionConfig, *, is_causal: bool = False,
                       return_lse: bool = False, out_dtype: str = "bf16", kv_group: int = 1,
-                      v_head_dim: Optional[int] = None, smooth_v: bool = False) -> KernelReport:
-    """One attention kernel as the backend launches it with `config` (its `pv_accumulate` included)."""
+                      v_head_dim: Optional[int] = None, smooth_v: bool = False,
+                      key_mask: bool = False) -> KernelReport:
+    """One attention kernel as the backend launches it with `config` (its `pv_accumulate` included); `key_mask`:
+    the variant that adds a key-only mask's bias."""
     kernel, label = _compile_attention(arch, head_dim, pv, config, is_causal=is_causal, return_lse=return_lse,
                                        out_dtype=out_dtype, kv_group=kv_group, v_head_dim=v_head_dim,
-                                       smooth_v=smooth_v)
+                                       smooth_v=smooth_v, key_mask=key_mask)
     return _report(kernel, label, arch)
 
 
@@ -163,16 +165,17 @@ def nvidia_pv_dots(arch: str, head_dim: int, pv: str, config: AttentionConfig) -
 
 
 def _compile_attention(arch, head_dim, pv, config, *, is_causal=False, return_lse=False, out_dtype="bf16",
-                       kv_group=1, v_head_dim=None, smooth_v=False):
+                       kv_group=1, v_head_dim=None, smooth_v=False, key_mask=False):
     from ..backends.triton.attention import ACC_MODES, _sage_attn_fwd
 
     dv = v_head_dim or head_dim
     d_pad, dv_pad = padded_head_dim(head_dim), padded_head_dim(dv)
     v_ty = "*fp8e4nv" if pv == "fp8" else "*fp16"
     sig = {"Q8": "*i8", "QS": "*fp32", "K8": "*i8", "KS": "*fp32", "V": v_ty, "VS": "*fp32", "VM": "*fp32",
-           "O": f"*{out_dtype}", "LSE": "*fp32"}
+           "O": f"*{out_dtype}", "LSE": "*fp32", "BIAS": "*fp32", "KEND": "*i32"}
     # sks: k_scale's row stride, a multiple of 16 from the Triton prologue (pad_k_scale_rows)
-    strides = ["sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "svd", "sob", "soh", "son", "sks"]
+    strides = ["sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "svd", "sob", "soh", "son", "sks",
+               "sbb", "sbh", "seb", "seh"]
     unit = "svn" if config.v_transposed else "svd"
     for s in strides:
         sig[s] = "constexpr" if s == unit else "i32"
@@ -182,14 +185,16 @@ def _compile_attention(arch, head_dim, pv, config, *, is_causal=False, return_ls
               "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "IS_CAUSAL": is_causal,
               "PV_FP8": pv == "fp8", "STORE_LSE": return_lse, "V_T": config.v_transposed, "EXACT_P_ROUND": False,
               "PV_ACC": ACC_MODES[config.pv_accumulate], "HAS_VMEAN": smooth_v,
-              "FOLD_Q_SCALE": config.fold_q_scale, "FP8_CVT_ASM": config.fp8_cvt_asm and pv == "fp8",
-              "CHECK_P": False, "INTERPRETER": False}
+              "FOLD_Q_SCALE": config.fold_q_scale and not key_mask,
+              "FP8_CVT_ASM": config.fp8_cvt_asm and pv == "fp8", "CHECK_P": False, "HAS_BIAS": key_mask,
+              "INTERPRETER": False}
     for k in consts:
         sig[k] = "constexpr"
     kernel = _compile(_sage_attn_fwd, sig, consts, arch, config.num_warps, config.num_stages)
     label = (f"attention D{head_dim}{'' if dv == head_dim else f'/{dv}'} {pv} BM{config.block_m} "
              f"BN{config.block_n} w{config.num_warps} s{config.num_stages} acc={config.pv_accumulate}"
-             f"{' causal' if is_causal else ''}{' lse' if return_lse else ''}{' smooth_v' if smooth_v else ''}")
+             f"{' causal' if is_causal else ''}{' lse' if return_lse else ''}{' smooth_v' if smooth_v else ''}"
+             f"{' key_mask' if key_mask else ''}")
     return kernel, label
 
 
@@ -208,14 +213,15 @@ def _quantize_kernels(arch: str, head_dim: int, pv: str, v_head_dim: Optional[in
     sv = " smooth_v" if smooth_v else ""
     v_out = "*fp8e4nv" if pv == "fp8" else "*fp16"
     sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KSUM": "*fp64", "VMAX": "*fp32", "VSUM": "*fp64",
-           "VMIN": "*fp32", "KMEAN": "*fp32", "VSCALE": "*fp32", "VMEAN": "*fp32", "Q8": "*i8",
+           "VMIN": "*fp32", "COUNT": "*fp64", "LIVE": "*i8", "KMEAN": "*fp32", "VSCALE": "*fp32", "VMEAN": "*fp32",
+           "Q8": "*i8",
            "QS": "*fp32", "K8": "*i8", "KS": "*fp32", "VOUT": v_out, "mult": "fp32"}
     for t in ("q", "k", "v", "o"):
         for dim in "bhn":
             sig[f"s{t}{dim}"] = "i32"
         sig[f"s{t}d"] = "constexpr"
     v_unit = "son" if out_t else "sod"  # the unit stride of V's storage
-    sig["son"], sig["sod"], sig["sks"] = "i32", "i32", "i32"
+    sig["son"], sig["sod"], sig["sks"], sig["slb"], sig["slh"] = "i32", "i32", "i32", "i32", "i32"
     sig[v_unit] = "constexpr"
     for name in ("Hq", "Hkv", "Nq", "Nk", "n_chunks", "q_blocks", "k_blocks", "v_blocks", "q_programs",
                  "k_programs"):
@@ -223,7 +229,7 @@ def _quantize_kernels(arch: str, head_dim: int, pv: str, v_head_dim: Optional[in
     consts = {"sqd": 1, "skd": 1, "svd": 1, v_unit: 1, "D": head_dim, "D_PAD": d_pad, "DV": dv,
               "DV_PAD": dv_pad, "QK_BLOCK": cfg.block_n, "V_BLOCK": cfg.block_n, "PER_BLOCK": False,
               "HAS_MEAN": True, "PV_FP8": pv == "fp8", "OUT_T": out_t, "FOLD_STATS": False,
-              "STATS_CH": p.STATS_CH, "SMOOTH_V": smooth_v, "INTERPRETER": False}
+              "STATS_CH": p.STATS_CH, "SMOOTH_V": smooth_v, "HAS_LIVE": False, "INTERPRETER": False}
     sig.update({k: "constexpr" for k in consts})
     kernels = []
     for fold in (False, True):
@@ -259,18 +265,19 @@ def compile_prologue(arch: str, head_dim: int, pv: str, v_head_dim: Optional[int
     sv = " smooth_v" if smooth_v else ""
     reports = [_report(k, label, arch) for k, label in _quantize_kernels(arch, head_dim, pv, v_head_dim, smooth_v)]
     sig = {"K": "*bf16", "V": "*bf16", "KSUM": "*fp64", "VMAX": "*fp32", "VSUM": "*fp64", "VMIN": "*fp32",
-           "skb": "i32", "skh": "i32", "skn": "i32", "skd": "constexpr",
-           "svb": "i32", "svh": "i32", "svn": "i32", "svd": "constexpr", "Hkv": "i32", "Nk": "i32", "n_chunks": "i32"}
+           "LIVE": "*i8", "skb": "i32", "skh": "i32", "skn": "i32", "skd": "constexpr",
+           "svb": "i32", "svh": "i32", "svn": "i32", "svd": "constexpr", "slb": "i32", "slh": "i32", "Hkv": "i32",
+           "Nk": "i32", "n_chunks": "i32"}
     consts = {"skd": 1, "svd": 1, "D": head_dim, "D_PAD": d_pad, "DV": dv, "DV_PAD": dv_pad,
               "CHUNK": cfg.stats_block_n, "SUB": p.stats_rows(d_pad, dv_pad, True, smooth_v), "DO_KSUM": True,
-              "SMOOTH_V": smooth_v}
+              "SMOOTH_V": smooth_v, "HAS_LIVE": False}
     sig.update({k: "constexpr" for k in consts})
     k = _compile(p._kv_stats, sig, consts, arch, cfg.num_warps, 1)
     reports.append(_report(k, f"kv_stats D{head_dim}{sv}", arch))
-    sig = {"KSUM": "*fp64", "VMAX": "*fp32", "VSUM": "*fp64", "VMIN": "*fp32", "KMEAN": "*fp32", "VSCALE": "*fp32",
-           "VMEAN": "*fp32", "n_chunks": "i32", "Nk": "i32"}
+    sig = {"KSUM": "*fp64", "VMAX": "*fp32", "VSUM": "*fp64", "VMIN": "*fp32", "COUNT": "*fp64", "KMEAN": "*fp32",
+           "VSCALE": "*fp32", "VMEAN": "*fp32", "n_chunks": "i32", "Nk": "i32"}
     consts = {"D": head_dim, "D_PAD": d_pad, "DV": dv, "DV_PAD": dv_pad, "CH": p.STATS_CH, "DO_KSUM": True,
-              "PV_FP8": pv == "fp8", "SMOOTH_V": smooth_v}
+              "PV_FP8": pv == "fp8", "SMOOTH_V": smooth_v, "HAS_LIVE": False}
     sig.update({k: "constexpr" for k in consts})
     k = _compile(p._kv_finalize, sig, consts, arch, 4, 1)
     reports.append(_report(k, f"kv_finalize D{head_dim} {pv}{sv}", arch))

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from ... import quant
-from ...call_spec import AttentionCall
+from ...call_spec import AttentionCall, mask_refusal
 from ...gating import Verdicts
 from ...registry import Backend, KernelRefused, get_backend
 from . import probes
@@ -54,7 +54,8 @@ def attention_refusal(call: AttentionCall, pv: str) -> Optional[str]:
     if call.v_head_dim != call.head_dim:
         return f"v head_dim {call.v_head_dim} differs from q/k head_dim {call.head_dim}"
     if call.mask != "none":
-        return f"attention masks ({call.mask}) are not supported by the HIP kernels"
+        return (mask_refusal(call) or f"{call.mask} key-only masks are not implemented in the HIP kernels yet "
+                "(the Triton kernels take them)")
     if call.has_zero_size:
         return "a zero-size q, k or v"
     # The kernels' own geometry rule (grid limits, 32-bit offsets inside one kv head), stated in kernel_abi.

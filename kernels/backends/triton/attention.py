@@ -81,22 +81,29 @@ def _to_e4m3_gfx12(x):
 
 
 @triton.jit
-def _shifted_max(row_max):
+def _shifted_max(row_max, EXACT_S: tl.constexpr):
     """fl(row_max - P_SHIFT) raised by 2**-22 of itself: at least the exact row_max - P_SHIFT plus the half ulp
     an FMA's unrounded s * q_scale can exceed the rounded row max by (|c| * 2**-22 is >= 2 ulp of c). The top P
     then sits up to 2**-22 |c| binades below 447.9953: nothing at ordinary scores, 3.4 binades at |s| = 1.4e7,
-    where the scores' own FP32 step is 1. A row with no key stays -inf."""
+    where the scores' own FP32 step is 1. A row with no key stays -inf.
+    EXACT_S (scores rounded to FP32 before the max, as without FOLD_Q_SCALE): where P_SHIFT vanishes in the
+    rounding (|row_max| >= 2**28) c is the row max itself, so P <= 1 with no raise; the raise would put every P of
+    a row near -FP32 max (a -finfo.max mask) to 0."""
     c = row_max - P_SHIFT
-    return tl.where(c == float("-inf"), c, c + tl.abs(c) * 2.384185791015625e-07)
+    raised = c + tl.abs(c) * 2.384185791015625e-07
+    if EXACT_S:
+        raised = tl.where(c == row_max, c, raised)
+    return tl.where(c == float("-inf"), c, raised)
 
 
 @triton.jit
-def _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, start_n,
+def _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base, start_n,
               offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
               PV_FP8: tl.constexpr, V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr, PV_ACC: tl.constexpr,
-              FOLD_Q_SCALE: tl.constexpr, FP8_CVT_ASM: tl.constexpr, CHECK_P: tl.constexpr):
+              FOLD_Q_SCALE: tl.constexpr, FP8_CVT_ASM: tl.constexpr, CHECK_P: tl.constexpr,
+              HAS_BIAS: tl.constexpr):
     cols = start_n + offs_n
     k_ptrs = k_base + cols[:, None] * skn + offs_d[None, :]
     if MASKED:
@@ -112,6 +119,16 @@ def _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, start_n
         # q_scale > 0 per row commutes with the row max, so it folds into exp2's argument as one FMA
         # instead of an outer-product multiply per score (H200: Wan 480p fp8 1.06 -> 1.00x cuDNN).
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * ks[None, :]
+    elif HAS_BIAS:
+        # A key-only mask's base-2 bias, one value per key, added to whole scores (FOLD_Q_SCALE is off): the row
+        # scale and the bias in one FMA per score.
+        if MASKED:
+            bias = tl.load(bias_base + cols, mask=cols < Nk, other=float("-inf"))
+        else:
+            bias = tl.load(bias_base + cols)
+        s = (tl.dot(q, tl.trans(k)).to(tl.float32) * ks[None, :]) * q_scale[:, None] + bias[None, :]
+        if HAS_BIAS == 2:  # a bool mask selects: its masked keys are -inf whatever their score (NaN too)
+            s = tl.where(bias[None, :] == float("-inf"), float("-inf"), s)
     else:
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * (q_scale[:, None] * ks[None, :])
     if MASKED:
@@ -126,17 +143,21 @@ def _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, start_n
         # This tile's own max is its P's top, floored FP8_TILE_SHIFT_RANGE below the running max: P <= 448 as
         # before (the shift is at least this tile's _shifted_max), and e4m3's normals reach 2^-14.8 of the tile's
         # max instead of the row's (m_new: this tile's shift, m_run: the running max's).
-        tile_shift = _shifted_max(row_max)
+        tile_shift = _shifted_max(row_max, not FOLD_Q_SCALE)
         m_run = tl.maximum(m_run, tile_shift)
         m_new = tl.maximum(tile_shift, m_run - FP8_TILE_SHIFT_RANGE)
     else:
         # FP16 P tops at 2^15: every weight above 2^-29 of the running max is an fp16 normal.
         m_new = tl.maximum(m_i, row_max - FP16_P_LOG2_TOP)
+    m_exp = m_new
+    if HAS_BIAS:
+        # A mask can hide every key of a row so far (max -inf): exp2(-inf - -inf) would be NaN.
+        m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
     if FOLD_Q_SCALE:
-        p = tl.math.exp2(s * q_scale[:, None] - m_new[:, None])
+        p = tl.math.exp2(s * q_scale[:, None] - m_exp[:, None])
     else:
-        p = tl.math.exp2(s - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_exp[:, None])
+    alpha = tl.math.exp2(m_i - m_exp)
     l_i = l_i * alpha + tl.sum(p, 1)
     if V_T:
         vt_ptrs = v_base + offs_dv[:, None] * svd + cols[None, :] * svn
@@ -173,42 +194,42 @@ def _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, start_n
 
 
 @triton.jit
-def _key_tiles(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, lo, hi,
+def _key_tiles(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base, lo, hi,
                offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
                PV_FP8: tl.constexpr, V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr,
                PV_ACC: tl.constexpr, FOLD_Q_SCALE: tl.constexpr, FP8_CVT_ASM: tl.constexpr,
-               CHECK_P: tl.constexpr, WHILE_LOOP: tl.constexpr):
+               CHECK_P: tl.constexpr, HAS_BIAS: tl.constexpr, WHILE_LOOP: tl.constexpr):
     if WHILE_LOOP:
         # Interpreter only: Triton 3.6's interpreter cannot take runtime range() bounds with numpy 2.
         start_n = lo
         while start_n < hi:
-            acc, l_i, m_i, m_run = _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, start_n,
-                                             offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
+            acc, l_i, m_i, m_run = _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base,
+                                             start_n, offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
                                              HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, MASKED, IS_CAUSAL, PV_FP8, V_T,
-                                             EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P)
+                                             EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P, HAS_BIAS)
             start_n += BLOCK_N
     else:
         # A for loop, so the software pipeliner can overlap loads with compute (num_stages > 1).
         for start_n in range(lo, hi, BLOCK_N):
-            acc, l_i, m_i, m_run = _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, start_n,
-                                             offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
+            acc, l_i, m_i, m_run = _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base,
+                                             start_n, offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
                                              HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, MASKED, IS_CAUSAL, PV_FP8, V_T,
-                                             EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P)
+                                             EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P, HAS_BIAS)
     return acc, l_i, m_i, m_run
 
 
 @triton.jit
-def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE,
-                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, svd, sob, soh, son, sks,
+def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE, BIAS, KEND,
+                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, svd, sob, soh, son, sks, sbb, sbh, seb, seh,
                    Hq, Hkv, Nq, Nk,
                    KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                    DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, PV_FP8: tl.constexpr, STORE_LSE: tl.constexpr,
                    V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr, PV_ACC: tl.constexpr,
                    HAS_VMEAN: tl.constexpr, FOLD_Q_SCALE: tl.constexpr, FP8_CVT_ASM: tl.constexpr,
-                   CHECK_P: tl.constexpr, INTERPRETER: tl.constexpr):
+                   CHECK_P: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRETER: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
@@ -232,6 +253,7 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE,
     k_base = K8 + b64 * skb + hk64 * skh
     ks_base = KS + k_row0
     v_base = V + b64 * svb + hk64 * svh
+    bias_base = BIAS + b64 * sbb + h64 * sbh  # (Bm, Hm, Nk) FP32 base-2 bias; stride 0 where it broadcasts
 
     acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -245,14 +267,22 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE,
         full_end = tl.minimum(full_end, start_m)
     else:
         hi = Nk
-    acc, l_i, m_i, m_run = _key_tiles(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, 0, full_end,
+    if HAS_BIAS:
+        # Keys past the mask row's last live one are dead (bias -inf, weight 0): their tiles are skipped.
+        key_end = tl.load(KEND + b64 * seb + h64 * seh)
+        hi = tl.minimum(hi, key_end)
+        full_end = tl.minimum(full_end, (key_end // BLOCK_N) * BLOCK_N)
+    acc, l_i, m_i, m_run = _key_tiles(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base, 0, full_end,
                                       offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
                                       HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, False, IS_CAUSAL, PV_FP8, V_T,
-                                      EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P, INTERPRETER)
-    acc, l_i, m_i, m_run = _key_tiles(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, full_end, hi,
+                                      EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P, HAS_BIAS,
+                                      INTERPRETER)
+    acc, l_i, m_i, m_run = _key_tiles(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base,
+                                      full_end, hi,
                                       offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
                                       HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, True, IS_CAUSAL, PV_FP8, V_T,
-                                      EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P, INTERPRETER)
+                                      EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P, HAS_BIAS,
+                                      INTERPRETER)
 
     v_scale = tl.load(VS + (b64 * Hkv + hk64) * DV + offs_dv, mask=offs_dv < DV, other=0.0)
     inv_l = 1.0 / l_i
@@ -263,6 +293,8 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE,
         # stays zero; a NaN row (m_i NaN) stays NaN.
         v_mean = tl.load(VM + (b64 * Hkv + hk64) * DV + offs_dv, mask=offs_dv < DV, other=0.0)
         out = tl.where((m_i != float("-inf"))[:, None], out + v_mean[None, :], 0.0)
+    elif HAS_BIAS:
+        out = tl.where((m_i != float("-inf"))[:, None], out, 0.0)  # a row the mask leaves no key: 0 / 0
     if O.dtype.element_ty == tl.float16:
         # Rounding P (FP8: up to 6%) can lift a convex combination of V just past max|V|; at 65504 that
         # is Inf in FP16. Bring that small overshoot back to the largest FP16; real Inf/NaN stay as they are.
@@ -279,13 +311,14 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE,
 
 @functools.lru_cache(maxsize=256)
 def attention_launch(b: int, hq: int, nq: int, d: int, hkv: int, dv: int, config: AttentionConfig, pv: str,
-                     is_causal: bool, return_lse: bool, v_t: bool, has_vmean: bool):
-    """(grid, constexprs and launch options) of `_sage_attn_fwd` for one signature: computed once per signature."""
+                     is_causal: bool, return_lse: bool, v_t: bool, has_vmean: bool, has_bias: int = 0):
+    """(grid, constexprs and launch options) of `_sage_attn_fwd` for one signature: computed once per signature.
+    `has_bias`: 0 no mask, 1 a key-only bias added, 2 added and its -inf keys set to -inf (a bool mask)."""
     grid = (ceil_div(nq, config.block_m), b * hq)
     meta = dict(KV_GROUP=hq // hkv, HEAD_DIM=d, D_PAD=padded_head_dim(d), DV=dv, DV_PAD=padded_head_dim(dv),
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_CAUSAL=is_causal, PV_FP8=pv == "fp8",
                 STORE_LSE=return_lse, V_T=v_t, EXACT_P_ROUND=INTERPRETED, PV_ACC=ACC_MODES[config.pv_accumulate],
-                HAS_VMEAN=has_vmean, FOLD_Q_SCALE=config.fold_q_scale,
+                HAS_VMEAN=has_vmean, FOLD_Q_SCALE=config.fold_q_scale and not has_bias, HAS_BIAS=has_bias,
                 FP8_CVT_ASM=config.fp8_cvt_asm and pv == "fp8" and ASM_CONVERSION, CHECK_P=CHECK_P_RANGE,
                 INTERPRETER=INTERPRETED, num_warps=config.num_warps, num_stages=config.num_stages)
     return grid, meta
@@ -328,10 +361,16 @@ def _scale_row_stride(scales: torch.Tensor) -> Optional[int]:
 def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: AttentionConfig,
                                     is_causal: bool = False, return_lse: bool = False,
                                     out_dtype: torch.dtype = torch.float16,
-                                    out: Optional[torch.Tensor] = None):
+                                    out: Optional[torch.Tensor] = None,
+                                    key_bias: Optional[torch.Tensor] = None,
+                                    key_end: Optional[torch.Tensor] = None, key_fill: bool = False):
     """Attention on a prologue's output. Returns (out (B, Hq, Nq, Dv) in out_dtype, LSE of the
     smoothed scores (B, Hq, Nq) fp32 or None). The caller adds the smooth_k term to the LSE.
-    A `qq.v_mean` (smooth_v) is added back to the output; the LSE does not depend on it."""
+    A `qq.v_mean` (smooth_v) is added back to the output; the LSE does not depend on it.
+    `key_bias`: a key-only mask as FP32 base-2 bias (quant.mask_bias_base2) broadcasting to (B, Hq, Nk), its
+    last dim unit-stride; it is added to every query row's scores. `key_end` (int32, key_bias's (1 or B, 1 or Hq)):
+    the keys from there on are dead (bias -inf) and skipped; None: none is skipped. `key_fill` (a bool mask's
+    bias): its -inf keys get score -inf whatever q.k is, as a bool mask selects."""
     if pv not in ("fp8", "fp16"):
         raise ValueError(f"pv must be 'fp8' or 'fp16', got {pv!r}")
     q8, k8, v = qq.q8, qq.k8, qq.v
@@ -355,16 +394,35 @@ def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: 
     if has_vmean and (qq.v_mean.shape != qq.v_scale.shape or not qq.v_mean.is_contiguous()
                       or qq.v_mean.dtype != torch.float32):
         raise ValueError("v_mean must be a contiguous FP32 (B, Hkv, Dv) tensor")
+    has_bias = 0 if key_bias is None else (2 if key_fill else 1)
+    if has_bias:
+        if key_bias.dim() != 3 or key_bias.dtype != torch.float32 or key_bias.shape[-1] != nk or \
+                (nk > 1 and key_bias.stride(-1) != 1) or key_bias.shape[0] not in (1, b) or \
+                key_bias.shape[1] not in (1, hq):
+            raise ValueError(f"key_bias must be FP32 (1 or B, 1 or Hq, Nk) with unit-stride keys, got "
+                             f"{tuple(key_bias.shape)} {key_bias.dtype} strides {key_bias.stride()}")
+        bias_strides = tuple(0 if key_bias.shape[i] == 1 else key_bias.stride(i) for i in (0, 1))
+        if key_end is None:
+            key_end = torch.full((1, 1), nk, dtype=torch.int32, device=q8.device)
+        if key_end.dtype != torch.int32 or key_end.dim() != 2 or \
+                any(key_end.shape[i] not in (1, key_bias.shape[i]) for i in (0, 1)):
+            raise ValueError(f"key_end must be int32 (1 or B, 1 or Hq), got {tuple(key_end.shape)} {key_end.dtype}")
+        end_strides = tuple(0 if key_end.shape[i] == 1 else key_end.stride(i) for i in (0, 1))
+    else:
+        bias_strides = end_strides = (0, 0)
     grid, meta = attention_launch(b, hq, nq, d, hkv, dv, config, pv, bool(is_causal), bool(return_lse), v_t,
-                                  has_vmean)
+                                  has_vmean, has_bias)
     o_strides = out.stride()
     tensors = (q8, qq.q_scale, k8, qq.k_scale, v, qq.v_scale, qq.v_mean if has_vmean else qq.v_scale, out,
-               lse if return_lse else qq.q_scale)
+               lse if return_lse else qq.q_scale, key_bias if has_bias else qq.q_scale,
+               key_end if has_bias else qq.q_scale)
     # Triton specializes on each tensor's dtype and alignment and on the strides (the sizes are in the plan).
-    key = (tuple(tensor_key(t) for t in tensors), q_strides, k_strides, v_strides, o_strides, ks_row)
-    args = (*tensors, *q_strides[:3], *k_strides[:3], *v_strides, *o_strides[:3], ks_row, hq, hkv, nq, nk)
+    key = (tuple(tensor_key(t) for t in tensors), q_strides, k_strides, v_strides, o_strides, ks_row, bias_strides,
+           end_strides)
+    args = (*tensors, *q_strides[:3], *k_strides[:3], *v_strides, *o_strides[:3], ks_row, *bias_strides,
+            *end_strides, hq, hkv, nq, nk)
     signature = (b, hq, nq, d, hkv, dv)
-    flags = (pv, bool(is_causal), bool(return_lse), v_t, has_vmean)
+    flags = (pv, bool(is_causal), bool(return_lse), v_t, has_vmean, has_bias)
     _launch_attention(grid, args, meta, key, lambda: attention_launch(
         *signature, dataclasses.replace(config, fp8_cvt_asm=False), *flags)[1])
     return out, lse

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from ... import launch_split
+from ...call_spec import mask_refusal, mask_scope
 from ...gating import Verdicts
 from ...registry import Backend
 from .configs import MAX_HEAD_DIM, attention_config
@@ -110,9 +111,13 @@ class TritonBackend(Backend):
             return "a zero-size q, k or v"
         if call.head_dim > MAX_HEAD_DIM or call.v_head_dim > MAX_HEAD_DIM:
             return f"head_dim {call.head_dim} / v_head_dim {call.v_head_dim} above {MAX_HEAD_DIM}"
-        if call.mask != "none":
-            return f"{call.mask} attention masks are not implemented in the Triton kernels"
+        reason = mask_refusal(call)
+        if reason:
+            return reason
         if call.prologue == "hip":
+            if call.mask != "none":
+                return ("the HIP prologue keeps a mask's dead keys in the K/V statistics: masked calls take the "
+                        "Triton prologue (prologue 'auto' or 'triton')")
             hip = _hip_prologue()
             if isinstance(hip, str):
                 return hip
@@ -124,13 +129,22 @@ class TritonBackend(Backend):
     def launch(self, q, k, v, call, sm_scale, attn_mask):
         prologue, attention = _kernel_modules()
         cfg = attention_config(call.arch, max(call.head_dim, call.v_head_dim), self.pv)
+        bias = key_end = live = None
+        if attn_mask is not None:
+            if mask_scope(attn_mask) != "keys":  # a plan keyed without the mask's strides must not reach row 0 only
+                raise ValueError(f"a mask {tuple(attn_mask.shape)} that differs between query rows reached the "
+                                 "Triton kernels, which take key-only masks")
+            # Key-only (refuse): one FP32 base-2 bias per (batch or 1, head or 1, key), and the keys it leaves live.
+            bias, key_end, live = masks_module().key_mask_operands(attn_mask, call.batch, call.q_heads,
+                                                                   call.kv_heads, call.kv_len)
         if call.prologue == "hip":
             qq = _hip_prologue()[1](q, k, v, sm_scale=sm_scale, smooth_k=call.smooth_k, pv=self.pv,
                                     qk_group=call.qk_group, smooth_v=call.smooth_v)
         else:
             qq = prologue.triton_quantize_qkv(q, k, v, sm_scale=sm_scale, smooth_k=call.smooth_k, pv=self.pv,
                                               qk_group=call.qk_group, v_transposed=cfg.v_transposed,
-                                              smooth_v=call.smooth_v, reuse_buffers=True, pad_k_scale_rows=True)
+                                              smooth_v=call.smooth_v, reuse_buffers=True, pad_k_scale_rows=True,
+                                              live=live)
         if call.smooth_v and qq.v_mean is None:
             # Never hand out an output that lacks V's mean: the prologue ignored smooth_v.
             raise RuntimeError(f"the {call.prologue} prologue returned no v_mean for a smooth_v call")
@@ -141,13 +155,16 @@ class TritonBackend(Backend):
             b, hq, nq, _ = q.shape
             out = torch.empty((b, nq, hq, call.v_head_dim), dtype=q.dtype, device=q.device).transpose(1, 2)
         out, lse = split_launches(attention.attention_from_quantized_triton, qq, pv=self.pv, config=cfg,
-                                  is_causal=call.is_causal, return_lse=call.return_lse, out_dtype=q.dtype, out=out)
+                                  is_causal=call.is_causal, return_lse=call.return_lse, out_dtype=q.dtype, out=out,
+                                  key_bias=bias, key_end=key_end,
+                                  key_fill=attn_mask is not None and attn_mask.dtype == torch.bool)
         if lse is not None and qq.k_mean is not None:
             lse += lse_smooth_term(q, qq.k_mean, sm_scale)
         return out, lse
 
 
-def split_launches(attend, qq, *, pv, config, is_causal, return_lse, out_dtype, out):
+def split_launches(attend, qq, *, pv, config, is_causal, return_lse, out_dtype, out, key_bias=None, key_end=None,
+                   key_fill=False):
     """`attend` (attention_from_quantized_triton) as one launch, or, above the device's work bound, once per
     piece of kernels/launch_split.py on views of the same tensors (each output element computed as in one launch;
     the LSE pieces are copied into one tensor)."""
@@ -155,15 +172,21 @@ def split_launches(attend, qq, *, pv, config, is_causal, return_lse, out_dtype, 
     _, hkv, nk, dv = qq.v.shape
     pieces = launch_split.split_attention(b, hq, hkv, nq, nk, d, dv, pv=pv, causal=is_causal,
                                           bound=launch_split.work_bound(qq.q8.device), row_block=config.block_m)
-    kw = dict(pv=pv, config=config, is_causal=is_causal, return_lse=return_lse, out_dtype=out_dtype)
+    kw = dict(pv=pv, config=config, is_causal=is_causal, return_lse=return_lse, out_dtype=out_dtype,
+              key_fill=key_fill)
     if len(pieces) == 1:
-        return attend(qq, out=out, **kw)
+        return attend(qq, out=out, key_bias=key_bias, key_end=key_end, **kw)
     if out is None:
         out = torch.empty((b, hq, nq, dv), dtype=out_dtype, device=qq.q8.device)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=qq.q8.device) if return_lse else None
     for pc in pieces:
         rows = (slice(pc.b0, pc.b1), slice(pc.h0, pc.h1), slice(pc.n0, pc.n1))
-        _, part_lse = attend(launch_split.quantized_piece(qq, pc, hq // hkv), out=out[rows], **kw)
+        bias = end = None
+        if key_bias is not None:  # the piece's batch and head ranges, where the bias has them
+            bias, end = (t[pc.b0:pc.b1] if t.shape[0] > 1 else t for t in (key_bias, key_end))
+            bias, end = (t[:, pc.h0:pc.h1] if t.shape[1] > 1 else t for t in (bias, end))
+        _, part_lse = attend(launch_split.quantized_piece(qq, pc, hq // hkv), out=out[rows], key_bias=bias,
+                             key_end=end, **kw)
         if lse is not None:
             lse[rows] = part_lse
     return out, lse
@@ -181,6 +204,12 @@ def _kernel_modules():
         from . import attention, prologue
         _modules = (prologue, attention)
     return _modules
+
+
+def masks_module():
+    """kernels/backends/triton/masks.py, imported at the first masked launch (it needs triton)."""
+    from . import masks
+    return masks
 
 
 def make_backend(pv: str) -> Backend:

@@ -36,6 +36,7 @@ from ... import quant
 from ...call_spec import device_arch
 from .configs import MAX_HEAD_DIM, ceil_div, padded_head_dim, prologue_config
 from .launcher import launch, tensor_key
+from .masks import LiveKeys, live_keys_operands
 from .workspace import WorkspaceCache
 
 # 1.5 * 2**23: adding and subtracting it rounds an FP32 of magnitude < 2**22 to an integer, ties to even.
@@ -74,6 +75,12 @@ def _floor_tiny(x):
 
 
 @triton.jit
+def _dead(x):
+    """A dead key's value times 0 (quant.smooth_keys_live): 0, or NaN where x is NaN/Inf (x - x is not 0 there)."""
+    return tl.where(x - x == 0, 0.0, float("nan"))
+
+
+@triton.jit
 def round_to_e4m3(x):
     """Round FP32 |x| <= 448 to the nearest e4m3fn value (ties to even), still as FP32."""
     bits = x.to(tl.int32, bitcast=True)
@@ -102,11 +109,12 @@ def _column_total(hi, lo):
 
 
 @triton.jit
-def _kv_stats(K, V, KSUM, VMAX, VSUM, VMIN,
-              skb, skh, skn, skd, svb, svh, svn, svd,
+def _kv_stats(K, V, KSUM, VMAX, VSUM, VMIN, LIVE,
+              skb, skh, skn, skd, svb, svh, svn, svd, slb, slh,
               Hkv, Nk, n_chunks,
               D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
-              CHUNK: tl.constexpr, SUB: tl.constexpr, DO_KSUM: tl.constexpr, SMOOTH_V: tl.constexpr):
+              CHUNK: tl.constexpr, SUB: tl.constexpr, DO_KSUM: tl.constexpr, SMOOTH_V: tl.constexpr,
+              HAS_LIVE: tl.constexpr):
     """Per chunk: K column sums (FP64), and V's column amax, or with SMOOTH_V V's column sums (FP64),
     max and min (signed). NaN anywhere in a V column makes its amax NaN; with SMOOTH_V its sum is NaN,
     which makes the mean, hence the scale, NaN (max/min need no NaN flag then)."""
@@ -130,15 +138,23 @@ def _kv_stats(K, V, KSUM, VMAX, VSUM, VMIN,
     for s in range(0, CHUNK, SUB):
         n = (start + s + rows).to(tl.int64)
         live = n < Nk
+        if HAS_LIVE:  # a key-only mask's dead keys add 0 (NaN where theirs is not finite) to every statistic
+            kept = (tl.load(LIVE + b * slb + h * slh + n, mask=live, other=0) != 0)[:, None]
         if DO_KSUM:
             k = tl.load(k_base + n[:, None] * skn + offs_d[None, :] * skd,
-                        mask=live[:, None] & (offs_d[None, :] < D), other=0.0)
-            k_hi, k_lo = _two_sum_add(k_hi, k_lo, k.to(tl.float32))
+                        mask=live[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+            if HAS_LIVE:
+                k = tl.where(kept, k, _dead(k))
+            k_hi, k_lo = _two_sum_add(k_hi, k_lo, k)
         v_live = live[:, None] & (offs_dv[None, :] < DV)
         v = tl.load(v_base + n[:, None] * svn + offs_dv[None, :] * svd, mask=v_live, other=0.0)
         v = v.to(tl.float32)
+        if HAS_LIVE:
+            v = tl.where(kept, v, _dead(v))
         if SMOOTH_V:
             v_hi, v_lo = _two_sum_add(v_hi, v_lo, v)
+            if HAS_LIVE:  # a dead key's 0 is no value of V's: it must not widen max/min (its NaN is in the sum)
+                v_live = v_live & kept
             vmax = tl.maximum(vmax, tl.where(v_live, v, float("-inf")))
             vmin = tl.minimum(vmin, tl.where(v_live, v, float("inf")))
         else:
@@ -161,9 +177,10 @@ def _nan_or(a, b, x):
 
 
 @triton.jit
-def _head_stats(KSUM, VMAX, VSUM, VMIN, pid_bh, n_chunks, Nk,
+def _head_stats(KSUM, VMAX, VSUM, VMIN, COUNT, pid_bh, n_chunks, Nk,
                 D_PAD: tl.constexpr, DV_PAD: tl.constexpr, CH: tl.constexpr,
-                DO_K: tl.constexpr, DO_V: tl.constexpr, PV_FP8: tl.constexpr, SMOOTH_V: tl.constexpr):
+                DO_K: tl.constexpr, DO_V: tl.constexpr, PV_FP8: tl.constexpr, SMOOTH_V: tl.constexpr,
+                HAS_LIVE: tl.constexpr):
     """K mean ([D_PAD] FP32, partials summed in FP64), V scale and V mean ([DV_PAD]; the mean is zero
     without SMOOTH_V) of one (batch, kv head)."""
     offs_d = tl.arange(0, D_PAD)
@@ -192,9 +209,13 @@ def _head_stats(KSUM, VMAX, VSUM, VMIN, pid_bh, n_chunks, Nk,
                 step = -_nan_max(-part, 0)
                 vmin = _nan_or(vmin, step, tl.minimum(vmin, step))
         c += CH
-    mean = (ksum / Nk).to(tl.float32)
+    if HAS_LIVE:
+        count = tl.load(COUNT + pid_bh)  # FP64 number of live keys of this (batch, kv head), at least 1
+    else:
+        count = Nk
+    mean = (ksum / count).to(tl.float32)
     if SMOOTH_V:
-        v_mean = (vsum / Nk).to(tl.float32)
+        v_mean = (vsum / count).to(tl.float32)
         # amax|fl(v - m)| over tokens, exactly: rounding is monotonic, so the extremes come from vmax/vmin.
         hi = vmax - v_mean
         lo = v_mean - vmin
@@ -215,12 +236,13 @@ def _head_stats(KSUM, VMAX, VSUM, VMIN, pid_bh, n_chunks, Nk,
 
 
 @triton.jit
-def _kv_finalize(KSUM, VMAX, VSUM, VMIN, KMEAN, VSCALE, VMEAN, n_chunks, Nk,
+def _kv_finalize(KSUM, VMAX, VSUM, VMIN, COUNT, KMEAN, VSCALE, VMEAN, n_chunks, Nk,
                  D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
-                 CH: tl.constexpr, DO_KSUM: tl.constexpr, PV_FP8: tl.constexpr, SMOOTH_V: tl.constexpr):
+                 CH: tl.constexpr, DO_KSUM: tl.constexpr, PV_FP8: tl.constexpr, SMOOTH_V: tl.constexpr,
+                 HAS_LIVE: tl.constexpr):
     pid_bh = tl.program_id(0)
-    mean, scale, v_mean = _head_stats(KSUM, VMAX, VSUM, VMIN, pid_bh, n_chunks, Nk, D_PAD, DV_PAD, CH,
-                                      DO_KSUM, True, PV_FP8, SMOOTH_V)
+    mean, scale, v_mean = _head_stats(KSUM, VMAX, VSUM, VMIN, COUNT, pid_bh, n_chunks, Nk, D_PAD, DV_PAD, CH,
+                                      DO_KSUM, True, PV_FP8, SMOOTH_V, HAS_LIVE)
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
     if DO_KSUM:
@@ -231,11 +253,12 @@ def _kv_finalize(KSUM, VMAX, VSUM, VMIN, KMEAN, VSCALE, VMEAN, n_chunks, Nk,
 
 
 @triton.jit
-def _int8_tile(X, mean, Q8, SCALE, mult, sxb, sxh, sxn, sxd, H, N, s_row, pid_bh, blk,
+def _int8_tile(X, mean, Q8, SCALE, mult, sxb, sxh, sxn, sxd, H, N, s_row, pid_bh, blk, LIVE, slb, slh,
                D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr,
                PER_BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_MULT: tl.constexpr,
-               INTERPRETER: tl.constexpr):
-    """INT8 codes and scales of BLOCK tokens of one (batch, head); a head's scales start s_row apart."""
+               HAS_LIVE: tl.constexpr, INTERPRETER: tl.constexpr):
+    """INT8 codes and scales of BLOCK tokens of one (batch, head); a head's scales start s_row apart.
+    HAS_LIVE (K under a key-only mask): dead keys are 0, so they reach neither a block's amax nor any code."""
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     offs_d = tl.arange(0, D_PAD)
@@ -245,6 +268,9 @@ def _int8_tile(X, mean, Q8, SCALE, mult, sxb, sxh, sxn, sxd, H, N, s_row, pid_bh
     x = x.to(tl.float32)
     if HAS_MEAN:
         x = tl.where(live, x - mean[None, :], 0.0)  # padded rows must not reach the amax
+    if HAS_LIVE:  # dead keys: 0 (NaN where not finite), so they reach no block's amax
+        kept = (tl.load(LIVE + b * slb + h * slh + n, mask=n < N, other=0) != 0)[:, None]
+        x = tl.where(kept, x, _dead(x))
     if HAS_MULT:
         x = x * mult
     if PER_BLOCK:
@@ -263,11 +289,11 @@ def _int8_tile(X, mean, Q8, SCALE, mult, sxb, sxh, sxn, sxd, H, N, s_row, pid_bh
 
 
 @triton.jit
-def _v_tile(V, scale, v_mean, VOUT, svb, svh, svn, svd, sob, soh, son, sod, H, N, pid_bh, blk,
+def _v_tile(V, scale, v_mean, VOUT, svb, svh, svn, svd, sob, soh, son, sod, H, N, pid_bh, blk, LIVE, slb, slh,
             DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK: tl.constexpr, PV_FP8: tl.constexpr,
-            OUT_T: tl.constexpr, SMOOTH_V: tl.constexpr):
+            OUT_T: tl.constexpr, SMOOTH_V: tl.constexpr, HAS_LIVE: tl.constexpr):
     """FP8 or FP16 V (minus its mean with SMOOTH_V) of BLOCK tokens of one (batch, head), stored (N, Dv)
-    or transposed (Dv, N)."""
+    or transposed (Dv, N). HAS_LIVE: dead keys' V is 0."""
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     offs_d = tl.arange(0, DV_PAD)
@@ -277,6 +303,9 @@ def _v_tile(V, scale, v_mean, VOUT, svb, svh, svn, svd, sob, soh, son, sod, H, N
     x = v.to(tl.float32)
     if SMOOTH_V:
         x = x - v_mean[None, :]
+    if HAS_LIVE:  # dead keys: 0 (NaN where not finite)
+        kept = (tl.load(LIVE + b * slb + h * slh + n, mask=n < N, other=0) != 0)[:, None]
+        x = tl.where(kept, x, _dead(v.to(tl.float32)))
     x = tl.math.div_rn(x, scale[None, :])
     if PV_FP8:
         x = round_to_e4m3(tl.minimum(tl.maximum(x, -448.0), 448.0))
@@ -296,14 +325,14 @@ def _v_tile(V, scale, v_mean, VOUT, svb, svh, svn, svd, sob, soh, son, sod, H, N
 
 
 @triton.jit
-def _quantize_qkv(Q, K, V, KSUM, VMAX, VSUM, VMIN, KMEAN, VSCALE, VMEAN, Q8, QS, K8, KS, VOUT, mult,
-                  sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod, sks,
+def _quantize_qkv(Q, K, V, KSUM, VMAX, VSUM, VMIN, COUNT, LIVE, KMEAN, VSCALE, VMEAN, Q8, QS, K8, KS, VOUT, mult,
+                  sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod, sks, slb, slh,
                   Hq, Hkv, Nq, Nk, n_chunks, q_blocks, k_blocks, v_blocks, q_programs, k_programs,
                   D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
                   QK_BLOCK: tl.constexpr, V_BLOCK: tl.constexpr, PER_BLOCK: tl.constexpr,
                   HAS_MEAN: tl.constexpr, PV_FP8: tl.constexpr, OUT_T: tl.constexpr,
                   FOLD_STATS: tl.constexpr, STATS_CH: tl.constexpr, SMOOTH_V: tl.constexpr,
-                  INTERPRETER: tl.constexpr):
+                  HAS_LIVE: tl.constexpr, INTERPRETER: tl.constexpr):
     """Q, K and V in one launch: programs [0, q_programs) quantize Q, the next k_programs K, the rest V.
 
     FOLD_STATS (few key chunks, i.e. short sequences where launches dominate): each K/V program
@@ -313,7 +342,8 @@ def _quantize_qkv(Q, K, V, KSUM, VMAX, VSUM, VMIN, KMEAN, VSCALE, VMEAN, Q8, QS,
     offs_dv = tl.arange(0, DV_PAD)
     if pid < q_programs:
         _int8_tile(Q, tl.zeros([D_PAD], dtype=tl.float32), Q8, QS, mult, sqb, sqh, sqn, sqd, Hq, Nq, Nq,
-                   pid // q_blocks, pid % q_blocks, D, D_PAD, QK_BLOCK, PER_BLOCK, False, True, INTERPRETER)
+                   pid // q_blocks, pid % q_blocks, LIVE, slb, slh, D, D_PAD, QK_BLOCK, PER_BLOCK, False, True, False,
+                   INTERPRETER)
     elif pid < q_programs + k_programs:
         p = pid - q_programs
         pid_bh = p // k_blocks
@@ -322,23 +352,24 @@ def _quantize_qkv(Q, K, V, KSUM, VMAX, VSUM, VMIN, KMEAN, VSCALE, VMEAN, Q8, QS,
             if FOLD_STATS:
                 # Distinct names per branch: Triton unifies same-named variables across if/else, and the
                 # unused halves have different widths when D != DV.
-                mean, _vs_unused, _vm_unused = _head_stats(KSUM, VMAX, VSUM, VMIN, pid_bh, n_chunks, Nk,
-                                                           D_PAD, DV_PAD, STATS_CH, True, False, PV_FP8, False)
+                mean, _vs_unused, _vm_unused = _head_stats(KSUM, VMAX, VSUM, VMIN, COUNT, pid_bh, n_chunks, Nk,
+                                                           D_PAD, DV_PAD, STATS_CH, True, False, PV_FP8, False,
+                                                           HAS_LIVE)
                 if blk == 0:
                     tl.store(KMEAN + pid_bh.to(tl.int64) * D + offs_d, mean, mask=offs_d < D)
             else:
                 mean = tl.load(KMEAN + pid_bh.to(tl.int64) * D + offs_d, mask=offs_d < D, other=0.0)
         else:
             mean = tl.zeros([D_PAD], dtype=tl.float32)
-        _int8_tile(K, mean, K8, KS, 1.0, skb, skh, skn, skd, Hkv, Nk, sks, pid_bh, blk,
-                   D, D_PAD, QK_BLOCK, PER_BLOCK, HAS_MEAN, False, INTERPRETER)
+        _int8_tile(K, mean, K8, KS, 1.0, skb, skh, skn, skd, Hkv, Nk, sks, pid_bh, blk, LIVE, slb, slh,
+                   D, D_PAD, QK_BLOCK, PER_BLOCK, HAS_MEAN, False, HAS_LIVE, INTERPRETER)
     else:
         p = pid - q_programs - k_programs
         pid_bh = p // v_blocks
         blk = p % v_blocks
         if FOLD_STATS:
-            _k_unused, scale, v_mean = _head_stats(KSUM, VMAX, VSUM, VMIN, pid_bh, n_chunks, Nk, D_PAD, DV_PAD,
-                                                   STATS_CH, False, True, PV_FP8, SMOOTH_V)
+            _k_unused, scale, v_mean = _head_stats(KSUM, VMAX, VSUM, VMIN, COUNT, pid_bh, n_chunks, Nk, D_PAD,
+                                                   DV_PAD, STATS_CH, False, True, PV_FP8, SMOOTH_V, HAS_LIVE)
             if blk == 0:
                 tl.store(VSCALE + pid_bh.to(tl.int64) * DV + offs_dv, scale, mask=offs_dv < DV)
                 if SMOOTH_V:
@@ -349,8 +380,8 @@ def _quantize_qkv(Q, K, V, KSUM, VMAX, VSUM, VMIN, KMEAN, VSCALE, VMEAN, Q8, QS,
                 v_mean = tl.load(VMEAN + pid_bh.to(tl.int64) * DV + offs_dv, mask=offs_dv < DV, other=0.0)
             else:
                 v_mean = tl.zeros([DV_PAD], dtype=tl.float32)
-        _v_tile(V, scale, v_mean, VOUT, svb, svh, svn, svd, sob, soh, son, sod, Hkv, Nk, pid_bh, blk,
-                DV, DV_PAD, V_BLOCK, PV_FP8, OUT_T, SMOOTH_V)
+        _v_tile(V, scale, v_mean, VOUT, svb, svh, svn, svd, sob, soh, son, sod, Hkv, Nk, pid_bh, blk, LIVE, slb, slh,
+                DV, DV_PAD, V_BLOCK, PV_FP8, OUT_T, SMOOTH_V, HAS_LIVE)
 
 
 def stats_rows(d_pad: int, dv_pad: int, smooth_k: bool, smooth_v: bool) -> int:
@@ -405,7 +436,7 @@ class PrologueLaunch:
 @functools.lru_cache(maxsize=256)
 def prologue_launch(b: int, hq: int, nq: int, d: int, hkv: int, nk: int, dv: int, arch: str, smooth_k: bool,
                     smooth_v: bool, pv: str, qk_group: str, v_transposed: bool,
-                    pad_k_scale_rows: bool = False) -> PrologueLaunch:
+                    pad_k_scale_rows: bool = False, has_live: bool = False) -> PrologueLaunch:
     """The launch geometry of `triton_quantize_qkv` for these shapes and options (the tensors' strides and
     data are passed per call)."""
     cfg = prologue_config(arch)
@@ -415,9 +446,9 @@ def prologue_launch(b: int, hq: int, nq: int, d: int, hkv: int, nk: int, dv: int
     fold = n_chunks <= STATS_CH
     stats_meta = dict(D=d, D_PAD=d_pad, DV=dv, DV_PAD=dv_pad, CHUNK=cfg.stats_block_n,
                       SUB=stats_rows(d_pad, dv_pad, smooth_k, smooth_v), DO_KSUM=smooth_k, SMOOTH_V=smooth_v,
-                      num_warps=cfg.num_warps)
+                      HAS_LIVE=has_live, num_warps=cfg.num_warps)
     finalize_meta = dict(D=d, D_PAD=d_pad, DV=dv, DV_PAD=dv_pad, CH=STATS_CH, DO_KSUM=smooth_k, PV_FP8=pv == "fp8",
-                         SMOOTH_V=smooth_v, num_warps=4)
+                         SMOOTH_V=smooth_v, HAS_LIVE=has_live, num_warps=4)
     v_store_shape = None
     if v_transposed:
         # 64-byte aligned rows; a row stride that is a multiple of 1 KiB is skewed by 64 bytes (at
@@ -437,7 +468,8 @@ def prologue_launch(b: int, hq: int, nq: int, d: int, hkv: int, nk: int, dv: int
     warps = cfg.num_warps if max(block * d_pad, vb * dv_pad) <= 64 * 128 else 8
     quantize_meta = dict(D=d, D_PAD=d_pad, DV=dv, DV_PAD=dv_pad, QK_BLOCK=block, V_BLOCK=vb, PER_BLOCK=group > 1,
                          HAS_MEAN=smooth_k, PV_FP8=pv == "fp8", OUT_T=v_transposed, FOLD_STATS=fold,
-                         STATS_CH=STATS_CH, SMOOTH_V=smooth_v, INTERPRETER=INTERPRETED, num_warps=warps)
+                         STATS_CH=STATS_CH, SMOOTH_V=smooth_v, HAS_LIVE=has_live, INTERPRETER=INTERPRETED,
+                         num_warps=warps)
     return PrologueLaunch(
         k_stats_shape=(b * hkv, n_chunks, d_pad), v_stats_shape=(b * hkv, n_chunks, dv_pad),
         stats_grid=(b * hkv, n_chunks), stats_meta=stats_meta, n_chunks=n_chunks, fold=fold,
@@ -501,13 +533,16 @@ WORKSPACES = WorkspaceCache()
 def triton_quantize_qkv(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: str = "fp8",
                         qk_group: str = "token", v_transposed: bool = False,
                         smooth_v: bool = False, reuse_buffers: bool = False,
-                        pad_k_scale_rows: bool = False) -> quant.QuantizedQKV:
+                        pad_k_scale_rows: bool = False, live=None) -> quant.QuantizedQKV:
     """The spec's prologue as Triton kernels; returns what `quant.quantize_qkv_torch` returns.
 
     `v_transposed=True` (internal to the Triton attention where its config asks for it) stores V as
     (B, Hkv, Dv, Nk_pad) and hands out its (B, Hkv, Nk, Dv) transposed view; every other consumer gets
     contiguous V. `pad_k_scale_rows=True` (internal to the Triton attention too) stores k_scale with rows
     padded to 16 entries and hands out its (B, Hkv, Nk) view.
+    `live` (bool (1 or B, 1 or Hkv, Nk), `quant.live_keys` of a key-only mask, or its `masks.LiveKeys`): only live
+    keys enter the means and scales, and dead keys' K and V codes are 0 (NaN where not finite), as
+    `quant.quantize_qkv_torch(live=...)`.
     `reuse_buffers=True` (the backend's own path only) writes into this signature's kept workspace
     (workspace.py): the result is overwritten by the next such call on the same stream.
     """
@@ -518,13 +553,23 @@ def triton_quantize_qkv(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: 
     dev = q.device
     smooth_k, smooth_v = bool(smooth_k), bool(smooth_v)
     plan = prologue_launch(b, hq, nq, d, hkv, nk, dv, device_arch(dev.type, dev.index), smooth_k, smooth_v, pv,
-                           qk_group, bool(v_transposed), bool(pad_k_scale_rows))
+                           qk_group, bool(v_transposed), bool(pad_k_scale_rows), live is not None)
     shapes = (b, hq, nq, d, hkv, nk, dv)
     if reuse_buffers:
         buf = WORKSPACES.get(plan, dev, lambda: allocate_buffers(plan, shapes, dev))
     else:
         buf = allocate_buffers(plan, shapes, dev)
     k_strides, v_strides = k.stride(), v.stride()
+    if live is not None:
+        flags = live.flags if isinstance(live, LiveKeys) else live
+        if flags.dim() != 3 or flags.shape[-1] != nk or flags.shape[0] not in (1, b) or flags.shape[1] not in (1, hkv):
+            raise ValueError(f"live must be (1 or B, 1 or Hkv, Nk) = {(b, hkv, nk)}, got {tuple(flags.shape)}")
+        live_i8, count = live if isinstance(live, LiveKeys) else live_keys_operands(live, b, hkv)
+        if not live_i8.is_contiguous() or live_i8.dtype != torch.int8 or count.shape != (b * hkv,):
+            raise ValueError("LiveKeys must hold contiguous int8 flags and a (B * Hkv,) count")
+        live_strides = tuple(0 if live_i8.shape[i] == 1 else live_i8.stride(i) for i in (0, 1))
+    else:
+        live_i8, live_strides, count = buf.vmax, (0, 0), buf.vmax  # stand-ins the kernels never read
     k_mean_arg = buf.v_scale if buf.k_mean is None else buf.k_mean
     v_mean_arg = buf.v_scale if buf.v_mean is None else buf.v_mean
 
@@ -532,19 +577,20 @@ def triton_quantize_qkv(q, k, v, *, sm_scale: float, smooth_k: bool = True, pv: 
     #    sums, max and min.
     # What Triton specializes on beyond the plan: the inputs' dtypes, alignment and strides (every buffer made
     # here is aligned, and its strides follow from the plan).
-    kv_key = (tensor_key(k), tensor_key(v), k_strides, v_strides)
+    kv_key = (tensor_key(k), tensor_key(v), k_strides, v_strides, tensor_key(live_i8), live_strides)
     launch(_kv_stats, plan.stats_grid,
-           (k, v, buf.ksum, buf.vmax, buf.vsum, buf.vmin, *k_strides, *v_strides, hkv, nk, plan.n_chunks),
-           plan.stats_meta, kv_key)
+           (k, v, buf.ksum, buf.vmax, buf.vsum, buf.vmin, live_i8, *k_strides, *v_strides, *live_strides, hkv, nk,
+            plan.n_chunks), plan.stats_meta, kv_key)
     # 2. Means and V scale per head: a launch of its own for long sequences, else folded into 3.
     if not plan.fold:
-        launch(_kv_finalize, plan.finalize_grid, (buf.ksum, buf.vmax, buf.vsum, buf.vmin, k_mean_arg, buf.v_scale,
-                                                  v_mean_arg, plan.n_chunks, nk), plan.finalize_meta, None)
+        launch(_kv_finalize, plan.finalize_grid, (buf.ksum, buf.vmax, buf.vsum, buf.vmin, count, k_mean_arg,
+                                                  buf.v_scale, v_mean_arg, plan.n_chunks, nk),
+               plan.finalize_meta, tensor_key(count))
     # 3. One launch: INT8 Q (sm_scale*log2e folded in), INT8 K (minus its mean), FP8/FP16 V (minus its mean).
     q_strides = q.stride()
     launch(_quantize_qkv, plan.quantize_grid,
-           (q, k, v, buf.ksum, buf.vmax, buf.vsum, buf.vmin, k_mean_arg, buf.v_scale, v_mean_arg, buf.q8,
-            buf.q_scale, buf.k8, buf.k_scale, buf.v_q, quant.qk_multiplier(sm_scale), *q_strides, *k_strides,
-            *v_strides, *buf.v_q.stride(), plan.k_scale_row, *plan.quantize_sizes),
-           plan.quantize_meta, (tensor_key(q), q_strides, kv_key))
+           (q, k, v, buf.ksum, buf.vmax, buf.vsum, buf.vmin, count, live_i8, k_mean_arg, buf.v_scale, v_mean_arg,
+            buf.q8, buf.q_scale, buf.k8, buf.k_scale, buf.v_q, quant.qk_multiplier(sm_scale), *q_strides,
+            *k_strides, *v_strides, *buf.v_q.stride(), plan.k_scale_row, *live_strides, *plan.quantize_sizes),
+           plan.quantize_meta, (tensor_key(q), q_strides, kv_key, tensor_key(count)))
     return quant.QuantizedQKV(buf.q8, buf.q_scale, buf.k8, buf.k_scale, buf.v_q, buf.v_scale, buf.k_mean, buf.v_mean)

@@ -1,0 +1,124 @@
+"""What a key-only mask costs the Triton kernels on this GPU: masked against unmasked calls of the same shape.
+
+    python tools/mask_cost.py [--shapes hunyuan_544p,hunyuan_720p] [--reps 20] [--json OUT.json]
+
+Shapes are HunyuanVideo-like self-attention (B1, H24, D128, bf16): image tokens plus 256 text tokens, the last
+`--pad` of them padding. Per backend, in turn within each repeat (so clock drift hits all alike): no mask; an
+additive bf16 mask (1, 1, N) with -finfo.max on the padding (HunyuanVideo's, after ComfyUI's unsqueeze); a bool
+mask (1, 1, 1, N); and SDPA with the additive mask (what the call ran on before). Device time by CUDA events,
+median of the repeats; the ratio masked / unmasked is the figure (target: within 1.05). Also the time of the
+mask's preparation alone (its one launch), and each output's rel L1 against SDPA with the same mask.
+Writes JSON to --json, or to $OUT/mask_cost.json where $OUT is set."""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from pack_loader import load_pack
+
+# name: (image tokens, text tokens)
+SHAPES = {"hunyuan_544p": (4096, 256), "hunyuan_720p": (16 * 1024, 256), "hunyuan_small": (1024, 256)}
+
+
+def cuda_time(fn, reps_inner: int = 1) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps_inner):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps_inner * 1e3  # microseconds
+
+
+def rel_l1(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).abs().sum() / b.abs().sum().clamp_min(1e-30))
+
+
+def main(argv=None) -> int:
+    pack = load_pack()
+    from importlib import import_module
+    api = import_module(f"{pack.__name__}.kernels.api")
+    masks = import_module(f"{pack.__name__}.kernels.backends.triton.masks")
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="hunyuan_544p,hunyuan_720p")
+    parser.add_argument("--backends", default="triton_int8_fp8,triton_int8_fp16")
+    parser.add_argument("--heads", type=int, default=24)
+    parser.add_argument("--pad", type=int, default=200, help="padding keys among the text tokens")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("mask_cost: needs a CUDA or ROCm GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    result = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "reps": args.reps,
+              "shapes": {}}
+    g = torch.Generator(device=dev).manual_seed(0)
+    for name in args.shapes.split(","):
+        img, txt = SHAPES[name]
+        n = img + txt
+        q, k, v = (torch.randn(1, args.heads, n, 128, device=dev, dtype=torch.bfloat16, generator=g)
+                   for _ in range(3))
+        additive = torch.zeros(1, 1, n, device=dev, dtype=torch.bfloat16)
+        additive[..., n - args.pad:] = -torch.finfo(torch.bfloat16).max
+        additive = additive.unsqueeze(1)  # ComfyUI's 3-D -> (1, 1, 1, N)
+        keep = additive == 0
+        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=additive)  # noqa: E731
+        want = sdpa()
+        entry = {"n": n, "padding": args.pad, "backends": {}}
+        # The mask's preparation alone (one launch: bias, key end, live keys), per call, as the backend does it.
+        prep = lambda: masks.key_mask_operands(additive, 1, args.heads, args.heads, n)  # noqa: E731
+        for _ in range(3):
+            prep()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(100):
+            prep()
+        torch.cuda.synchronize()
+        entry["mask_prep_us"] = (time.perf_counter() - t0) / 100 * 1e6
+        for backend in args.backends.split(","):
+            calls = {
+                "unmasked": lambda: api.sage_attention(q, k, v, kernel=backend),
+                "additive": lambda: api.sage_attention(q, k, v, kernel=backend, attn_mask=additive),
+                "bool": lambda: api.sage_attention(q, k, v, kernel=backend, attn_mask=keep),
+                "sdpa_additive": sdpa,
+            }
+            accuracy = {label: rel_l1(fn(), want) for label, fn in calls.items() if label != "unmasked"}
+            times = {label: [] for label in calls}
+            for _ in range(2):  # warm-up: compiles, self-checks, workspaces
+                for fn in calls.values():
+                    fn()
+            torch.cuda.synchronize()
+            for _ in range(args.reps):
+                for label, fn in calls.items():
+                    times[label].append(cuda_time(fn))
+            med = {label: statistics.median(ts) for label, ts in times.items()}
+            entry["backends"][backend] = {
+                "median_us": med,
+                "additive_vs_unmasked": med["additive"] / med["unmasked"],
+                "bool_vs_unmasked": med["bool"] / med["unmasked"],
+                "additive_vs_sdpa": med["additive"] / med["sdpa_additive"],
+                "rel_l1_vs_sdpa": accuracy,
+            }
+            print(f"{name} N{n} {backend}: unmasked {med['unmasked']:.1f} us, additive {med['additive']:.1f} "
+                  f"(x{med['additive'] / med['unmasked']:.3f}), bool {med['bool']:.1f} "
+                  f"(x{med['bool'] / med['unmasked']:.3f}), SDPA masked {med['sdpa_additive']:.1f}; rel L1 vs SDPA "
+                  f"{accuracy['additive']:.4f}")
+        print(f"{name}: mask preparation {entry['mask_prep_us']:.1f} us per call (100 in a row, synchronized)")
+        result["shapes"][name] = entry
+    path = args.json or (os.path.join(os.environ["OUT"], "mask_cost.json") if os.environ.get("OUT") else None)
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
