@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 import traceback
 from datetime import datetime, timezone
@@ -35,6 +34,7 @@ import torch
 from . import benchmark as bench
 from . import launch_split, settings
 from .call_spec import describe_call
+from .disk_cache import write_atomically
 from .dispatch import settled_route
 from .registry import get_backend
 from .routing import EXACT, RUN
@@ -545,17 +545,7 @@ class ReportFiles:
         """Raises OSError when a file cannot be written (the caller decides whether that stops the run)."""
         for path, text in ((self.json_path, json.dumps(report, indent=1, default=str)),
                            (self.md_path, to_markdown(report))):
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".part", dir=os.path.dirname(path) or ".")
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                    fh.write(text)
-                os.replace(tmp, path)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
+            write_atomically(path, text.encode("utf-8"))
 
     def write_quietly(self, report: Dict, say: Callable[[str], None]) -> None:
         """write(), saying (once per new error) instead of raising: a full disk mid-run must not stop the

@@ -202,27 +202,34 @@ class StepTrial(Measurement):
         return decision
 
 
-class Watch(Measurement):
-    """Keeps checking a quantized choice; reverts it through `on_revert(decision, keep)`."""
+class _AgainstSdpa(Measurement):
+    """What a watch and a recheck share: one decision, one backend timed against SDPA in pairs of calls."""
 
-    SDPA_TURN = "auto: watching its choice (exact attention's turn, timed against it)"
-
-    def __init__(self, decision: Decision, backend, device, events, on_revert):
+    def __init__(self, decision: Decision, backend, device, events):
         super().__init__(device, events)
         self.decision = decision
         self.backend_name = backend.name
         self._backend = backend
         self.passed_over = dict(decision.passed_over)
         self.samples: Dict[str, List[float]] = {SDPA: [], backend.name: []}
+
+    def backend(self, name: str):
+        return self._backend
+
+
+class Watch(_AgainstSdpa):
+    """Keeps checking a quantized choice; reverts it through `on_revert(decision, keep)`."""
+
+    SDPA_TURN = "auto: watching its choice (exact attention's turn, timed against it)"
+
+    def __init__(self, decision: Decision, backend, device, events, on_revert):
+        super().__init__(decision, backend, device, events)
         self.last_ratio: Optional[float] = None
         self._on_revert = on_revert
         self._steps = 0          # steps seen since the choice
         self._calls = 0          # calls of this kind in the current step
         self._calls_per_step = 0  # in the last step: spreads a watch step's timed calls over it
         self.done = False
-
-    def backend(self, name: str):
-        return self._backend
 
     def fail(self, name: str, reason: str) -> None:
         """The choice raised on a watched call: that call falls back, as any call of it would (nothing to weigh)."""
@@ -276,7 +283,7 @@ class Watch(Measurement):
         return decision
 
 
-class Recheck(Measurement):
+class Recheck(_AgainstSdpa):
     """A decision recalled from disk, checked in the first steps that run its kind of call: WATCH_CALLS adjacent
     pairs of SDPA and `backend` (the stored choice, or the best quantized candidate when SDPA was chosen) per step,
     timed as a watch times them, until WATCH_MIN of each. `on_result(agrees, ratio)` then says whether the ratio
@@ -285,21 +292,13 @@ class Recheck(Measurement):
     SDPA_TURN = "auto: checking a remembered choice (exact attention's turn, timed against it)"
 
     def __init__(self, decision: Decision, backend, device, events, on_result):
-        super().__init__(device, events)
-        self.decision = decision
-        self.backend_name = backend.name
-        self._backend = backend
-        self.passed_over = dict(decision.passed_over)
+        super().__init__(decision, backend, device, events)
         self.stored_ratio = decision.ratio(backend.name)
         self.measured_ratio: Optional[float] = None
-        self.samples: Dict[str, List[float]] = {SDPA: [], backend.name: []}
         self._failed: Optional[str] = None
         self._on_result = on_result
         self._calls = 0
         self.done = False
-
-    def backend(self, name: str):
-        return self._backend
 
     def fail(self, name: str, reason: str) -> None:
         """The remembered backend raised while checked: that disagrees with any stored timing."""
