@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from . import settings
+from . import first_use_costs, settings
 from .generation import invalidate_decisions
 from .pass_cache import PassCache
 from .self_check import (
@@ -116,6 +117,7 @@ class Verdicts:
                          options)
                 self.recorded[key] = None
                 return None
+            started = time.perf_counter()
             try:
                 result = run_self_check(attention, device, self.cases, accepts)
                 self.last_result = result
@@ -124,6 +126,8 @@ class Verdicts:
                 if out_of_memory(exc):  # this moment's memory, not the kernel: no verdict, tried again later
                     return self._not_checked(backend, device, options, exc)
                 reason, result = f"self-check crashed: {type(exc).__name__}: {exc}", None
+            first_use_costs.record(f"self-check {backend.name} ({options}) on {device}",
+                                   time.perf_counter() - started)
             if reason:
                 reason = f"{backend.name} disabled on {device}: {FAILED} ({options}): {reason}"
                 log.warning("%s; calls fall back to the next backend", reason)
@@ -139,7 +143,7 @@ class Verdicts:
                     self.cache.store_pass(cache_key, backend.name, result)
             self.recorded[key] = reason
             if reason:
-                        invalidate_decisions()  # calls with this variant are refused from now on
+                invalidate_decisions()  # calls with this variant are refused from now on
             return reason
 
     @staticmethod

@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from . import settings
+from . import first_use_costs, settings
 from .decisions import ALONE, IN_STEP, NOT_DECIDED, SDPA, Decision, DecisionBook, DecisionStore
 from .quant import default_sm_scale
 from .registry import get_backend, invalidate_decisions
@@ -205,7 +205,9 @@ class Tuner:
                 decision = None
             self.book.put(key, decision)
         if decision is not None:  # the time says what measuring cost this first call
-            log.info("%s (%.2f s)", decision.summary, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            first_use_costs.record(f"auto measured {decision.key.label()} alone", seconds)
+            log.info("%s (%.2f s)", decision.summary, seconds)
 
     def _measure_or_load(self, key, route, call, tensors, sm_scale, attn_mask) -> Optional[Decision]:
         names = [b.name for b in route.candidates]

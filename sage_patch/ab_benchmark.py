@@ -238,6 +238,7 @@ def run_ab(model, positive, negative, latent: dict, seed: int, steps: int, cfg: 
         "calls": {"patched": run_b.calls, "sdpa": run_a.calls},
         "fallbacks": run_b.fallbacks, "routed": run_b.routed, "passed_over": run_b.passed_over,
         "sdpa_fallbacks": run_a.fallbacks,
+        "first_use": [{"part": part, "seconds": seconds} for part, seconds in run_b.first_use],
         "notes": ab_override.stats.snapshot()["notes"],
         "auto_choices": ab_override.stats.snapshot()["auto_choices"],
         "auto_decisions": ab_override.stats.snapshot()["auto_decisions"],

@@ -180,6 +180,11 @@ def format_report_text(report: dict) -> str:
         lines.extend(f"  {c}" for c in choices)
     for policy, n in sorted(report.get("routed", {}).items()):
         lines.append(f"exact by policy ({policy}): {n}")
+    first_use = report.get("first_use") or []
+    if first_use:  # what the patched run's warm-up step paid once: self-checks (compiles included), probes
+        total = sum(p["seconds"] for p in first_use)
+        lines.append(f"first use in the patched run: {total:.2f} s (" +
+                     "; ".join(f"{p['part']} {p['seconds']:.2f} s" for p in first_use) + ")")
     for note in report.get("notes", []):
         lines.append(f"note: {note}")
     if report.get("save_error"):

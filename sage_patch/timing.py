@@ -23,10 +23,11 @@ import statistics
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ..kernels import first_use_costs
 from .stats import delta_passed_over
 
 WRAPPER_KEY = "sage_rdna4_step_timer"
@@ -126,6 +127,7 @@ class RunTiming:
     fallbacks: Dict[str, int] = field(default_factory=dict)   # per reason
     routed: Dict[str, int] = field(default_factory=dict)      # exact on purpose, per policy
     passed_over: Dict[str, Dict[str, int]] = field(default_factory=dict)  # auto passed over: backend -> reason -> n
+    first_use: List[Tuple[str, float]] = field(default_factory=list)  # (part, seconds): kernels/first_use_costs.py
 
     def step_times(self) -> List[float]:
         return [s.step_ms for s in self.steps]
@@ -134,7 +136,8 @@ class RunTiming:
         return {"label": self.label, "clock": self.clock, "total_ms": self.total_ms,
                 "steps": [s.as_dict() for s in self.steps], "calls": dict(self.calls),
                 "fallbacks": dict(self.fallbacks), "routed": dict(self.routed),
-                "passed_over": {name: dict(reasons) for name, reasons in self.passed_over.items()}}
+                "passed_over": {name: dict(reasons) for name, reasons in self.passed_over.items()},
+                "first_use": [{"part": part, "seconds": seconds} for part, seconds in self.first_use]}
 
     def summary_line(self) -> str:
         times = self.step_times()
@@ -147,6 +150,8 @@ class RunTiming:
         if attn:
             share = sum(attn) / max(sum(rest), 1e-9)
             line += f"; attention {statistics.median(attn):.1f} ms/step = {100 * share:.0f}% of the step"
+        if self.first_use:  # what made the first step slow: self-checks (compiles included), probes, measuring
+            line += f"\n  {first_use_costs.describe(self.first_use)}"
         return line
 
 
@@ -196,6 +201,7 @@ class StepTimer:
         self._run = RunTiming(label=label, clock=clock)
         self._watches = []
         self._stats_before = self.override.stats.snapshot()
+        self._first_use_mark = first_use_costs.mark()
         self._run_start = time.perf_counter()
 
     def end_run(self) -> RunTiming:
@@ -214,6 +220,7 @@ class StepTimer:
         run.fallbacks = _delta(after["fallbacks"], self._stats_before["fallbacks"])
         run.routed = _delta(after["routed"], self._stats_before["routed"])
         run.passed_over = delta_passed_over(after["passed_over"], self._stats_before["passed_over"])
+        run.first_use = first_use_costs.since(self._first_use_mark)
         self._run, self._watches = None, []
         self.override.attention_timer = None  # between runs the override does no timing work
         self.runs = (self.runs + [run])[-MAX_RUNS_KEPT:]

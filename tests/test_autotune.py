@@ -508,3 +508,15 @@ def test_a_first_call_asks_each_candidate_once(registered):
     asked.clear()  # another call of the same kind: the decision is kept, the chosen backend asked about this call
     settled_route(gpu_call(qkv), "auto", quantized_only=True, tensors=qkv, tuner=tuner)
     assert asked == ["triton_int8_fp8"]
+
+
+def test_measuring_alone_is_a_first_use_part_with_its_seconds():
+    from comfyui_sage_rdna4.kernels import first_use_costs
+    backends, _, tuner = setup({"sdpa": 10.0, "triton_int8_fp8": 5.0})
+    qkv = tensors()
+    mark = first_use_costs.mark()
+    choose(tuner, backends, gpu_call(qkv), qkv)
+    (part, seconds), = first_use_costs.since(mark)
+    assert part.startswith("auto measured float16, D64") and part.endswith("alone") and seconds >= 0
+    choose(tuner, backends, gpu_call(qkv), qkv)  # decided: nothing measured, nothing added
+    assert len(first_use_costs.since(mark)) == 1

@@ -226,3 +226,10 @@ def test_accuracy_flags_a_planted_bad_call(caplog):
                                              "out": torch.full_like(good, float("nan"))}])
     assert nan[0]["flagged"]
     assert json.loads(report_json({"attention_accuracy": rows}))["attention_accuracy"][1]["flagged"] is True
+
+
+def test_the_text_report_says_what_first_use_cost_the_patched_run():
+    text = format_report_text({"first_use": [{"part": "self-check triton_int8_fp8 (triton prologue) on cuda:0",
+                                             "seconds": 12.5}, {"part": "hardware probes on cuda:0", "seconds": 0.5}]})
+    assert ("first use in the patched run: 13.00 s (self-check triton_int8_fp8 (triton prologue) on cuda:0 12.50 s; "
+            "hardware probes on cuda:0 0.50 s)") in text

@@ -634,3 +634,17 @@ def test_an_error_that_is_not_out_of_memory_still_disables():
     reason = backend.ready(_call())
     assert reason and sc.FAILED in reason and "illegal memory access" in reason
     assert backend.unavailable("cpu", None) == reason
+
+
+def test_a_first_use_check_records_what_it_cost():
+    """kernels/first_use_costs.py: each self-check run at first use is a part with its seconds (the run's report
+    shows them: sage_patch/timing.py)."""
+    from comfyui_sage_rdna4.kernels import first_use_costs
+    mark = first_use_costs.mark()
+    backend = fake_backend(planted(lambda out, q, k, v, is_causal: out))  # a sound kernel: the spec itself
+    check = backend.verdicts = gating.Verdicts(SMALL)
+    assert check.guard(backend, _call()) is None
+    (part, seconds), = first_use_costs.since(mark)
+    assert part.startswith("self-check fake_int8 (") and part.endswith("on cpu")
+    assert seconds == pytest.approx(check.last_result.seconds, abs=0.05) and seconds > 0
+    assert check.guard(backend, _call()) is None and first_use_costs.since(mark) == [(part, seconds)]  # recalled

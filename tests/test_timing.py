@@ -216,3 +216,22 @@ def test_a_fallback_warning_clears_the_progress_bar_first(monkeypatch, caplog):
         stats.record_fallback("reason one")
         stats.record_fallback("reason one")  # the same kind again: counted, not logged
     assert entered == [True] and "reason one" in caplog.text
+
+
+def test_a_run_reports_what_first_use_cost_it_by_part():
+    """Parts recorded during a run (a self-check, probes, auto measuring alone) show in that run's record and
+    summary line, and not in the next run's."""
+    from comfyui_sage_rdna4.kernels import first_use_costs
+    timer, override, printed = make_timer(False)
+
+    def step_with_a_first_use(x, timestep, model_options=None, seed=None):
+        first_use_costs.record("self-check triton_int8_fp8 (triton prologue) on cuda:0", 12.5)
+        return x
+    timer.wrap_run(lambda: timer.wrap_step(step_with_a_first_use, torch.zeros(1), torch.tensor([1.0]), {}, 0))
+    run = timer.last_run
+    assert run.first_use == [("self-check triton_int8_fp8 (triton prologue) on cuda:0", 12.5)]
+    assert "first use 12.50 s: self-check triton_int8_fp8 (triton prologue) on cuda:0 12.50 s" in run.summary_line()
+    assert run.as_dict()["first_use"] == [{"part": "self-check triton_int8_fp8 (triton prologue) on cuda:0",
+                                           "seconds": 12.5}]
+    sample(timer, override, 2)
+    assert timer.last_run.first_use == [] and "first use" not in timer.last_run.summary_line()

@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ... import first_use_costs
 from . import kernel_abi as abi
 
 log = logging.getLogger(__name__)
@@ -346,11 +347,13 @@ def probe_device(device_type: str, index: Optional[int]) -> ProbeReport:
         if key in _REPORTS:
             return _REPORTS[key]
         label = f"{device_type}:{index}" if index is not None else device_type
+        started = time.perf_counter()
         try:
             run, device = device_runner(device_type, index)
             report = run_probes(run, device, label)
         except Exception as exc:
             report = ProbeReport(label, error=f"{type(exc).__name__}: {exc}")
+        first_use_costs.record(f"hardware probes on {label}", time.perf_counter() - started)
         if report.error:
             log.warning("%s; the HIP kernels are disabled there", report.summary())
         else:
