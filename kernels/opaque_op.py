@@ -17,6 +17,15 @@ NAMESPACE = "sage_rdna4"
 _LIBRARIES: List[object] = []  # a Library unregisters its ops when collected: kept for the process
 
 
+def own_output(out, inputs):
+    """`out` as an op may return it: contiguous (the strides its meta implementation gives) and sharing no input's
+    storage (an op's output must not alias its inputs)."""
+    out = out.contiguous()
+    if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in inputs):
+        out = out.clone()
+    return out
+
+
 def op_name(base: str, package: str) -> str:
     """`base` with a suffix naming the pack copy `package` (a module's __name__ prefix)."""
     return f"{base}_{hashlib.sha1(package.encode()).hexdigest()[:8]}"

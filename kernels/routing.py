@@ -108,7 +108,8 @@ def route(call: AttentionCall, kernel: str = "auto", *, quantized_only: bool = F
                 watch = tuner.measuring(call) if method == IN_STEP and name == decision.chosen else None
                 return Route(RUN, backend, passed_over=passed_over, decision=decision, measurement=watch)
             passed_over[name] = state
-        check = tuner.measuring(call) if method == IN_STEP else None  # a remembered SDPA choice checked now
+        # A remembered SDPA choice being checked now (a quantized choice's watch is for the calls it serves).
+        check = tuner.measuring(call) if method == IN_STEP and decision.chosen == SDPA else None
         if quantized_only:
             return Route(EXACT, None, decision.sdpa_reason(), passed_over=passed_over, decision=decision,
                          measurement=check)

@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 import torch
 
 from .eager_call import eager_attention
-from .opaque_op import op_name, try_define
+from .opaque_op import op_name, own_output, try_define
 
 
 def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor], tensor_layout: str,
@@ -20,10 +20,7 @@ def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[t
     got = eager_attention(q, k, v, tensor_layout, is_causal, sm_scale, kernel, smooth_k, prologue, return_lse,
                           attn_mask, qk_group, smooth_v)
     out, lse = got if return_lse else (got, q.new_empty(0, dtype=torch.float32))
-    out = out.contiguous()
-    if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in (q, k, v)):
-        out = out.clone()  # an op's output must not share an input's storage
-    return out, lse.contiguous()
+    return own_output(out, (q, k, v)), lse.contiguous()
 
 
 def _fake(q, k, v, attn_mask, tensor_layout, is_causal, sm_scale, kernel, smooth_k, prologue, return_lse, qk_group,

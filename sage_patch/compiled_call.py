@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from ..kernels.opaque_op import op_name, try_define
+from ..kernels.opaque_op import op_name, own_output, try_define
 from .layouts import from_hnd, hnd_inputs
 
 # ComfyUI's attention keywords the op carries; a call with any other keyword is not ours under compile.
@@ -96,10 +96,7 @@ def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.
         kwargs["enable_gqa"] = True
     if not low_precision:
         kwargs["low_precision_attention"] = False
-    out = override(_site(site), q, k, v, heads, **kwargs).contiguous()
-    if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in (q, k, v)):
-        out = out.clone()  # an op's output must not share an input's storage
-    return out
+    return own_output(override(_site(site), q, k, v, heads, **kwargs), (q, k, v))
 
 
 def _fake(q, k, v, mask, sigmas, sample_sigmas, override_id, site, heads, skip_reshape, skip_output_reshape,

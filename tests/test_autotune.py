@@ -520,3 +520,31 @@ def test_measuring_alone_is_a_first_use_part_with_its_seconds():
     assert part.startswith("auto measured float16, D64") and part.endswith("alone") and seconds >= 0
     choose(tuner, backends, gpu_call(qkv), qkv)  # decided: nothing measured, nothing added
     assert len(first_use_costs.since(mark)) == 1
+
+
+def test_an_exact_route_carries_a_check_of_a_remembered_sdpa_choice_only(registered):
+    """In the step, an EXACT route hands calls to the tuner's measurement only when that measures a remembered SDPA
+    choice: where the quantized choice refuses this very call, its watch (for the calls it serves) stays out."""
+    backends, _, _ = registered({"sdpa": 5.0, "triton_int8_fp8": 4.0}, refuse={"triton_int8_fp8": "not this call"})
+    qkv = tensors()
+    call = gpu_call(qkv)
+    key = decisions.tune_key(call)
+    sentinel = object()
+
+    class Book:
+        def __init__(self, decision):
+            self.decision_ = decision
+
+        def decision(self, method, call):
+            return self.decision_
+
+        def measuring(self, call):
+            return sentinel
+
+    quantized = decisions.Decision(key, {"sdpa": 5.0, "triton_int8_fp8": 4.0})
+    found = routing.route(call, quantized_only=True, tuner=Book(quantized), method=decisions.IN_STEP)
+    assert found.kind == routing.EXACT and found.measurement is None
+    assert found.passed_over["triton_int8_fp8"] == "not this call"
+    exact = decisions.Decision(key, {"sdpa": 5.0, "triton_int8_fp8": 6.0})
+    found = routing.route(call, quantized_only=True, tuner=Book(exact), method=decisions.IN_STEP)
+    assert found.kind == routing.EXACT and found.measurement is sentinel
