@@ -267,11 +267,6 @@ class DecisionBook:
         with self._lock:
             self._entries.pop(key, None)
 
-    def put_first(self, key: tuple, decision: Optional[Decision]) -> Optional[Decision]:
-        """Keep `decision` unless another thread decided the key first; the one kept."""
-        with self._lock:
-            return self._entries.setdefault(key, decision)
-
     def all(self) -> List[Decision]:
         return [d for d in list(self._entries.values()) if d is not None]
 

@@ -131,13 +131,17 @@ class Tuner:
                 return
             decision = self.store.load(device, key[3], names, IN_STEP)
             if decision is None:
-                self._measuring[key] = StepTrial(key[3], device, route.candidates, route.passed_over, self.events,
-                                                 self._on_decided(key, device, route.candidates))
+                self._start_trial(key, device, route.candidates, route.passed_over)
                 return
             decision.passed_over, decision.candidates = dict(route.passed_over), names
             self.book.put(key, decision)
             self._recheck(key, decision, device, route.candidates)
         log.info("%s", decision.summary)
+
+    def _start_trial(self, key, device, candidates, passed_over) -> None:
+        """A trial measuring this kind of call among `candidates` (under the lock)."""
+        self._measuring[key] = StepTrial(key[3], device, candidates, passed_over, self.events,
+                                         self._on_decided(key, device, candidates))
 
     def _recheck(self, key, decision: Decision, device, candidates) -> None:
         """A decision recalled from disk is checked against this step's own timings before it is trusted (under
@@ -159,8 +163,7 @@ class Tuner:
                     self._keep(key, decision, device, candidates)
                 else:  # the stored timings no longer hold here: this kind of call is measured again
                     self.book.forget(key)
-                    self._measuring[key] = StepTrial(key[3], device, candidates, decision.passed_over, self.events,
-                                                     self._on_decided(key, device, candidates))
+                    self._start_trial(key, device, candidates, decision.passed_over)
             if not agrees:
                 now = f"{ratio:.2f}x SDPA" if ratio is not None else "a failure"
                 log.warning("auto's remembered choice for (%s) is measured again: %s gave %s in this step, %.2fx "
