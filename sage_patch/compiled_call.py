@@ -59,15 +59,18 @@ def _site(site: str):
     return found
 
 
-def traced_call(override_id: int, func, args, kwargs, bound) -> Optional[torch.Tensor]:
-    """At trace time: the call as one `sage_rdna4::attention` op; None when it cannot cross (see the module)."""
+def traced_call(override_id: int, func, args, kwargs, bound, uses_steps: bool) -> Optional[torch.Tensor]:
+    """At trace time: the call as one `sage_rdna4::attention` op; None when it cannot cross (see the module).
+    The sigmas cross only when a step policy reads them: the schedule's length is part of the graph's guards, so
+    carrying it always would recompile the model whenever the user changes the number of steps."""
     site = _site_name(func)
     if site is None or not CARRIED.issuperset(kwargs):
         return None
     to = kwargs.get("transformer_options") or {}
     block, total = to.get("block_index"), to.get("total_blocks")
+    sigmas, schedule = (to.get("sigmas"), to.get("sample_sigmas")) if uses_steps else (None, None)
     return attention_op(
-        bound["q"], bound["k"], bound["v"], bound["mask"], to.get("sigmas"), to.get("sample_sigmas"), override_id,
+        bound["q"], bound["k"], bound["v"], bound["mask"], sigmas, schedule, override_id,
         site, int(bound["heads"]), bool(bound["skip_reshape"]), bool(bound["skip_output_reshape"]),
         bound["attn_precision"], kwargs.get("scale"), bool(kwargs.get("enable_gqa", False)),
         kwargs.get("low_precision_attention", True) is not False,

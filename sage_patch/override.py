@@ -236,7 +236,7 @@ class SageAttentionOverride:
             bound = bind_attention_args(args, kwargs)
         except TypeError:
             return func(*args, **kwargs)
-        out = traced_call(self.op_id, func, args, kwargs, bound)
+        out = traced_call(self.op_id, func, args, kwargs, bound, self.policies.uses_steps)
         return out if out is not None else func(*args, **kwargs)
 
     def _follow(self, plan: CallPlan, func, args, kwargs, q, k, v, mask, skip_output_reshape):

@@ -99,6 +99,49 @@ def test_a_compiled_model_matches_the_eager_one_with_no_graph_break(backend, con
         sum(eager["routed"].values()) == 4
 
 
+def schedule(steps: int, step: int) -> dict:
+    """transformer_options as a sampler fills them at `step` of a `steps`-step schedule."""
+    sched = torch.linspace(1.0, 0.0, steps + 1)
+    return {"sigmas": sched[step:step + 1].clone(), "sample_sigmas": sched}
+
+
+def test_a_compiled_model_is_not_recompiled_when_the_number_of_steps_changes():
+    """Without a step policy the schedule does not cross the op, so a user who changes the step count keeps the
+    compiled graph (a tensor of another length would fail dynamo's shape guard and recompile the model)."""
+    from torch._dynamo.testing import CompileCounter
+
+    to, override = patched(PatchConfig(kernel="reference"))
+    model, x = Model(), torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    frames = CompileCounter()
+    fn = torch.compile(model, backend=frames, fullgraph=True)
+    with torch.no_grad():
+        for steps in (4, 9, 20):
+            fn(x, dict(to, **schedule(steps, 1)))
+    assert frames.frame_count == 1
+    assert counted(override)["calls"] == {"reference": 12}
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_step_policy_follows_the_schedule_inside_a_compiled_model(backend):
+    """With a step range the sigmas do cross: the compiled model routes the early steps exact and quantizes the
+    late ones, as the eager model does."""
+    to, override = patched(PatchConfig(kernel="reference", step_start=0.5))
+    model, x = Model(), torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(1))
+    per_step = {}
+    for compiled in (False, True):
+        fn = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
+        torch._dynamo.reset()
+        outs = []
+        with torch.no_grad():
+            for step in (0, 3):
+                outs.append(fn(x, dict(to, **schedule(4, step))))
+        per_step[compiled] = (outs, counted(override))
+    (want, eager), (got, stats) = per_step[False], per_step[True]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert stats == eager and eager["calls"] == {"reference": 4} and sum(eager["routed"].values()) == 4
+
+
 @pytest.mark.parametrize("kw", [
     dict(mask=torch.zeros(1, 40, 40)),                  # a float mask: a refusal counted as in eager
     dict(scale=0.3),
