@@ -2,11 +2,14 @@
 the models of tests/comfy_harness.py, tools/template_thumbnails.py the browser driver of tests/comfy_browser.py.
 (Running them needs ComfyUI, and a GPU or Chromium.)"""
 import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import comfy_browser
 
@@ -41,3 +44,23 @@ def test_ab_real_size_loads_the_harness_and_the_pack_through_pack_loader(monkeyp
     import pack_loader
     assert tool.load_pack is pack_loader.load_pack
     assert tool.load_pack().__name__ == "comfyui_sage_rdna4"
+
+
+@pytest.mark.comfyui
+def test_compile_real_size_times_eager_and_compiled_runs_of_a_tiny_model(tmp_path):
+    """tools/compile_real_size.py --tiny on the CPU: every run is written with its steps, graph breaks and stats, the
+    patched runs carry latent PSNR against the unpatched run of their own mode, and the patch adds no graph break."""
+    runs = "eager:sdpa,eager:reference,aot_eager:sdpa,aot_eager:reference"
+    proc = subprocess.run([sys.executable, str(TOOLS / "compile_real_size.py"), "--tiny", "--out", str(tmp_path),
+                           "--runs", runs, "--steps", "3"], capture_output=True, text=True, timeout=600,
+                          cwd=str(TOOLS))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {(r["mode"], r["kernel"]): r for r in json.loads((tmp_path / "flux.json").read_text())["rows"]}
+    assert list(rows) == [tuple(r.split(":")) for r in runs.split(",")]
+    for row in rows.values():
+        assert "error" not in row and len(row["step_s"]) == 3 and row["median_step_s"] > 0
+    compiled = rows[("aot_eager", "reference")]
+    assert compiled["graph_breaks"] == 0 and compiled["unique_graphs"] >= 1
+    assert compiled["stats"]["calls"] == {"reference": 6} and not compiled["stats"]["fallbacks"]
+    assert compiled["latent_psnr_vs_aot_eager_sdpa_db"] > 60 and compiled["latent_psnr_vs_eager_sdpa_db"] > 60
+    assert "latent_psnr_vs_eager_sdpa_db" in rows[("aot_eager", "sdpa")]
