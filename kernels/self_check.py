@@ -81,10 +81,10 @@ class Bound:
 #            (key 0's tile drops its keys 2^-14.8 below key 0 from P.V), FP16 0.0015. Planted faults: P.V
 #            without the weights below 2^-14.8 of the row max (the former FP8 kernel under a flush) 0.17-0.20;
 #            those dropped from the row sum too 0.16-0.18; the former FP16 P grid under a flush 0.28-0.31.
-#   diagonal reference rel L1 <= 0.0252, one row <= 0.0297, gain error <= 0.0012 (causal: 0.0223, 0.0268,
+#   diagonal reference rel L1 <= 0.0228, one row <= 0.0293, gain error <= 0.0012 (causal: 0.0223, 0.0268,
 #            0.0007). Planted faults (causal): the diagonal one key late or early, or the first key dropped, rel L1
 #            >= 1.2; the last key dropped, its row 1.06 (query block 0.037). Without causal: the last key dropped,
-#            its row 1.74 (block 0.70), where every other case passes that fault.
+#            its row 1.74 (block 0.70; the 260-row 2-head case before it took GQA), where every other case passes it.
 # Cosine says nothing on the probe (its output is mostly the V offset: a 5 % scale loss keeps cos 0.99999),
 # and rel L1 of zero-mean diffuse outputs is large by nature, so each kind has its own bound. The probe's
 # sits below the 5 % scale loss it must reject and below a 13-bit truncating accumulator at 16400 keys
@@ -197,8 +197,9 @@ DEFAULT_CASES: Tuple[Case, ...] = (
     Case("lse", "peaked", torch.bfloat16, 64, 2, 4, 2, 200, 333, is_causal=True, return_lse=True),
     # causal where the diagonal decides each row (diagonal_inputs): a mask one key off, or a dropped key
     Case("causal-diagonal", "diagonal", torch.float16, 128, 2, 2, 1, 330, 330, is_causal=True),
-    # the same without the mask: each row is its next key's V, so any dropped key but key 0 moves a row
-    Case("diagonal", "diagonal", torch.bfloat16, 64, 2, 2, 2, 260, 260),
+    # the same without the mask: each row is its next key's V, so any dropped key but key 0 moves a row (GQA as
+    # 'diffuse': the two share one compiled kernel, kernels/verify/compile_keys.py)
+    Case("diagonal", "diagonal", torch.bfloat16, 64, 2, 4, 2, 250, 250),
     # a softmax scale of its own (only for callables taking `scale`, see default_accepts)
     Case("custom-scale", "peaked", torch.float16, 64, 2, 2, 2, 260, 900, scale=0.06),
     # A key-only padding mask (HunyuanVideo's: -finfo.max on the padding, in q's dtype), padding keys holding K and V
