@@ -31,8 +31,11 @@ def fn_name(fn) -> str:
 
 def compile_key(fn, args, meta) -> Tuple:
     """What Triton keys a compiled kernel on for this launch."""
-    params = [p for p in getattr(fn, "params", []) if not p.is_constexpr]
-    plain = [not getattr(p, "do_not_specialize", False) for p in params] or [True] * len(args)
+    if hasattr(fn, "params"):  # a JITFunction
+        plain = [not p.do_not_specialize for p in fn.params if not p.is_constexpr]
+    else:  # the interpreter's InterpretedFunction keeps the decorator's arguments and the names
+        skip = set((getattr(fn, "kwargs", None) or {}).get("do_not_specialize") or ())
+        plain = [name not in skip for name in getattr(fn, "arg_names", [])[:len(args)]] or [True] * len(args)
     spec = tuple(native_specialize_impl(BaseBackend, a, False, s, True) for a, s in zip(args, plain))
     return fn_name(fn), tuple(sorted((k, repr(v)) for k, v in meta.items())), spec
 

@@ -357,7 +357,9 @@ def _scale_row_stride(scales: torch.Tensor) -> Optional[int]:
         return None
     if h > 1:
         return s1 if b == 1 or s0 == h * s1 else None
-    return s0 if b > 1 else n
+    # One row: only row 0 is addressed, so any stride serves; a multiple of 16, as the padded rows' own, keeps
+    # such calls on the kernel the others compiled (Triton specializes on it).
+    return s0 if b > 1 else ceil_div(n, 16) * 16
 
 
 def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: AttentionConfig,
