@@ -86,3 +86,16 @@ def test_the_recorder_sees_a_specializing_difference():
         first = keys.count("_sage_attn_fwd")
         _nhd_call("triton_int8_fp16", 2, 130, 333, d=64)
         assert keys.count("_sage_attn_fwd") == first + 1
+
+
+def test_the_first_use_tool_says_it_needs_a_gpu_on_the_cpu():
+    """tools/first_use_cost.py (the H200 measurement of these compiles' seconds) stops with one line here."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the tool would run")
+    tool = Path(__file__).resolve().parents[1] / "tools" / "first_use_cost.py"
+    proc = subprocess.run([sys.executable, str(tool), "--shape", "sdxl"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip() == "first_use_cost.py: needs a GPU", proc.stderr
