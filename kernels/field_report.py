@@ -235,6 +235,8 @@ def self_check_section(device: torch.device, say: Callable[[str], None], results
                              "worst_cosine": _num(r.worst_cosine), "lse_error": _num(r.lse_error),
                              "seconds": round(r.seconds, 3)} for r in res.results],
                      skipped_cases=[c.label() for c in res.skipped])
+        if res.warm_up is not None:  # the Triton kernels compiled side by side before the cases (precompile.py)
+            entry["warm_up"] = dict(vars(res.warm_up), seconds=round(res.warm_up.seconds, 3))
         say(f"    {entry['status']} in {res.seconds:.1f} s" + (f": {res.reason}" if res.reason else ""))
         # The first self-check of a kernel pays its compiles: the ledger shows it beside auto's own first uses.
         first_use_costs.record(f"self-check {target['kernel']} ({target['variant']}) on {device}", res.seconds)

@@ -328,6 +328,7 @@ class SelfCheckResult:
     results: List[CaseResult] = field(default_factory=list)
     skipped: List[Case] = field(default_factory=list)
     seconds: float = 0.0
+    warm_up: object = None  # what the attention's warm_up returned (the Triton backends: precompile.WarmUp)
 
     @property
     def passed(self) -> bool:
@@ -390,6 +391,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def call_case(attention: Callable, case: Case, device, inputs=None, mask=None):
+    """(out, lse or None) of `attention` on the case's inputs (`make_inputs` and `padding_mask` unless given)."""
+    q, k, v = inputs if inputs is not None else make_inputs(case, device)
+    extra = {} if case.scale is None else {"scale": case.scale}
+    if case.key_mask:
+        extra["attn_mask"] = mask if mask is not None else padding_mask(case, device)
+    if case.return_lse:
+        got = attention(q, k, v, is_causal=case.is_causal, return_lse=True, **extra)
+        return got if isinstance(got, tuple) else (got, None)
+    got = attention(q, k, v, is_causal=case.is_causal, **extra)
+    return (got[0] if isinstance(got, tuple) else got), None
+
+
+def _call_each(attention: Callable, cases: Sequence[Case], device) -> None:
+    """Each case called once, any failure left for its check to judge (a warm-up's pass: run_self_check)."""
+    for case in cases:
+        try:
+            call_case(attention, case, device)
+        except Exception:  # noqa: BLE001  (check_case calls it again and gives the verdict)
+            pass
+
+
 def check_case(attention: Callable, case: Case, device, bounds: Optional["CaseBounds"] = None) -> CaseResult:
     """Run one case and judge it against `bounds` (default: the accurate variant's); the result's reason is None
     when it passed. Every figure is measured before any is judged (tools/self_check_calibration.py reads them)."""
@@ -402,17 +425,10 @@ def check_case(attention: Callable, case: Case, device, bounds: Optional["CaseBo
         return CaseResult(case, reason, seconds=time.perf_counter() - t0, **kw)
 
     q, k, v = make_inputs(case, device)
-    extra = {} if case.scale is None else {"scale": case.scale}
     mask = padding_mask(case, device) if case.key_mask else None
-    if case.key_mask:
-        extra["attn_mask"] = mask
 
     def call():
-        if case.return_lse:
-            got = attention(q, k, v, is_causal=case.is_causal, return_lse=True, **extra)
-            return got if isinstance(got, tuple) else (got, None)
-        got = attention(q, k, v, is_causal=case.is_causal, **extra)
-        return (got[0] if isinstance(got, tuple) else got), None
+        return call_case(attention, case, device, (q, k, v), mask)
 
     try:
         out, lse = call()
@@ -505,12 +521,19 @@ def run_self_check(attention: Callable, device, cases: Sequence[Case] = DEFAULT_
     bounds = bounds_for(variant if variant is not None else getattr(attention, "variant", None))
     t0 = time.perf_counter()
     result = SelfCheckResult(None)
+    to_run = []
     for case in cases:
         if not accepts(case) and case.gqa and accepts(replace(case, kv_heads=case.q_heads)):
             case = replace(case, kv_heads=case.q_heads)  # GQA declined: the same case with one kv head per q head
-        if not accepts(case):
+        if accepts(case):
+            to_run.append(case)
+        else:
             result.skipped.append(case)
-            continue
+    warm_up = getattr(attention, "warm_up", None)
+    if warm_up is not None and to_run:
+        # Each case called once, for the kernels it needs (a Triton backend compiles them side by side first).
+        result.warm_up = warm_up(lambda: _call_each(attention, to_run, device))
+    for case in to_run:
         r = check_case(attention, case, device, bounds)
         result.results.append(r)
         if r.reason and result.reason is None:
@@ -585,4 +608,6 @@ def backend_attention(backend, variant: Variant) -> Callable:
                                   attn_mask)
         return (out, lse) if return_lse else out
     attention.variant = variant  # run_self_check judges it by this variant's bounds
+    if hasattr(backend, "warm_up"):  # run_self_check lets it compile the cases' kernels first (Triton)
+        attention.warm_up = backend.warm_up
     return attention

@@ -2,13 +2,14 @@
 
 For each kernel, one call of a model's size through the public API (`kernel=NAME`, which runs the first-use
 self-check of the call's variant, then the call): its wall time, the parts kernels/first_use_costs.py recorded (the
-self-check, compiles included), how many Triton kernels were compiled (or loaded from Triton's disk cache) and the
-seconds spent in that, then a second call. Triton's disk cache is a fresh folder unless --triton-cache names one:
-run twice with the same folder to see a later session (compiles cached; self-check passes are not kept unless
---keep-passes).
+self-check, compiles included), the self-check's warm-up (its kernels compiled side by side:
+kernels/backends/triton/precompile.py), how many Triton kernels were compiled or loaded from Triton's disk cache,
+then a second call. Triton's disk cache is a fresh folder unless --triton-cache names one: run twice with the same
+folder to see a later session (compiles cached; self-check passes are not kept unless --keep-passes).
 
     python tools/first_use_cost.py [--shape flux|wan|sdxl] [--kernels triton_int8_fp8,triton_int8_fp16]
                                    [--triton-cache DIR] [--keep-passes]
+    SAGE_RDNA4_TRITON_PRECOMPILE=0 python tools/first_use_cost.py       # the same, compiling one at a time
 
 Prints one block per kernel; with $OUT set (or --out) it also writes first_use_cost.json there.
 """
@@ -29,28 +30,21 @@ SHAPES = {  # (batch, heads, tokens, head dim, dtype): the attention calls of th
 
 
 class CompileCounter:
-    """Triton's JIT hooks: each in-memory cache miss (a compile, or a load from Triton's disk cache) and its time."""
+    """Triton's JIT hook after each in-memory cache miss: a compile, or a load from Triton's disk cache."""
 
     def __init__(self, knobs):
-        self.knobs, self.count, self.seconds, self._start = knobs, {}, 0.0, None
-
-    def before(self, **kw):
-        self._start = time.perf_counter()
-        return None  # a true value would skip the compile
+        self.knobs, self.count = knobs, {}
 
     def after(self, **kw):
         name = kw["fn"].name
         self.count[name] = self.count.get(name, 0) + 1
-        if self._start is not None:
-            self.seconds += time.perf_counter() - self._start
-            self._start = None
 
     def __enter__(self):
-        self.knobs.runtime.jit_cache_hook, self.knobs.runtime.jit_post_compile_hook = self.before, self.after
+        self.knobs.runtime.jit_post_compile_hook = self.after
         return self
 
     def __exit__(self, *exc):
-        self.knobs.runtime.jit_cache_hook = self.knobs.runtime.jit_post_compile_hook = None
+        self.knobs.runtime.jit_post_compile_hook = None
 
 
 def main():
@@ -70,6 +64,7 @@ def main():
     from triton import knobs
 
     from comfyui_sage_rdna4.kernels import first_use_costs, sage_attention
+    from comfyui_sage_rdna4.kernels.registry import get_backend
 
     if not torch.cuda.is_available():
         sys.exit("first_use_cost.py: needs a GPU")
@@ -100,13 +95,18 @@ def main():
             parts = first_use_costs.since(mark)
             in_checks = dict(compiles.count)
             second = timed(lambda: sage_attention(q, k, v, tensor_layout="NHD", kernel=name))
+        checked = get_backend(name).verdicts.last_result
+        warm = getattr(checked, "warm_up", None)
         entry = {"first_call_s": round(first, 3), "second_call_s": round(second, 4),
                  "parts": [{"part": p, "seconds": round(s, 3)} for p, s in parts],
-                 "compiles": compiles.count, "compile_or_load_s": round(compiles.seconds, 3),
-                 "compiles_in_first_call": sum(in_checks.values())}
+                 "compiles": compiles.count, "compiles_in_first_call": sum(in_checks.values()),
+                 "warm_up": None if warm is None else dict(vars(warm), seconds=round(warm.seconds, 3))}
         result["kernels"][name] = entry
-        print(f"{name}: first call {first:.2f} s ({first_use_costs.describe(parts)}); "
-              f"{sum(compiles.count.values())} Triton compiles or cache loads in {compiles.seconds:.2f} s "
+        said = "no warm-up" if warm is None else (
+            f"warm-up {warm.seconds:.2f} s for {warm.submitted} launches" + (f", stopped: {warm.error}"
+                                                                              if warm.error else ""))
+        print(f"{name}: first call {first:.2f} s ({first_use_costs.describe(parts)}; {said}); "
+              f"{sum(compiles.count.values())} Triton compiles or cache loads "
               f"({', '.join(f'{k} {c}' for k, c in sorted(compiles.count.items()))}); second call {second:.4f} s")
     if args.out:
         path = os.path.join(args.out, "first_use_cost.json")
