@@ -7,6 +7,8 @@ environment (OS, Python, torch, HIP/ROCm, driver, GPU, CUs), libraries (which li
 found, where), the hardware probes (kernels/backends/hip/probes.py), the first-use self-check of every
 quantized kernel and variant (per case: time, verdict), the HIP code path (prebuilt object or hiprtc), kernel
 time against SDPA and accuracy on every input kind of kernels/benchmark.py, and what `auto` chooses per shape and why.
+Beside the sections, the first-use ledger (kernels/first_use_costs.py): every first-use part the run paid, with its
+seconds: each self-check (its Triton compiles included), the hardware probes, each kind of call auto measured.
 On the CPU it is short: no GPU kernel runs there (the torch reference, the spec, takes the self-check), and the
 benchmark uses one tiny shape, since the real shapes take minutes per call there.
 
@@ -32,7 +34,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from . import benchmark as bench
-from . import launch_split, settings
+from . import first_use_costs, launch_split, settings
 from .call_spec import describe_call
 from .disk_cache import write_atomically
 from .dispatch import settled_route
@@ -40,7 +42,7 @@ from .registry import get_backend
 from .routing import EXACT, RUN
 from .self_check import DEFAULT_CASES, Variant, backend_attention, case_call, run_self_check
 
-SCHEMA = 2  # 2: `status` and `missing` (sections not run, and why); the files are written after every section
+SCHEMA = 3  # 2: `status` and `missing` (sections not run, and why), written after every section; 3: `first_use`
 QUANTIZED = ("hip_int8_fp8", "hip_int8_fp16", "triton_int8_fp8", "triton_int8_fp16")
 GPU_SHAPES = ("flux_1mp", "flux_2mp", "sdxl_1mp_d64", "wan_480p")
 CPU_SHAPES = ("tiny",)
@@ -233,7 +235,11 @@ def self_check_section(device: torch.device, say: Callable[[str], None], results
                              "worst_cosine": _num(r.worst_cosine), "lse_error": _num(r.lse_error),
                              "seconds": round(r.seconds, 3)} for r in res.results],
                      skipped_cases=[c.label() for c in res.skipped])
+        if res.warm_up is not None:  # the Triton kernels compiled side by side before the cases (precompile.py)
+            entry["warm_up"] = dict(vars(res.warm_up), seconds=round(res.warm_up.seconds, 3))
         say(f"    {entry['status']} in {res.seconds:.1f} s" + (f": {res.reason}" if res.reason else ""))
+        # The first self-check of a kernel pays its compiles: the ledger shows it beside auto's own first uses.
+        first_use_costs.record(f"self-check {target['kernel']} ({target['variant']}) on {device}", res.seconds)
     return results
 
 
@@ -322,7 +328,15 @@ def new_report(device: torch.device) -> Dict:
     return {"schema": SCHEMA, "title": TITLE, "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "device": str(device), "cpu_note": CPU_NOTE if device.type != "cuda" else None,
             "rdna4_note": "Nothing in this pack had run on an RDNA4 card before these reports.", "status": "running",
-            "sections": {}, "missing": {name: NOT_RUN_YET for name in SECTIONS}, "errors": [], "seconds": 0.0}
+            "sections": {}, "missing": {name: NOT_RUN_YET for name in SECTIONS}, "errors": [], "seconds": 0.0,
+            "first_use": first_use_ledger([])}
+
+
+def first_use_ledger(parts) -> Dict:
+    """The report's `first_use`: every part (first_use_costs: self-checks with their compiles, probes, auto's
+    measuring) with its seconds, in the order paid, and their total."""
+    return {"total_seconds": round(sum(seconds for _, seconds in parts), 3),
+            "parts": [{"part": part, "seconds": round(seconds, 3)} for part, seconds in parts]}
 
 
 def mark_interrupted(report: Dict, section: Optional[str] = None, seconds: float = 0.0, kept=None) -> None:
@@ -351,6 +365,7 @@ def collect(device: Optional[torch.device] = None, say: Callable[[str], None] = 
     device = device or _device()
     t0 = time.perf_counter()
     report = report if report is not None else new_report(device)
+    first_use_mark = first_use_costs.mark()  # the ledger holds what this run paid, not an earlier one in-process
     partial: Dict[str, object] = {"self_check": [], "benchmark": {}, "auto": []}  # filled as the long ones go
     runners = {"environment": lambda: environment_section(device),
                "libraries": lambda: libraries_section(device),
@@ -363,6 +378,7 @@ def collect(device: Optional[torch.device] = None, say: Callable[[str], None] = 
     def update() -> None:
         report["errors"] = errors_of(report)
         report["seconds"] = round(time.perf_counter() - t0, 1)
+        report["first_use"] = first_use_ledger(first_use_costs.since(first_use_mark))
         if on_section is not None:
             on_section(report)
 
@@ -428,12 +444,27 @@ def summary(report: Dict) -> List[str]:
     lines.append("accuracy problems: " + ("; ".join(problems) if problems else "none"))
     probes = sec["hardware_probes"].get("data") or {}
     lines.append(probes.get("note") or f"{PROBES_NOT_RUN}: {sec['hardware_probes'].get('error', 'no data')}")
+    ledger = report.get("first_use") or {}
+    if ledger.get("parts"):
+        slowest = max(ledger["parts"], key=lambda p: p["seconds"])
+        lines.append(f"first use: {ledger['total_seconds']:.1f} s in {len(ledger['parts'])} parts (slowest: "
+                     f"{slowest['part']}, {slowest['seconds']:.1f} s; under First use)")
     lines.append(f"errors: {len(report['errors'])}" + (" (under Errors, with tracebacks)" if report["errors"] else ""))
     missing = report.get("missing") or {}
     if missing:
         lines.append(f"missing sections ({report.get('status', 'running')}): " +
                      "; ".join(f"{name}: {why}" for name, why in missing.items()))
     return lines
+
+
+def first_use_rows(ledger: Dict) -> List[str]:
+    """The ledger as a table: each part the run paid once, in order, with its seconds, and the total."""
+    if not ledger.get("parts"):
+        return ["No first-use part was paid in this run (or none has finished yet)."]
+    rows = ["What this run paid once, in order: each self-check (its kernels' compiles included), the hardware "
+            "probes, each kind of call auto measured.", "", "| part | seconds |", "| --- | --- |"]
+    rows += [f"| {p['part']} | {p['seconds']:.2f} |" for p in ledger["parts"]]
+    return rows + [f"| total | {ledger['total_seconds']:.2f} |"]
 
 
 def _fmt(x, spec=".3f") -> str:
@@ -524,6 +555,7 @@ def to_markdown(report: Dict) -> str:
             rows.append(f"| {a['shape']} | {a.get('chosen', '-')} | {why} |")
         return rows
     lines += ["## What auto chose", ""] + body("auto", autos)
+    lines += ["## First use", ""] + first_use_rows(report.get("first_use") or {}) + [""]
     lines += ["## Errors", ""]
     if not report["errors"]:
         lines += ["None.", ""]

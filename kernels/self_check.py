@@ -81,10 +81,10 @@ class Bound:
 #            (key 0's tile drops its keys 2^-14.8 below key 0 from P.V), FP16 0.0015. Planted faults: P.V
 #            without the weights below 2^-14.8 of the row max (the former FP8 kernel under a flush) 0.17-0.20;
 #            those dropped from the row sum too 0.16-0.18; the former FP16 P grid under a flush 0.28-0.31.
-#   diagonal reference rel L1 <= 0.0252, one row <= 0.0297, gain error <= 0.0012 (causal: 0.0223, 0.0268,
+#   diagonal reference rel L1 <= 0.0228, one row <= 0.0293, gain error <= 0.0012 (causal: 0.0223, 0.0268,
 #            0.0007). Planted faults (causal): the diagonal one key late or early, or the first key dropped, rel L1
 #            >= 1.2; the last key dropped, its row 1.06 (query block 0.037). Without causal: the last key dropped,
-#            its row 1.74 (block 0.70), where every other case passes that fault.
+#            its row 1.74 (block 0.70; the 260-row 2-head case before it took GQA), where every other case passes it.
 # Cosine says nothing on the probe (its output is mostly the V offset: a 5 % scale loss keeps cos 0.99999),
 # and rel L1 of zero-mean diffuse outputs is large by nature, so each kind has its own bound. The probe's
 # sits below the 5 % scale loss it must reject and below a 13-bit truncating accumulator at 16400 keys
@@ -197,8 +197,9 @@ DEFAULT_CASES: Tuple[Case, ...] = (
     Case("lse", "peaked", torch.bfloat16, 64, 2, 4, 2, 200, 333, is_causal=True, return_lse=True),
     # causal where the diagonal decides each row (diagonal_inputs): a mask one key off, or a dropped key
     Case("causal-diagonal", "diagonal", torch.float16, 128, 2, 2, 1, 330, 330, is_causal=True),
-    # the same without the mask: each row is its next key's V, so any dropped key but key 0 moves a row
-    Case("diagonal", "diagonal", torch.bfloat16, 64, 2, 2, 2, 260, 260),
+    # the same without the mask: each row is its next key's V, so any dropped key but key 0 moves a row (GQA as
+    # 'diffuse': the two share one compiled kernel, kernels/verify/compile_keys.py)
+    Case("diagonal", "diagonal", torch.bfloat16, 64, 2, 4, 2, 250, 250),
     # a softmax scale of its own (only for callables taking `scale`, see default_accepts)
     Case("custom-scale", "peaked", torch.float16, 64, 2, 2, 2, 260, 900, scale=0.06),
     # A key-only padding mask (HunyuanVideo's: -finfo.max on the padding, in q's dtype), padding keys holding K and V
@@ -327,6 +328,7 @@ class SelfCheckResult:
     results: List[CaseResult] = field(default_factory=list)
     skipped: List[Case] = field(default_factory=list)
     seconds: float = 0.0
+    warm_up: object = None  # what the attention's warm_up returned (the Triton backends: precompile.WarmUp)
 
     @property
     def passed(self) -> bool:
@@ -389,6 +391,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def call_case(attention: Callable, case: Case, device, inputs=None, mask=None):
+    """(out, lse or None) of `attention` on the case's inputs (`make_inputs` and `padding_mask` unless given)."""
+    q, k, v = inputs if inputs is not None else make_inputs(case, device)
+    extra = {} if case.scale is None else {"scale": case.scale}
+    if case.key_mask:
+        extra["attn_mask"] = mask if mask is not None else padding_mask(case, device)
+    if case.return_lse:
+        got = attention(q, k, v, is_causal=case.is_causal, return_lse=True, **extra)
+        return got if isinstance(got, tuple) else (got, None)
+    got = attention(q, k, v, is_causal=case.is_causal, **extra)
+    return (got[0] if isinstance(got, tuple) else got), None
+
+
+def _call_each(attention: Callable, cases: Sequence[Case], device) -> None:
+    """Each case called once, any failure left for its check to judge (a warm-up's pass: run_self_check)."""
+    for case in cases:
+        try:
+            call_case(attention, case, device)
+        except Exception:  # noqa: BLE001  (check_case calls it again and gives the verdict)
+            pass
+
+
 def check_case(attention: Callable, case: Case, device, bounds: Optional["CaseBounds"] = None) -> CaseResult:
     """Run one case and judge it against `bounds` (default: the accurate variant's); the result's reason is None
     when it passed. Every figure is measured before any is judged (tools/self_check_calibration.py reads them)."""
@@ -401,17 +425,10 @@ def check_case(attention: Callable, case: Case, device, bounds: Optional["CaseBo
         return CaseResult(case, reason, seconds=time.perf_counter() - t0, **kw)
 
     q, k, v = make_inputs(case, device)
-    extra = {} if case.scale is None else {"scale": case.scale}
     mask = padding_mask(case, device) if case.key_mask else None
-    if case.key_mask:
-        extra["attn_mask"] = mask
 
     def call():
-        if case.return_lse:
-            got = attention(q, k, v, is_causal=case.is_causal, return_lse=True, **extra)
-            return got if isinstance(got, tuple) else (got, None)
-        got = attention(q, k, v, is_causal=case.is_causal, **extra)
-        return (got[0] if isinstance(got, tuple) else got), None
+        return call_case(attention, case, device, (q, k, v), mask)
 
     try:
         out, lse = call()
@@ -504,12 +521,19 @@ def run_self_check(attention: Callable, device, cases: Sequence[Case] = DEFAULT_
     bounds = bounds_for(variant if variant is not None else getattr(attention, "variant", None))
     t0 = time.perf_counter()
     result = SelfCheckResult(None)
+    to_run = []
     for case in cases:
         if not accepts(case) and case.gqa and accepts(replace(case, kv_heads=case.q_heads)):
             case = replace(case, kv_heads=case.q_heads)  # GQA declined: the same case with one kv head per q head
-        if not accepts(case):
+        if accepts(case):
+            to_run.append(case)
+        else:
             result.skipped.append(case)
-            continue
+    warm_up = getattr(attention, "warm_up", None)
+    if warm_up is not None and to_run:
+        # Each case called once, for the kernels it needs (a Triton backend compiles them side by side first).
+        result.warm_up = warm_up(lambda: _call_each(attention, to_run, device))
+    for case in to_run:
         r = check_case(attention, case, device, bounds)
         result.results.append(r)
         if r.reason and result.reason is None:
@@ -584,4 +608,6 @@ def backend_attention(backend, variant: Variant) -> Callable:
                                   attn_mask)
         return (out, lse) if return_lse else out
     attention.variant = variant  # run_self_check judges it by this variant's bounds
+    if hasattr(backend, "warm_up"):  # run_self_check lets it compile the cases' kernels first (Triton)
+        attention.warm_up = backend.warm_up
     return attention

@@ -52,6 +52,8 @@ SELF_CHECK_CACHE = Setting("SAGE_RDNA4_SELF_CHECK_CACHE", "1",
 TRITON_FP8_CVT = Setting("SAGE_RDNA4_TRITON_FP8_CVT", "asm",
                          "software: the RDNA4 Triton FP8 kernel converts P with Triton's code, not v_cvt_pk_fp8_f32",
                          "asm or software")
+TRITON_PRECOMPILE = Setting("SAGE_RDNA4_TRITON_PRECOMPILE", "1",
+                            "0: a self-check's Triton kernels compile one at a time as launched, not together first")
 TRITON_LAUNCH = Setting("SAGE_RDNA4_TRITON_LAUNCH", "direct",
                         "triton: every Triton launch goes through Triton's own path, not the direct launcher",
                         "direct or triton")
@@ -64,7 +66,7 @@ EMU_FP8_NONSAT = Setting("SAGE_RDNA4_EMU_FP8_NONSAT", "0",
                          "1: the gfx12 emulation's FP8 conversion gives NaN above 448 (verification only)")
 
 SETTINGS: Tuple[Setting, ...] = (CACHE, AUTOTUNE, AUTOTUNE_CACHE, SELF_CHECK, SELF_CHECK_CACHE, TRITON_FP8_CVT,
-                                 TRITON_LAUNCH, WORKSPACE_MB, HIP_EMULATE, EMU_FP8_NONSAT)
+                                 TRITON_PRECOMPILE, TRITON_LAUNCH, WORKSPACE_MB, HIP_EMULATE, EMU_FP8_NONSAT)
 
 
 def raw(setting: Setting) -> str:
@@ -181,6 +183,10 @@ def triton_launch() -> str:
 
 def triton_fp8_cvt_software() -> bool:
     return triton_fp8_cvt() == "software"
+
+
+def triton_precompile() -> bool:
+    return _switch(TRITON_PRECOMPILE, True)
 
 
 def triton_launch_through_triton() -> bool:

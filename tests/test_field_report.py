@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL_CASES = (Case("small-peaked", "peaked", torch.float16, 64, 1, 2, 1, 130, 200),
                Case("small-lse", "peaked", torch.bfloat16, 64, 1, 2, 2, 70, 90, is_causal=True, return_lse=True))
 HEADINGS = ("## Summary", "## Environment", "## Libraries", "## HIP code path", "## Hardware probes",
-            "## Self-check", "## Kernel time and accuracy against SDPA", "## What auto chose", "## Errors")
+            "## Self-check", "## Kernel time and accuracy against SDPA", "## What auto chose", "## First use",
+            "## Errors")
 
 
 def _written(out: str, folder: Path):
@@ -93,6 +94,13 @@ def test_root_script_on_the_cpu_end_to_end(tmp_path):
     positions = [md.index(h) for h in HEADINGS]
     assert positions == sorted(positions), "every section, in order"
     assert probes["note"] in md and fr.CPU_NOTE in md and "| tiny | reference |" in md
+    # The first-use ledger: the spec's self-check, with the seconds its section gives it.
+    parts = report["first_use"]["parts"]
+    assert [p["part"] for p in parts] == ["self-check reference (the spec, CPU) (torch prologue, per-token INT8, "
+                                          "smooth_k on) on cpu"], parts
+    assert abs(parts[0]["seconds"] - spec["seconds"]) < 2e-3 and parts[0]["seconds"] > 0
+    assert report["first_use"]["total_seconds"] == parts[0]["seconds"]
+    assert f"| {parts[0]['part']} | {parts[0]['seconds']:.2f} |" in md.split("## First use")[1]
 
 
 def test_planted_failure_and_errors_show_in_both_files(tmp_path, monkeypatch, capsys):
@@ -221,6 +229,39 @@ def _cheap_sections(monkeypatch, check=None):
                 check(_name)
             return _real(*args)
         monkeypatch.setattr(fr, section, wrapped)
+
+
+def test_the_first_use_ledger_lists_each_part_with_its_time(tmp_path, monkeypatch, capsys):
+    """Every first-use part the run pays (kernels/first_use_costs.py), in order, with its seconds and the total:
+    in the JSON after each section and in the Markdown's First use table and summary; parts recorded before the
+    run are not in it."""
+    from comfyui_sage_rdna4.kernels import first_use_costs
+    first_use_costs.record("a part paid before the report", 99.0)
+    planted = {"hardware_probes": ("hardware probes on cuda:0", 1.25),
+               "self_check": ("self-check triton_int8_fp8 (planted) on cuda:0", 9.5),
+               "auto": ("auto measured B1 H24 N4608 D128 alone", 0.375)}
+    ledgers = {}
+
+    def record(name):
+        ledgers[name] = json.loads(sorted(tmp_path.glob("*.json"))[0].read_text())["first_use"]
+        if name in planted:
+            first_use_costs.record(*planted[name])
+    _cheap_sections(monkeypatch, record)
+    assert fr.main(["--out", str(tmp_path)]) == 0
+    report, md = _files(tmp_path)
+    want = [{"part": part, "seconds": seconds} for part, seconds in planted.values()]
+    assert report["first_use"] == {"total_seconds": 11.125, "parts": want}
+    # written as the run goes: the probes' part is in the files the self-check section starts with
+    assert ledgers["environment"] == {"total_seconds": 0.0, "parts": []}
+    assert ledgers["self_check"]["parts"] == want[:1] and ledgers["auto"]["parts"] == want[:2]
+    table = md.split("## First use")[1].split("## Errors")[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows == ["| part | seconds |", "| hardware probes on cuda:0 | 1.25 |",
+                    "| self-check triton_int8_fp8 (planted) on cuda:0 | 9.50 |",
+                    "| auto measured B1 H24 N4608 D128 alone | 0.38 |", "| total | 11.12 |"]
+    assert ("first use: 11.1 s in 3 parts (slowest: self-check triton_int8_fp8 (planted) on cuda:0, 9.5 s; "
+            "under First use)") in md
+    assert "a part paid before the report" not in md
 
 
 def _files(folder):

@@ -1228,6 +1228,40 @@ GPU_FUZZ_CALLS = 100
 GPU_FUZZ_TIMEOUT_S = 240  # per backend, both paths: past it the test fails and the GPU run goes on
 
 
+# The GPU fuzz's calls draw their kernels from a fixed set. Every new head dim, dtype, GQA group, causal, LSE, mask
+# kind or option variant is a Triton compile (a new variant also a first-use self-check of ~21 more): with the CPU
+# fuzz's independent draws, 200 calls made 335 distinct compiles per Triton backend (kernels/verify/compile_keys.py),
+# most of the GPU run's time. So each call takes one of GPU_PROFILES (head dim, V head dim, dtype, causal, LSE,
+# mask kind, GQA group, variant) by its seed; lengths, batch, heads, layouts, values, scales and the mask's shape and
+# style are drawn as on the CPU, where the spec is fuzzed over every head dim and variant. Head dim 48 is padded to
+# 64 in the kernels as SD1.5's 40 is, with strides that stay multiples of 16. Variants: (prologue, qk_group,
+# smooth_k, smooth_v); the override takes neither smooth_v nor causal nor the LSE.
+GPU_VARIANTS = (("auto", "token", True, False), ("auto", "token", True, True), ("auto", "block64", False, False))
+GPU_PROFILES = (  # head dim, V head dim, dtype, causal, LSE, mask, GQA group, variant index
+    (128, 128, torch.bfloat16, False, False, None, 1, 0), (64, 64, torch.float16, False, False, None, 1, 0),
+    (48, 48, torch.float16, False, False, None, 1, 0), (128, 128, torch.float32, False, False, None, 1, 0),
+    (64, 64, torch.bfloat16, True, True, None, 2, 0), (128, 128, torch.float16, True, False, None, 2, 0),
+    (64, 64, torch.bfloat16, False, True, "bool", 1, 0), (128, 128, torch.bfloat16, False, False, "float", 1, 0),
+    (128, 64, torch.float16, False, False, None, 1, 0), (64, 64, torch.bfloat16, False, False, None, 1, 1),
+    (128, 128, torch.float16, False, False, None, 2, 2), (48, 48, torch.bfloat16, True, False, "float", 1, 0),
+)
+
+
+def gpu_case(case: Case, for_comfy: bool = False) -> Case:
+    """`case` with the kernel of one of GPU_PROFILES (by its seed). Dtypes the kernels refuse (int8, mixed, float64)
+    stay as drawn: their calls are refused before any compile."""
+    d, dv, dtype, causal, lse, mask, group, variant = GPU_PROFILES[case.seed % len(GPU_PROFILES)]
+    prologue, qk_group, smooth_k, smooth_v = GPU_VARIANTS[variant]
+    q_heads = case.q_heads if group == 1 or case.q_heads % 2 == 0 else 2 * case.q_heads
+    kv_heads = q_heads if group == 1 or for_comfy else q_heads // 2
+    if for_comfy:
+        dv, causal, lse, smooth_v = d, False, False, False
+    refused_dtype = case.dtype in ("mixed", torch.int8, torch.float64)
+    return dict_replace(case, head_dim=d, v_head_dim=dv, dtype=case.dtype if refused_dtype else dtype,
+                        is_causal=causal, return_lse=lse, mask=mask, q_heads=q_heads, kv_heads=kv_heads,
+                        prologue=prologue, qk_group=qk_group, smooth_k=smooth_k, smooth_v=smooth_v)
+
+
 def gpu_fuzz_calls() -> int:
     text = os.environ.get("SAGE_FUZZ_GPU_CALLS", "").strip()
     if not text:
@@ -1246,6 +1280,20 @@ def test_the_gpu_fuzz_makes_at_least_100_calls_per_backend_and_path(monkeypatch)
         monkeypatch.setenv("SAGE_FUZZ_GPU_CALLS", bad)
         with pytest.raises(pytest.fail.Exception, match="SAGE_FUZZ_GPU_CALLS"):
             gpu_fuzz_calls()
+
+
+def test_the_gpu_fuzz_draws_its_kernels_from_a_fixed_set():
+    """The GPU fuzz's calls (both paths, the default count) take every one of GPU_PROFILES and nothing else: at most
+    len(GPU_PROFILES) attention kernels per backend, and three variants to self-check."""
+    rng_api, rng_override = random.Random(SEED), random.Random(SEED + 1)
+    api = [gpu_case(random_case(rng_api, False)) for _ in range(GPU_FUZZ_CALLS)]
+    override = [gpu_case(random_case(rng_override, True), for_comfy=True) for _ in range(GPU_FUZZ_CALLS)]
+    kernels = {(c.head_dim, c.v_head_dim, c.dtype, c.is_causal, c.return_lse, c.mask, c.q_heads // max(1, c.kv_heads))
+               for c in api + override if c.dtype in (torch.float16, torch.bfloat16, torch.float32)}
+    assert len(kernels) <= len(GPU_PROFILES) + 4  # the override's form of a profile (no causal/LSE) adds a few
+    assert {(c.prologue, c.qk_group, c.smooth_k, c.smooth_v) for c in api} == set(GPU_VARIANTS)
+    assert {c.head_dim for c in api} == {48, 64, 128} and not any(c.is_causal or c.return_lse for c in override)
+    assert all(c.kv_heads == c.q_heads for c in override)
 
 
 INTERPRETER_FAULTS = ("LSE + 0.05", "causal one key late")
@@ -1281,8 +1329,9 @@ def test_fuzz_gpu(monkeypatch, summary_lines, kernel):
     n = gpu_fuzz_calls()
     # A 70k x 70k call for the Triton kernels; the HIP emulation (WMMA lane by lane) gets 8k.
     square = 70_000 if kernel.startswith("triton") else 8192
-    tallies = run_api_fuzz([kernel], n_random=n, device="cuda", square=square)
-    tallies += run_override_fuzz([kernel], n_random=n, device="cuda", square=square)
+    tallies = run_api_fuzz([kernel], n_random=n, device="cuda", square=square, tweak=gpu_case)
+    tallies += run_override_fuzz([kernel], n_random=n, device="cuda", square=square,
+                                 tweak=lambda case: gpu_case(case, for_comfy=True))
     report_and_assert(tallies, min_results=n // 10, summary=summary_lines)
 
 

@@ -17,7 +17,7 @@ PENDING = set()  # (file, name) of a setting still read directly while it moves;
 
 def test_every_setting_is_declared_once_with_a_default_and_a_meaning():
     names = [s.name for s in settings.SETTINGS]
-    assert len(names) == len(set(names)) == 10
+    assert len(names) == len(set(names)) == 11
     for s in settings.SETTINGS:
         assert NAME.fullmatch(s.name) and s.default and s.doc and "\n" not in s.doc, s
 
@@ -112,6 +112,7 @@ SWITCHES = [  # (setting, its function, value when unset)
     (settings.SELF_CHECK_CACHE, settings.self_check_cache_enabled, True),
     (settings.HIP_EMULATE, settings.hip_emulation_requested, False),
     (settings.EMU_FP8_NONSAT, settings.emu_fp8_nonsat_requested, False),
+    (settings.TRITON_PRECOMPILE, settings.triton_precompile, True),
 ]
 CHOICES = [  # (setting, its function: True for the non-default word, that word)
     (settings.TRITON_FP8_CVT, settings.triton_fp8_cvt_software, "software"),

@@ -58,6 +58,8 @@ CHECK_P_RANGE = INTERPRETED
 
 # PV_ACC values (the config's `pv_accumulate` names them).
 ACC_MODES = {"mma": 0, "imprecise_k": 1, "split": 2}
+# Not specialized on (prologue.QUANTIZE_SIZE_ARGS says why): calls of other lengths and head counts share a compile.
+SIZE_ARGS = ["Hq", "Hkv", "Nq", "Nk"]
 
 log = logging.getLogger(__name__)
 # Whether a config's inline-asm FP8 conversion is compiled at all: never under the interpreter (it has no inline
@@ -220,7 +222,7 @@ def _key_tiles(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_b
     return acc, l_i, m_i, m_run
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SIZE_ARGS)
 def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE, BIAS, KEND,
                    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, svd, sob, soh, son, sks, sbb, sbh, seb, seh,
                    Hq, Hkv, Nq, Nk,
@@ -355,7 +357,9 @@ def _scale_row_stride(scales: torch.Tensor) -> Optional[int]:
         return None
     if h > 1:
         return s1 if b == 1 or s0 == h * s1 else None
-    return s0 if b > 1 else n
+    # One row: only row 0 is addressed, so any stride serves; a multiple of 16, as the padded rows' own, keeps
+    # such calls on the kernel the others compiled (Triton specializes on it).
+    return s0 if b > 1 else ceil_div(n, 16) * 16
 
 
 def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: AttentionConfig,

@@ -103,6 +103,16 @@ class TritonBackend(Backend):
     def needs_verification(self, call):
         return call.device_type == "cuda" and not _interpreting()  # the interpreter runs no GPU code
 
+    def warm_up(self, run):
+        """Compile the Triton kernels `run()` launches side by side before they are needed (precompile.py): what the
+        self-check calls before its cases. None under the interpreter (nothing to compile) or with
+        SAGE_RDNA4_TRITON_PRECOMPILE=0."""
+        from ... import settings
+        if _interpreting() or not settings.triton_precompile():
+            return None
+        from .precompile import warm_up
+        return warm_up(run)
+
     # -- one call --------------------------------------------------------------------------
     def refuse(self, call):
         if call.dtype not in DTYPES:

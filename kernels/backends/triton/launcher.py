@@ -18,7 +18,8 @@ and not with SAGE_RDNA4_TRITON_LAUNCH=triton.
 """
 from __future__ import annotations
 
-from typing import Dict, Hashable, Sequence, Tuple
+from contextvars import ContextVar
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -98,6 +99,8 @@ class DirectLauncher:
 
 
 _LAUNCHERS: Dict[object, DirectLauncher] = {}
+# While set (in this thread or task only: precompile.py), launches are appended here instead of run.
+COLLECTING: ContextVar[Optional[List[tuple]]] = ContextVar("sage_rdna4_triton_collecting", default=None)
 
 
 def launch(fn, grid: Sequence[int], args: Sequence[object], meta: dict, key: Hashable):
@@ -105,7 +108,12 @@ def launch(fn, grid: Sequence[int], args: Sequence[object], meta: dict, key: Has
     was launched before. `args` are the runtime arguments in order (a kernel's constexprs come after them and
     are in `meta` with the launch options); `meta` is reused per launch plan (its identity is part of the key);
     `key` determines everything else Triton specializes on that varies between the caller's calls. Anything
-    that is not a compiled JITFunction (the interpreter's kernels, a test's stand-in) is called as usual."""
+    that is not a compiled JITFunction (the interpreter's kernels, a test's stand-in) is called as usual.
+    While COLLECTING holds a list, the launch is appended to it as (fn, grid, args, meta) and nothing runs."""
+    sink = COLLECTING.get()
+    if sink is not None:
+        sink.append((fn, tuple(grid), tuple(args), meta))
+        return None
     runner = _LAUNCHERS.get(fn)
     if runner is None:
         if not isinstance(fn, JITFunction):

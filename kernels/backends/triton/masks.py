@@ -45,7 +45,7 @@ def _bias(m, IS_BOOL: tl.constexpr):
     return tl.where(x == float("-inf"), x, y)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Bm", "Hm", "Hkv", "Nk"])
 def _key_mask_prep(M, BIAS, KEND, LIVE, COUNT, smb, smh, smn, sbb, sbh, Bm, Hm, Hkv, Nk,
                    GROUP: tl.constexpr, PER_HEAD: tl.constexpr, IS_BOOL: tl.constexpr, BLOCK: tl.constexpr):
     """One program per (batch, kv head): for each mask head its kv head sees (GROUP of them with a mask per q head,

@@ -43,6 +43,11 @@ from .workspace import WorkspaceCache
 _RINT_MAGIC = tl.constexpr(12582912.0)
 # Stats partials reduced per step; with at most this many chunks the reduction folds into the quantize launch.
 STATS_CH = 32
+# Sizes and program counts are not specialized on (1, multiple of 16): Triton would compile a kernel per class of
+# them, so a new shape (each self-check case, each model's call) cost a compile of its own; the kernels take no
+# alignment from them (the AOT checks, kernels/verify/triton_aot.py, compile them without it too).
+QUANTIZE_SIZE_ARGS = ["Hq", "Hkv", "Nq", "Nk", "n_chunks", "q_blocks", "k_blocks", "v_blocks", "q_programs",
+                      "k_programs"]
 
 
 @triton.jit
@@ -108,7 +113,7 @@ def _column_total(hi, lo):
     return tl.sum(tl.where(hi - hi == 0, hi64 + lo.to(tl.float64), hi64), 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Hkv", "Nk", "n_chunks"])
 def _kv_stats(K, V, KSUM, VMAX, VSUM, VMIN, LIVE,
               skb, skh, skn, skd, svb, svh, svn, svd, slb, slh,
               Hkv, Nk, n_chunks,
@@ -235,7 +240,7 @@ def _head_stats(KSUM, VMAX, VSUM, VMIN, COUNT, pid_bh, n_chunks, Nk,
     return mean, scale, v_mean
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks", "Nk"])
 def _kv_finalize(KSUM, VMAX, VSUM, VMIN, COUNT, KMEAN, VSCALE, VMEAN, n_chunks, Nk,
                  D: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
                  CH: tl.constexpr, DO_KSUM: tl.constexpr, PV_FP8: tl.constexpr, SMOOTH_V: tl.constexpr,
@@ -324,7 +329,7 @@ def _v_tile(V, scale, v_mean, VOUT, svb, svh, svn, svd, sob, soh, son, sod, H, N
         tl.store(VOUT + b * sob + h * soh + n[:, None] * son + offs_d[None, :] * sod, x, mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=QUANTIZE_SIZE_ARGS)
 def _quantize_qkv(Q, K, V, KSUM, VMAX, VSUM, VMIN, COUNT, LIVE, KMEAN, VSCALE, VMEAN, Q8, QS, K8, KS, VOUT, mult,
                   sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod, sks, slb, slh,
                   Hq, Hkv, Nq, Nk, n_chunks, q_blocks, k_blocks, v_blocks, q_programs, k_programs,
