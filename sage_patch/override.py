@@ -133,25 +133,15 @@ class SageAttentionOverride:
 
     def _measured_call(self, plan: CallPlan, name: str, func, args, kwargs, q, k, v, mask, skip_output_reshape):
         """One call `auto`'s trial (or watch) handed to `name`, bracketed by its device events. SDPA's turn is the
-        call site's own attention, as when SDPA is chosen; a candidate's turn includes its output reshape."""
-        trial, passed_over = plan.route.measurement, plan.route.passed_over
+        call site's own attention, as when SDPA is chosen; a candidate's turn runs as a RUN route's call does,
+        output reshape included."""
+        trial = plan.route.measurement
+        if name != "sdpa":
+            return self._run(trial.backend(name), plan, func, args, kwargs, q, k, v, mask, skip_output_reshape, trial)
         start = trial.begin()
-        if name == "sdpa":
-            out = self._pass_on(func, args, kwargs)
-            trial.record(name, start)
-            self.stats.record_routed(trial.SDPA_TURN, passed_over, name)
-            return out
-        backend = trial.backend(name)
-        try:
-            out = self._launch(backend, plan, q, k, v, mask, kwargs, skip_output_reshape)
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except Exception as exc:  # the candidate is left out of the trial; this call gets the call site's answer
-            reason = f"{backend.name} failed: {type(exc).__name__}: {exc}"
-            trial.fail(name, reason)
-            return self._fallback(func, args, kwargs, reason, backend.name, passed_over, name)
+        out = self._pass_on(func, args, kwargs)
         trial.record(name, start)
-        self.stats.record_call(backend.name, passed_over)
+        self.stats.record_routed(trial.SDPA_TURN, plan.route.passed_over, name)
         return out
 
     def step_boundary(self) -> None:
@@ -243,19 +233,23 @@ class SageAttentionOverride:
                                  route.passed_over)
         return out
 
-    def _run(self, backend, plan: CallPlan, func, args, kwargs, q, k, v, mask, skip_output_reshape):
-        """A RUN route's call: the plan holds this backend's answer, made under the current decision generation, so it
-        launches directly (calling the backend would ask again)."""
+    def _run(self, backend, plan: CallPlan, func, args, kwargs, q, k, v, mask, skip_output_reshape, trial=None):
+        """A call `backend` runs: the plan holds its answer, made under the current decision generation, so it
+        launches directly (calling the backend would ask again). `trial`: the measurement that handed it this call,
+        which times it with device events, or leaves the backend out when it fails."""
         passed_over = plan.route.passed_over
+        start = trial.begin() if trial is not None else None
         try:
             out = self._launch(backend, plan, q, k, v, mask, kwargs, skip_output_reshape)
-        except KernelRefused as exc:
-            return self._fallback(func, args, kwargs, f"{backend.name}: {exc.reason}", backend.name, passed_over,
-                                  backend.name)
         except torch.cuda.OutOfMemoryError:
             raise  # the call site's attention would run out of memory too; let ComfyUI handle it
         except Exception as exc:  # a kernel failure must not take the ComfyUI process down
-            return self._fallback(func, args, kwargs, f"{backend.name} failed: {type(exc).__name__}: {exc}",
-                                  backend.name, passed_over, backend.name)
+            reason = (f"{backend.name}: {exc.reason}" if isinstance(exc, KernelRefused)
+                      else f"{backend.name} failed: {type(exc).__name__}: {exc}")
+            if trial is not None:  # left out of the trial; this call gets the call site's answer
+                trial.fail(backend.name, reason)
+            return self._fallback(func, args, kwargs, reason, backend.name, passed_over, backend.name)
+        if trial is not None:
+            trial.record(backend.name, start)
         self.stats.record_call(backend.name, passed_over)
         return out
