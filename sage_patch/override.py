@@ -228,10 +228,9 @@ class SageAttentionOverride:
         if route.kind != EXACT and route.kind != MEASURE:
             return self._fallback(func, args, kwargs, route.message, route.kernel, route.passed_over)
         # Exact attention by auto's choice, or its untimed turn while it measures.
-        out = self._pass_on(func, args, kwargs)
         self.stats.record_routed(route.reason if route.kind == EXACT else route.measurement.SDPA_TURN,
                                  route.passed_over)
-        return out
+        return self._pass_on(func, args, kwargs)
 
     def _run(self, backend, plan: CallPlan, func, args, kwargs, q, k, v, mask, skip_output_reshape, trial=None):
         """A call `backend` runs: the plan holds its answer, made under the current decision generation, so it
