@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from .call_spec import AttentionCall
-from .decisions import IN_STEP
+from .decisions import ALONE, IN_STEP
 from .gating import first_use_checks
 from .registry import BACKEND_NAMES
 from .routing import MEASURE, VERIFY, Route, route
@@ -22,13 +22,23 @@ from .tuner import Tuner, default_tuner
 MAX_ROUNDS = len(BACKEND_NAMES) + 3
 
 
+def measuring_method(tuner: Tuner, call: AttentionCall, tensors, in_step: bool) -> Optional[str]:
+    """How `auto` measures this call: IN_STEP, ALONE, or None (the static order: no tensors, measuring off, the
+    CPU unless the tuner runs its GPU logic there)."""
+    if not tuner.enabled or tensors is None:
+        return None
+    if call.device_type != "cuda" and tuner.require_cuda:
+        return None
+    return IN_STEP if in_step else ALONE
+
+
 def settled_route(call: AttentionCall, kernel: str = "auto", *, quantized_only: bool = False,
                   tuner: Optional[Tuner] = None, tensors=None, sm_scale: Optional[float] = None, attn_mask=None,
                   in_step: bool = False) -> Route:
     """The final route of `call` (routing.route's arguments; `tensors`: q, k, v in HND, which auto measures on a
     GPU; `in_step`: measure on the model's own calls inside the sampling step, the ComfyUI override's way)."""
     tuner = tuner or default_tuner()
-    method = tuner.method_for(call, tensors, in_step) if kernel == "auto" else None
+    method = measuring_method(tuner, call, tensors, in_step) if kernel == "auto" else None
     checked: Dict[str, Optional[str]] = {}
     for _ in range(MAX_ROUNDS):
         found = route(call, kernel, quantized_only=quantized_only, tuner=tuner, method=method, attn_mask=attn_mask,

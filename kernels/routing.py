@@ -39,8 +39,9 @@ class Route:
     """What happens to one call.
 
     `backend`: RUN's backend (an exact one where the caller takes exact backends and auto found nothing faster);
-    REFUSE's named backend, if one was named. `reason`: why exact attention (EXACT, or RUN of an exact backend),
-    or why the call cannot run (REFUSE). `kernel`: what was asked for, named when a refusal is raised.
+    REFUSE's named backend, if one was named; a MEASURE's yardstick (SDPA) when it asks for measuring. `reason`:
+    why exact attention (EXACT, or RUN of an exact backend), or why the call cannot run (REFUSE). `kernel`: what
+    was asked for, named when a refusal is raised.
     `passed_over`: the candidates not taken, and why each. `decision`: auto's measured decision, if one decided.
     `measurement`: MEASURE's trial, or the watch on auto's quantized choice (RUN). `candidates`: the ready backends
     a measuring step weighs; `unverified`: the backends whose first-use checks must run first (VERIFY)."""
@@ -76,7 +77,7 @@ def route(call: AttentionCall, kernel: str = "auto", *, quantized_only: bool = F
 
     `quantized_only` (the ComfyUI override, whose fallback is the call site's own attention): exact backends are
     no candidates, and exact attention is EXACT or REFUSE. `tuner` (kernels.tuner.Tuner) holds auto's decisions
-    and measurements; `method` (Tuner.method_for) is how auto measures this call, None for the static order.
+    and measurements; `method` (dispatch.measuring_method) is how auto measures this call, None for the static order.
     `checked`: first-use results of this very call, from gating.first_use_checks. Each backend's answer is
     `registry.readiness`, the one rule the backend's own wrapper applies too."""
     checked = checked or {}
@@ -121,7 +122,8 @@ def route(call: AttentionCall, kernel: str = "auto", *, quantized_only: bool = F
         if measurement is not None:  # the trial hands each call of this kind to a backend
             return Route(MEASURE, passed_over=measurement.passed_over, measurement=measurement)
         # Measured only with a yardstick (SDPA takes the call) and where timing breaks no capture or trace.
-        if tuner.may_measure_now(call, attn_mask) and readiness(get_backend(SDPA), call, checked) is None:
+        yardstick = get_backend(SDPA)
+        if tuner.may_measure_now(call, attn_mask) and readiness(yardstick, call, checked) is None:
             candidates = quantized_candidates(call)
             states = [(b, readiness(b, call, checked)) for b in candidates]
             unverified = tuple(b for b, state in states if state is PENDING)
@@ -132,8 +134,8 @@ def route(call: AttentionCall, kernel: str = "auto", *, quantized_only: bool = F
             # would leave it out for the rest of the process, so this call takes the static order instead.
             unchecked = any(checked.get(b.name) is not None and b.why_not(call) is None for b in candidates)
             if ready and not unchecked:
-                return Route(MEASURE, passed_over={b.name: state for b, state in states if state is not None},
-                             candidates=ready)
+                passed_over = {b.name: state for b, state in states if state is not None}
+                return Route(MEASURE, yardstick, passed_over=passed_over, candidates=ready)
 
     # The static order: the first backend in the device's preference that is ready.
     passed_over = {}

@@ -20,14 +20,15 @@ import logging
 import statistics
 import threading
 import time
+from functools import partial
 from typing import Callable, Dict, List, Optional
 
 import torch
 
 from . import first_use_costs, settings
 from .decisions import ALONE, IN_STEP, NOT_DECIDED, SDPA, Decision, DecisionBook, DecisionStore
+from .generation import invalidate_decisions
 from .quant import default_sm_scale
-from .registry import get_backend, invalidate_decisions
 from .step_trials import DeviceEvents, Measurement, Recheck, StepTrial, Watch
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class Tuner:
     """auto's decisions (a DecisionBook in memory, a DecisionStore on disk) and the trials and watches measuring
     them in the step. `timer`, `store` and `events` are injectable so tests need no GPU; `require_cuda=False`
     runs the GPU logic on CPU tensors; `on_change` is told when a trial decides or a watch reverts (default:
-    `registry.invalidate_decisions`, so plans made on the old answer are remade)."""
+    `generation.invalidate_decisions`, so plans made on the old answer are remade)."""
 
     def __init__(self, timer: Optional[Timer] = None, store: Optional[DecisionStore] = None,
                  enabled: Optional[bool] = None, require_cuda: bool = True, events=None,
@@ -84,14 +85,6 @@ class Tuner:
     @property
     def enabled(self) -> bool:
         return self._enabled if self._enabled is not None else settings.autotune_enabled()
-
-    def method_for(self, call, tensors, in_step: bool) -> Optional[str]:
-        """How `auto` measures this call: IN_STEP, ALONE, or None (the static order: no tensors, off, the CPU)."""
-        if not self.enabled or tensors is None:
-            return None
-        if call.device_type != "cuda" and self.require_cuda:
-            return None
-        return IN_STEP if in_step else ALONE
 
     @staticmethod
     def may_measure_now(call, attn_mask) -> bool:
@@ -141,7 +134,7 @@ class Tuner:
     def _start_trial(self, key, device, candidates, passed_over) -> None:
         """A trial measuring this kind of call among `candidates` (under the lock)."""
         self._measuring[key] = StepTrial(key[3], device, candidates, passed_over, self.events,
-                                         self._on_decided(key, device, candidates))
+                                         partial(self._decided, key, device, candidates))
 
     def _recheck(self, key, decision: Decision, device, candidates) -> None:
         """A decision recalled from disk is checked against this step's own timings before it is trusted (under
@@ -153,23 +146,7 @@ class Tuner:
             self._keep(key, decision, device, candidates)
             return
         self._measuring[key] = Recheck(decision, backend, device, self.events,
-                                       self._on_rechecked(key, device, candidates, backend.name))
-
-    def _on_rechecked(self, key, device, candidates, name: str):
-        def rechecked(agrees: bool, ratio: Optional[float]) -> None:
-            with self._lock:
-                decision = self.book.get(key)
-                if agrees:
-                    self._keep(key, decision, device, candidates)
-                else:  # the stored timings no longer hold here: this kind of call is measured again
-                    self.book.forget(key)
-                    self._start_trial(key, device, candidates, decision.passed_over)
-            if not agrees:
-                now = f"{ratio:.2f}x SDPA" if ratio is not None else "a failure"
-                log.warning("auto's remembered choice for (%s) is measured again: %s gave %s in this step, %.2fx "
-                            "stored", key[3].label(), name, now, decision.ratio(name))
-            self._on_change()
-        return rechecked
+                                       partial(self._rechecked, key, device, candidates, backend.name))
 
     def _keep(self, key, decision: Decision, device, candidates) -> None:
         """Record a decision (under the lock); a quantized choice is watched from now on."""
@@ -178,23 +155,38 @@ class Tuner:
         chosen = next((b for b in candidates if b.name == decision.chosen), None)
         if chosen is not None:
             self._measuring[key] = Watch(decision, chosen, device, self.events,
-                                         self._on_decided(key, device, candidates))
+                                         partial(self._decided, key, device, candidates))
 
-    def _on_decided(self, key, device, candidates):
-        def decided(decision: Decision, keep: bool) -> None:
-            """A trial decided, or a watch reverted: kept in memory and (with `keep`) on disk; plans are remade."""
-            with self._lock:
+    # -- what a trial, a recheck and a watch report at a step boundary (sage_patch/timing.py) ---------
+    def _rechecked(self, key, device, candidates, name: str, agrees: bool, ratio: Optional[float]) -> None:
+        """A recheck's result: the remembered decision is kept, or its kind of call is measured again."""
+        with self._lock:
+            decision = self.book.get(key)
+            if agrees:
                 self._keep(key, decision, device, candidates)
-            if keep:
-                self.store.save(device, decision, decision.candidates)
-            log.log(logging.WARNING if decision.reverted else logging.INFO, "%s", decision.summary)
-            self._on_change()
-        return decided
+            else:  # the stored timings no longer hold here: this kind of call is measured again
+                self.book.forget(key)
+                self._start_trial(key, device, candidates, decision.passed_over)
+        if not agrees:
+            now = f"{ratio:.2f}x SDPA" if ratio is not None else "a failure"
+            log.warning("auto's remembered choice for (%s) is measured again: %s gave %s in this step, %.2fx "
+                        "stored", key[3].label(), name, now, decision.ratio(name))
+        self._on_change()
+
+    def _decided(self, key, device, candidates, decision: Decision, keep: bool) -> None:
+        """A trial decided, or a watch reverted: kept in memory and (with `keep`) on disk; plans are remade."""
+        with self._lock:
+            self._keep(key, decision, device, candidates)
+        if keep:
+            self.store.save(device, decision, decision.candidates)
+        log.log(logging.WARNING if decision.reverted else logging.INFO, "%s", decision.summary)
+        self._on_change()
 
     # -- measuring alone (the public API, the benchmark) -------------------------------------------
     def measure_alone(self, route, call, tensors, sm_scale: Optional[float] = None, attn_mask=None) -> None:
-        """The measuring step of a route that asks for it, without a step: time SDPA and `route.candidates` on the
-        call's own tensors (or recall the stored decision) and keep the decision."""
+        """The measuring step of a route that asks for it, without a step: time the route's yardstick (SDPA,
+        `route.backend`) and `route.candidates` on the call's own tensors (or recall the stored decision) and keep
+        the decision."""
         key = DecisionBook.key(ALONE, call)
         with self._lock:
             if self.book.get(key) is not NOT_DECIDED:  # another thread measured it while we waited
@@ -221,8 +213,8 @@ class Tuner:
             return stored
         if sm_scale is None:
             sm_scale = default_sm_scale(tensors[0].shape[-1])
-        timings, failed, transient = self._time([get_backend(SDPA)] + list(route.candidates), call, tensors,
-                                                sm_scale, attn_mask)
+        timings, failed, transient = self._time([route.backend] + list(route.candidates), call, tensors, sm_scale,
+                                                attn_mask)
         if SDPA not in timings:
             return None
         decision = Decision(key, timings, failed, dict(route.passed_over),

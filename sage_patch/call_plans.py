@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 import torch
 
-from ..kernels.call_spec import AttentionCall
+from ..kernels.call_spec import AttentionCall, describe_call
+from ..kernels.dispatch import settled_route
+from ..kernels.quant import default_sm_scale
 from ..kernels.registry import decision_generation
 from ..kernels.routing import Route
+from .config import PatchConfig
+from .layouts import strided_layout
 
 MAX_PLANS = 256  # distinct signatures kept per patch; a long session of changing sizes evicts the oldest
 
@@ -34,6 +38,27 @@ class CallPlan:
     default_scale: float              # 1/sqrt(head_dim), for calls without `scale`
     generation: int                   # registry.decision_generation() before the route was asked for
     strided: Optional[tuple] = None   # layouts.strided_layout of the HND views, None: take view_shapes' path
+
+
+def make_plan(q, k, v, mask, view_shapes: Optional[tuple], scale, config: PatchConfig, tuner) -> Union[CallPlan, str]:
+    """The plan of a call whose signature has none yet: the call described (HND q, k, v and its broadcast mask) and
+    its final route (dispatch.settled_route, which takes the first-use checks and auto's measuring it asks for).
+    A str is the reason the call is malformed."""
+    strided = strided_layout(q, k, v) if view_shapes is not None else None
+    try:
+        call = describe_call(q, k, v, attn_mask=mask, smooth_k=config.smooth_k, prologue=config.prologue,
+                             qk_group=config.qk_group, smooth_v=config.smooth_v)
+    except ValueError as exc:
+        return f"malformed call: {exc}"
+    generation = decision_generation()  # read before deciding: a change meanwhile leaves the plan stale
+    default_scale = default_sm_scale(call.head_dim)
+    # With the tensors, `auto` on a GPU measures this kind of call on its own calls in the step (the route's trial),
+    # then runs what measured fastest. Not for an autograd call: nothing quantized takes it, and that empty decision
+    # would stick to its kind of call.
+    route = settled_route(call, config.kernel, quantized_only=True, tuner=tuner,
+                          tensors=None if call.requires_grad else (q, k, v),
+                          sm_scale=float(scale) if scale is not None else default_scale, attn_mask=mask, in_step=True)
+    return CallPlan(view_shapes, call, route, default_scale, generation, strided)
 
 
 def call_signature(bound: Dict[str, Any]) -> Optional[tuple]:

@@ -26,17 +26,14 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from ..kernels.call_spec import describe_call
-from ..kernels.dispatch import settled_route
-from ..kernels.quant import default_sm_scale
-from ..kernels.registry import KernelRefused, decision_generation
+from ..kernels.registry import KernelRefused
 from ..kernels.routing import EXACT, MEASURE, RUN
 from ..kernels.tuner import Tuner, default_tuner
-from .call_plans import CallPlan, PlanCache, call_signature
+from .call_plans import CallPlan, PlanCache, call_signature, make_plan
 from .compiled_call import TRACEABLE, traced_call
 from .compiled_call import register as register_for_traces
 from .config import PatchConfig
-from .layouts import MALFORMED, from_hnd, hnd_inputs, strided_layout
+from .layouts import MALFORMED, from_hnd, hnd_inputs
 from .policies import CallPolicies
 from .stats import PatchStats
 
@@ -99,10 +96,12 @@ class SageAttentionOverride:
             return self.previous(func, *args, **kwargs)
         return func(*args, **kwargs)
 
-    def _fallback(self, func, args, kwargs, reason: str, kernel: str):
+    def _fallback(self, func, args, kwargs, reason: str, kernel: str, passed_over=None, ran=None):
+        """The call site's answer for a call this patch cannot run (config on_unsupported="raise": KernelRefused);
+        `passed_over` and `ran`: what auto passed over, and took, before the call fell back (stats.py)."""
         if self.config.on_unsupported == "raise":
             raise KernelRefused(kernel, reason)
-        self.stats.record_fallback(reason)
+        self.stats.record_fallback(reason, passed_over, ran)
         return self._pass_on(func, args, kwargs)
 
     @property
@@ -110,62 +109,39 @@ class SageAttentionOverride:
         return self._tuner or default_tuner()
 
     def _plan_call(self, key, q, k, v, mask, view_shapes, scale):
-        """Describe a call not seen before and find its route; the plan is stored for its signature. A str is the
-        reason the call is malformed."""
-        try:
-            call = describe_call(q, k, v, attn_mask=mask, smooth_k=self.config.smooth_k,
-                                 prologue=self.config.prologue, qk_group=self.config.qk_group,
-                                 smooth_v=self.config.smooth_v)
-        except ValueError as exc:
-            return f"malformed call: {exc}"
-        generation = decision_generation()  # read before deciding: a change meanwhile leaves the plan stale
-        sm_scale = float(scale) if scale is not None else default_sm_scale(call.head_dim)
-        # With the tensors, `auto` on a GPU measures this kind of call on its own calls in the step (the route's
-        # trial), then runs what measured fastest. Not for an autograd call: nothing quantized takes it, and that
-        # empty decision would stick to its kind of call.
-        route = settled_route(call, self.config.kernel, quantized_only=True, tuner=self.tuner,
-                              tensors=None if call.requires_grad else (q, k, v), sm_scale=sm_scale, attn_mask=mask,
-                              in_step=True)
-        if route.decision is not None:  # new, or changed (a watch reverted it): the stats show and log it
-            self.stats.record_choice(route.decision)
-        plan = CallPlan(view_shapes, call, route, default_sm_scale(call.head_dim), generation,
-                        strided_layout(q, k, v) if view_shapes is not None else None)
+        """The plan of a call not seen before (call_plans.make_plan), stored for its signature; a str is the reason
+        the call is malformed."""
+        plan = make_plan(q, k, v, mask, view_shapes, scale, self.config, self.tuner)
+        if isinstance(plan, str):
+            return plan
         self.plans.store(key, plan)
+        if plan.route.decision is not None:  # new, or changed (a watch reverted it): the stats show and log it
+            self.stats.record_choice(plan.route.decision)
         return plan
 
-    def _launch(self, backend, plan: CallPlan, q, k, v, mask, kwargs):
-        """The backend's HND output for this call, inside the attention timer when one is on."""
+    def _launch(self, backend, plan: CallPlan, q, k, v, mask, kwargs, skip_output_reshape):
+        """The backend's output for this call in the call site's layout, inside the attention timer when one is on."""
         scale = kwargs.get("scale")
         sm_scale = float(scale) if scale is not None else plan.default_scale
         timer = self.attention_timer
         if timer is None:
-            return backend.launch(q, k, v, plan.call, sm_scale, mask)[0]
-        with timer.measure():
-            return backend.launch(q, k, v, plan.call, sm_scale, mask)[0]
+            out = backend.launch(q, k, v, plan.call, sm_scale, mask)[0]
+        else:
+            with timer.measure():
+                out = backend.launch(q, k, v, plan.call, sm_scale, mask)[0]
+        return from_hnd(out, skip_output_reshape)
 
     def _measured_call(self, plan: CallPlan, name: str, func, args, kwargs, q, k, v, mask, skip_output_reshape):
         """One call `auto`'s trial (or watch) handed to `name`, bracketed by its device events. SDPA's turn is the
-        call site's own attention, as when SDPA is chosen; a candidate's turn includes its output reshape."""
+        call site's own attention, as when SDPA is chosen; a candidate's turn runs as a RUN route's call does,
+        output reshape included."""
         trial = plan.route.measurement
-        if plan.route.passed_over:
-            self.stats.record_passed_over(plan.route.passed_over, name)
+        if name != "sdpa":
+            return self._run(trial.backend(name), plan, func, args, kwargs, q, k, v, mask, skip_output_reshape, trial)
         start = trial.begin()
-        if name == "sdpa":
-            out = self._pass_on(func, args, kwargs)
-            trial.record(name, start)
-            self.stats.record_routed(trial.SDPA_TURN)
-            return out
-        backend = trial.backend(name)
-        try:
-            out = from_hnd(self._launch(backend, plan, q, k, v, mask, kwargs), skip_output_reshape)
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except Exception as exc:  # the candidate is left out of the trial; this call gets the call site's answer
-            reason = f"{backend.name} failed: {type(exc).__name__}: {exc}"
-            trial.fail(name, reason)
-            return self._fallback(func, args, kwargs, reason, backend.name)
+        out = self._pass_on(func, args, kwargs)
         trial.record(name, start)
-        self.stats.record_call(backend.name)
+        self.stats.record_routed(trial.SDPA_TURN, plan.route.passed_over, name)
         return out
 
     def step_boundary(self) -> None:
@@ -240,31 +216,39 @@ class SageAttentionOverride:
         return out if out is not None else func(*args, **kwargs)
 
     def _follow(self, plan: CallPlan, func, args, kwargs, q, k, v, mask, skip_output_reshape):
-        """Run one call the way its plan's route says."""
+        """Run one call the way its plan's route says; each outcome is counted once, with the backends auto passed
+        over to reach it (not available, refused, failed its self-check)."""
         route = plan.route
         if route.measurement is not None:  # auto measuring this kind of call in the step, or watching its choice
             name = route.measurement.pick()
             if name is not None:
                 return self._measured_call(plan, name, func, args, kwargs, q, k, v, mask, skip_output_reshape)
-        # Why each preferred backend did not take the call (not available, refused, failed its self-check).
-        if route.passed_over:
-            self.stats.record_passed_over(route.passed_over, route.ran)
-        if route.kind == EXACT or route.kind == MEASURE:  # exact attention by auto's choice, or its untimed turn
-            self.stats.record_routed(route.reason if route.kind == EXACT else route.measurement.SDPA_TURN)
-            return self._pass_on(func, args, kwargs)
-        if route.kind != RUN:
-            return self._fallback(func, args, kwargs, route.message, route.kernel)
-        backend = route.backend
+        if route.kind == RUN:
+            return self._run(route.backend, plan, func, args, kwargs, q, k, v, mask, skip_output_reshape)
+        if route.kind != EXACT and route.kind != MEASURE:
+            return self._fallback(func, args, kwargs, route.message, route.kernel, route.passed_over)
+        # Exact attention by auto's choice, or its untimed turn while it measures.
+        self.stats.record_routed(route.reason if route.kind == EXACT else route.measurement.SDPA_TURN,
+                                 route.passed_over)
+        return self._pass_on(func, args, kwargs)
+
+    def _run(self, backend, plan: CallPlan, func, args, kwargs, q, k, v, mask, skip_output_reshape, trial=None):
+        """A call `backend` runs: the plan holds its answer, made under the current decision generation, so it
+        launches directly (calling the backend would ask again). `trial`: the measurement that handed it this call,
+        which times it with device events, or leaves the backend out when it fails."""
+        passed_over = plan.route.passed_over
+        start = trial.begin() if trial is not None else None
         try:
-            # The plan holds this backend's answer, made under the current decision generation: launch directly
-            # (calling the backend would ask again).
-            out = self._launch(backend, plan, q, k, v, mask, kwargs)
-        except KernelRefused as exc:
-            return self._fallback(func, args, kwargs, f"{backend.name}: {exc.reason}", backend.name)
+            out = self._launch(backend, plan, q, k, v, mask, kwargs, skip_output_reshape)
         except torch.cuda.OutOfMemoryError:
             raise  # the call site's attention would run out of memory too; let ComfyUI handle it
         except Exception as exc:  # a kernel failure must not take the ComfyUI process down
-            return self._fallback(func, args, kwargs, f"{backend.name} failed: {type(exc).__name__}: {exc}",
-                                  backend.name)
-        self.stats.record_call(backend.name)
-        return from_hnd(out, skip_output_reshape)
+            reason = (f"{backend.name}: {exc.reason}" if isinstance(exc, KernelRefused)
+                      else f"{backend.name} failed: {type(exc).__name__}: {exc}")
+            if trial is not None:  # left out of the trial; this call gets the call site's answer
+                trial.fail(backend.name, reason)
+            return self._fallback(func, args, kwargs, reason, backend.name, passed_over, backend.name)
+        if trial is not None:
+            trial.record(backend.name, start)
+        self.stats.record_call(backend.name, passed_over)
+        return out

@@ -89,7 +89,10 @@ class PatchStats:
         self._choices: Dict[str, str] = {}  # auto's measured decision per kind of call -> its summary
         self._choice_rows: Dict[str, dict] = {}  # the same, as Decision.as_row (chosen, ratio, method, reverted)
 
-    def record_call(self, backend: str) -> None:
+    def record_call(self, backend: str, passed_over: Optional[Dict[str, str]] = None) -> None:
+        """One call `backend` ran; `passed_over`: the backends auto passed over to reach it (record_passed_over)."""
+        if passed_over:
+            self.record_passed_over(passed_over, backend)
         with self._lock:  # once per call: dict.get skips Counter's Python-level __missing__ machinery
             self._calls[backend] = self._calls.get(backend, 0) + 1
 
@@ -100,7 +103,12 @@ class PatchStats:
         self._logged.add(key)
         return True
 
-    def record_fallback(self, reason: str) -> None:
+    def record_fallback(self, reason: str, passed_over: Optional[Dict[str, str]] = None,
+                        ran: Optional[str] = None) -> None:
+        """One call handed back to the call site's attention for `reason`; `passed_over` and `ran` (what auto took,
+        if anything, before it failed) as record_passed_over takes them."""
+        if passed_over:
+            self.record_passed_over(passed_over, ran)
         with self._lock:
             kind = self._fallbacks.add(reason)
             first = kind is not None and self._first_time(("fallback", kind))
@@ -144,8 +152,12 @@ class PatchStats:
             self._choice_rows[label] = decision.as_row()
         log.log(logging.WARNING if decision.reverted else logging.INFO, "[%s] %s", self.label, summary)
 
-    def record_routed(self, policy: str) -> None:
-        """A policy sent this call to exact attention on purpose (not a failure)."""
+    def record_routed(self, policy: str, passed_over: Optional[Dict[str, str]] = None,
+                      ran: Optional[str] = None) -> None:
+        """A policy (or auto's choice, or its turn) sent this call to exact attention on purpose (not a failure);
+        `passed_over` and `ran` as record_passed_over takes them."""
+        if passed_over:
+            self.record_passed_over(passed_over, ran)
         with self._lock:
             self._routed.add(policy)
 

@@ -43,9 +43,9 @@ def call(ov, q, k=None, v=None, heads=2, **kwargs):
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Counts of describe_call and settled_route made by the override."""
+    """Counts of describe_call and settled_route made by the override's planner (call_plans.make_plan)."""
     counts = {"describe": 0, "choose": 0}
-    real_describe, real_choose = override_mod.describe_call, override_mod.settled_route
+    real_describe, real_choose = call_plans.describe_call, call_plans.settled_route
 
     def describe(*a, **k):
         counts["describe"] += 1
@@ -54,8 +54,8 @@ def counted(monkeypatch):
     def choose(*a, **k):
         counts["choose"] += 1
         return real_choose(*a, **k)
-    monkeypatch.setattr(override_mod, "describe_call", describe)
-    monkeypatch.setattr(override_mod, "settled_route", choose)
+    monkeypatch.setattr(call_plans, "describe_call", describe)
+    monkeypatch.setattr(call_plans, "settled_route", choose)
     return counts
 
 
@@ -103,7 +103,7 @@ def test_the_plan_is_the_uncached_decision(kernel):
     call(ov, q)
     (plan,) = ov.plans._plans.values()
     qh = q.view(1, -1, 2, 32).transpose(1, 2)
-    fresh = override_mod.describe_call(qh, qh, qh, smooth_k=True, prologue="auto", qk_group="token", smooth_v=False)
+    fresh = call_plans.describe_call(qh, qh, qh, smooth_k=True, prologue="auto", qk_group="token", smooth_v=False)
     assert plan.call == fresh
     route = settled_route(fresh, kernel, quantized_only=True)
     assert plan.route == route and route.final
