@@ -155,6 +155,22 @@ class Family:
         return cfg
 
 
+def randomize_weight_buffers(patcher, seed: int = 0, std: float = 0.02) -> list:
+    """Give the diffusion model's persistent buffers random values as build_model does its parameters: a released
+    checkpoint carries them (SD3's pos_embed), and ComfyUI allocates them empty, so without it they hold whatever
+    memory held (NaN latents, from one run to the next). Returns their names."""
+    module = patcher.model.diffusion_model
+    persistent = set(module.state_dict().keys())
+    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+    names = []
+    with torch.no_grad():
+        for name, buf in module.named_buffers():
+            if name in persistent and buf.is_floating_point():
+                buf.copy_((torch.randn(buf.shape, generator=gen) * std).to(buf.dtype))
+                names.append(name)
+    return names
+
+
 def padded_text(tokens: int, dim: int, seed: int, valid: Optional[int] = None, **extra) -> list:
     """Text conditioning as ComfyUI's encoders hand it over; `valid` < `tokens`: a padded prompt whose
     attention_mask (1 = token, 0 = padding, integer as the tokenizer makes it) rides along in the conditioning."""

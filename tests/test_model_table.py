@@ -92,6 +92,8 @@ def test_masked_families_take_key_masks_and_refuse_row_masks(table, tmp_path):
     rows = run_families(table, tmp_path, MASKED + ["sd35"])
     for name, row in rows.items():
         check_family(name, row)
+    # SD3's pos_embed is a buffer ComfyUI allocates empty (the checkpoint fills it): the tool gives it values.
+    assert rows["sd35"]["random_buffers"] == ["pos_embed"]
     # HunyuanVideo: the refiner's per-row mask is the only fallback, the blocks' key mask runs quantized.
     hv = rows["hunyuan_video"]["kernels"][KERNEL]["by_mask"]
     assert hv["rows"]["quantized"] == 0 < hv["keys"]["quantized"] == hv["keys"]["calls"]

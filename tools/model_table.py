@@ -161,7 +161,7 @@ def sample_run(pack: Pack, model, config, baseline: bool, inputs, steps: int, se
     with counting_sdpa(recorder) as sdpa:
         samples = pack.ab._sample(patched, latent, seed, steps, cfg, "euler", "simple", positive, negative, None)
     run = pack.step_timer_of(override).last_run
-    return samples, run, recorder.finish(), sdpa["outside"]
+    return samples, run, recorder.finish(), sdpa["outside"], override.stats.snapshot()["auto_decisions"]
 
 
 def _share(part: float, whole: float) -> Optional[float]:
@@ -210,22 +210,29 @@ def calls_seen(calls: List[dict]) -> dict:
             "attention_tflop_per_step": flop / 1e12}
 
 
-def measure_family(pack: Pack, model, inputs, kernels: List[str], steps: int, say) -> dict:
+def measure_family(pack: Pack, model, inputs, kernels: List[str], steps: int, say, auto_priming: int = 0) -> dict:
     base_config = pack.PatchConfig(kernel="sdpa")
     t = time.time()
-    base_latent, base_run, base_calls, outside = sample_run(pack, model, base_config, True, inputs, steps)
+    base_latent, base_run, base_calls, outside, _ = sample_run(pack, model, base_config, True, inputs, steps)
+    seen = calls_seen(base_calls)
     say(f"  unpatched: {time.time() - t:.1f} s, {len(base_calls)} attention calls through the override, "
-        f"{outside} SDPA calls outside it")
+        f"{outside} SDPA calls outside it; {seen['attention_tflop_per_step']:.2f} TFLOP of attention per step")
     base_steps = [s.as_dict() for s in base_run.steps]
-    row = {"seen": calls_seen(base_calls), "calls_per_step": len(base_calls) / max(len(base_steps), 1),
+    row = {"seen": seen, "calls_per_step": len(base_calls) / max(len(base_steps), 1),
            "sdpa_outside_override": outside,
            "comfy_attention": pack.ab.comfy_attention_name(),
            "baseline_median_step_ms": statistics.median(s["step_ms"] for s in base_steps[WARMUP:] or base_steps),
            "kernels": {}}
     for kernel in kernels:
         t = time.time()
+        decided, config = [], pack.PatchConfig(kernel=kernel)
         try:
-            latent, run, calls, _ = sample_run(pack, model, pack.PatchConfig(kernel=kernel), False, inputs, steps)
+            if kernel == "auto" and auto_priming:
+                # With the depth cut, a kind of call comes a few times a step, not 40-60: auto's in-step trial
+                # (12 timed calls per backend) would still be measuring in the timed steps. A first run lets it
+                # decide, as the first step of a full-depth model does; the timed run then uses its decisions.
+                decided = sample_run(pack, model, config, False, inputs, auto_priming)[4]
+            latent, run, calls, _, decisions = sample_run(pack, model, config, False, inputs, steps)
         except Exception as exc:  # one kernel's failure must not cost the others
             row["kernels"][kernel] = {"error": f"{type(exc).__name__}: {exc}"}
             say(f"  {kernel}: failed: {type(exc).__name__}: {exc}")
@@ -239,6 +246,7 @@ def measure_family(pack: Pack, model, inputs, kernels: List[str], steps: int, sa
                  "latent_psnr_db": fid["latent_psnr_db"], "latent_cosine": fid["latent_cosine"],
                  "fallbacks": run.fallbacks, "routed": run.routed, "passed_over": run.passed_over,
                  "first_use": [{"part": part, "seconds": s} for part, s in run.first_use],
+                 "auto_decisions": decided + [d for d in decisions if d not in decided],
                  "seconds": time.time() - t}
         row["kernels"][kernel] = entry
         say(f"  {kernel}: {time.time() - t:.1f} s; calls quantized {_pct(entry['call_share'])}, time "
@@ -294,6 +302,12 @@ def markdown(rows: List[dict], kernels: List[str], meta: dict) -> str:
         for k, e in r.get("kernels", {}).items():
             for reason, n in sorted({**e.get("fallbacks", {}), **e.get("routed", {})}.items()):
                 lines.append(f"- {r['label']}, {k}: {n} x {reason}")
+    lines += ["", "auto's decisions (kind of call: choice):", ""]
+    for r in rows:
+        for d in r.get("kernels", {}).get("auto", {}).get("auto_decisions", []):
+            ratios = ", ".join(f"{n} {_num(x, '.3f')}" for n, x in sorted(d.get("ratios", {}).items()))
+            lines.append(f"- {r['label']}: {d.get('kind')}: {d.get('chosen')} (x SDPA: {ratios}; samples "
+                         f"{d.get('samples')}{'; reverted' if d.get('reverted') else ''})")
     lines += ["", "What ComfyUI's code passes as masks, per family:", ""]
     lines += [f"- {r['label']}: {r['masks']}" for r in rows]
     return "\n".join(lines) + "\n"
@@ -310,14 +324,15 @@ def clean(x):
 
 
 def run_table(families: List[str], kernels: List[str], out: Path, steps: int, tiny: bool, harness,
-              say=print) -> List[dict]:
+              say=print, auto_priming: int = 0) -> List[dict]:
     pack = Pack()
     import comfyui_version  # noqa: F401  (ComfyUI's own version file, on sys.path with it)
 
     device = "cpu" if tiny else "cuda"
     meta = {"device": "CPU (tiny sizes)" if tiny else torch.cuda.get_device_name(0),
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "comfyui": comfyui_version.__version__,
-            "steps": steps, "tiny": tiny, "kernels": kernels, "torch": torch.__version__}
+            "steps": steps, "tiny": tiny, "kernels": kernels, "torch": torch.__version__,
+            "auto_priming_steps": auto_priming}
     rows: List[dict] = []
     out.mkdir(parents=True, exist_ok=True)
     for name in families:
@@ -332,16 +347,20 @@ def run_table(families: List[str], kernels: List[str], out: Path, steps: int, ti
             dtype = torch.float32 if tiny else family.dtype
             model = harness.build_model(family.config_class, config, dtype, seed=0,
                                         device=None if tiny else device)
+            row["random_buffers"] = harness.randomize_weight_buffers(model)
             inputs = family.inputs(tiny)
             row["latent_shape"] = list(inputs[2]["samples"].shape)
             row["cfg"] = inputs[3]
-            row.update(measure_family(pack, model, inputs, kernels, steps, say))
+            row.update(measure_family(pack, model, inputs, kernels, steps, say, auto_priming))
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"
             row["traceback"] = traceback.format_exc(limit=8)
             say(f"  failed: {row['error']}")
         finally:
             model = None
+            import comfy.model_management as mm
+
+            mm.unload_all_models()  # ComfyUI keeps sampled models loaded: one family's weights at a time
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -362,6 +381,9 @@ def main() -> int:
     ap.add_argument("--families", default=",".join(harness.FAMILIES), help="comma-separated; default: all")
     ap.add_argument("--steps", type=int, default=4, help="sampling steps; the first is a warm-up")
     ap.add_argument("--tiny", action="store_true", help="tiny CPU versions of the families")
+    ap.add_argument("--auto-priming", type=int, default=12,
+                    help="steps of an untimed auto run before auto's timed one, for its in-step trials to decide "
+                         "on the cut model (0: none)")
     args = ap.parse_args()
     families = [f for f in args.families.split(",") if f]
     unknown = [f for f in families if f not in harness.FAMILIES]
@@ -374,7 +396,7 @@ def main() -> int:
     harness.comfy_import(cpu=args.tiny)
     t0 = time.time()
     run_table(families, [k for k in args.kernels.split(",") if k], Path(args.out), args.steps, args.tiny, harness,
-              say=lambda s: print(s, flush=True))
+              say=lambda s: print(s, flush=True), auto_priming=args.auto_priming)
     print(f"table done in {time.time() - t0:.1f} s", flush=True)
     return 0
 
