@@ -53,7 +53,6 @@ class CallRecorder:
         self.pack = pack
         self.calls: List[dict] = []
         self.inside = False
-        self._cuda = None
 
     def __deepcopy__(self, memo):
         return self  # ModelPatcher deep-copies model_options: the clone must record here too
@@ -170,8 +169,9 @@ def _share(part: float, whole: float) -> Optional[float]:
 
 def call_summary(pack: Pack, calls: List[dict], base_calls: Optional[List[dict]] = None) -> dict:
     """Shares over the measured steps (warm-up left out, or every step where there is only one)."""
-    steps = sorted({c["step"] for c in calls})
-    measured = [c for c in calls if c["step"] >= WARMUP] if len(steps) > WARMUP else calls
+    every_step = len({c["step"] for c in calls}) <= WARMUP
+    keep = [every_step or c["step"] >= WARMUP for c in calls]
+    measured = [c for c, k in zip(calls, keep) if k]
     served = [pack.quantized(c["ran"]) for c in measured]
     total_ms = sum(c["ms"] for c in measured)
     q_ms = sum(c["ms"] for c, s in zip(measured, served) if s)
@@ -181,7 +181,7 @@ def call_summary(pack: Pack, calls: List[dict], base_calls: Optional[List[dict]]
     if base_calls is not None and len(base_calls) == len(calls):
         # The same calls in the same order: the unpatched run's time of the calls a quantized kernel took here,
         # i.e. the share of the model's own attention time the kernel took over.
-        base = [b for b, c in zip(base_calls, calls) if c in measured]
+        base = [b for b, k in zip(base_calls, keep) if k]
         base_ms = sum(b["ms"] for b in base)
         out["own_time_share"] = _share(sum(b["ms"] for b, s in zip(base, served) if s), base_ms)
     ran: Dict[str, int] = {}
