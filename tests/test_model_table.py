@@ -108,3 +108,17 @@ def test_every_family_builds_samples_and_reports(table, tmp_path):
     # Mochi's T5 pooler calls torch's SDPA directly: attention the override never sees, and the table says so.
     assert rows["mochi"]["sdpa_outside_override"] > 0
     assert all(r["sdpa_outside_override"] == 0 for n, r in rows.items() if n != "mochi")
+
+
+@pytest.mark.timeout(300)
+def test_a_family_that_fails_is_a_row_and_the_run_goes_on(table, tmp_path, monkeypatch):
+    tool, harness = table
+    flux = harness.FAMILIES["flux"]
+    broken = harness.Family("broken", "Broken", "Flux", dict(flux.real), cut={}, full_depth="-",
+                            tiny=dict(flux.tiny, num_heads=3), inputs=flux.inputs, masks="none", size="-")
+    monkeypatch.setitem(harness.FAMILIES, "broken", broken)
+    rows = run_families(table, tmp_path, ["broken", "flux"])
+    # 256 wide in 3 heads: ComfyUI's Flux refuses to build it
+    assert rows["broken"]["error"].startswith("ValueError") and "traceback" in rows["broken"]
+    check_family("flux", rows["flux"])
+    assert "failed:" in (tmp_path / "model_table.md").read_text()
