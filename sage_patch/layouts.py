@@ -1,6 +1,7 @@
 """ComfyUI's attention calling convention <-> the kernels' HND layout, both ways."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -25,13 +26,20 @@ def head_split_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: 
     if heads <= 0 or q.shape[-1] % heads:
         raise ValueError(f"q width {q.shape[-1]} is not a multiple of heads={heads}")
     d = q.shape[-1] // heads
-    if k.shape[-1] % d:
-        raise ValueError(f"k width {k.shape[-1]} is not a multiple of the head size {d}")
-    kv_heads = k.shape[-1] // d
-    if kv_heads <= 0 or v.shape[-1] % kv_heads:
-        raise ValueError(f"v width {v.shape[-1]} is not a multiple of the {kv_heads} k/v heads")
-    dv = v.shape[-1] // kv_heads
+    k_width, v_width = _token_width(k), _token_width(v)
+    if k_width % d:
+        raise ValueError(f"k width {k_width} is not a multiple of the head size {d}")
+    kv_heads = k_width // d
+    if kv_heads <= 0 or v_width % kv_heads:
+        raise ValueError(f"v width {v_width} is not a multiple of the {kv_heads} k/v heads")
+    dv = v_width // kv_heads
     return (b, -1, heads, d), (b, -1, kv_heads, d), (b, -1, kv_heads, dv)
+
+
+def _token_width(t: torch.Tensor) -> int:
+    """Elements per token: ComfyUI's attention views k and v as (b, -1, heads, d), so a (b, n, heads, d) tensor
+    passes as well as a (b, n, heads * d) one (SD3's MMDiT hands v over unflattened)."""
+    return t.shape[-1] if t.dim() <= 3 else math.prod(t.shape[2:])
 
 
 def hnd_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shapes):

@@ -1,4 +1,5 @@
 """ComfyUI layout adapters and mask expansion."""
+import pytest
 import torch
 
 from comfyui_sage_rdna4.sage_patch.layouts import (
@@ -27,6 +28,15 @@ def test_value_head_dim_may_differ():
     v = torch.randn(1, 6, 2 * 3)
     qh, kh, vh = to_hnd(q, torch.randn(1, 6, 16), v, 2, skip_reshape=False)
     assert vh.shape == (1, 2, 6, 3) and kh.shape == (1, 2, 6, 8)
+
+
+def test_a_value_with_its_heads_unflattened_is_viewed_as_comfyui_views_it():
+    q, k, v = torch.randn(2, 5, 3 * 4), torch.randn(2, 7, 3 * 4), torch.randn(2, 7, 3, 4)
+    _, kh, vh = to_hnd(q, k, v, 3, skip_reshape=False)
+    assert vh.shape == (2, 3, 7, 4) and torch.equal(vh, v.view(2, -1, 3, 4).transpose(1, 2))
+    assert kh.shape == (2, 3, 7, 4)
+    with pytest.raises(ValueError, match="v width 10"):
+        to_hnd(q, k, torch.randn(2, 7, 2, 5), 3, skip_reshape=False)
 
 
 def test_skip_reshape_passes_through():

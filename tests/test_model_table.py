@@ -25,9 +25,6 @@ EXPECTED_MASKS = {
     "lumina2": {"keys", "none"},                # refiners and layers with the padded prompt; the uncond has none
 }
 MASKED = ["hunyuan_video", "ltxv", "lumina2"]
-# SD3's mmdit hands v over as (B, N, heads, head_dim) while q and k are (B, N, heads * head_dim): the pack's layout
-# adapter reads v's last dim as its width and refuses the call as malformed.
-KNOWN_LAYOUT_REFUSAL = {"sd35": "malformed call"}
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +67,6 @@ def check_family(name, row):
     assert entry["calls"] == sum(row["seen"]["mask_kinds"].values()) > 0
     by_mask = entry["by_mask"]
     assert set(by_mask) == kinds
-    if name in KNOWN_LAYOUT_REFUSAL:
-        assert entry["quantized_calls"] == 0
-        assert all(KNOWN_LAYOUT_REFUSAL[name] in reason for reason in entry["fallbacks"]), entry["fallbacks"]
-        return
     # The pack's rule: no mask and key-only masks run quantized, per-row masks fall back naming their kind.
     for kind, counts in by_mask.items():
         expected = 0 if kind == "rows" else counts["calls"]

@@ -38,6 +38,19 @@ def test_runs_the_kernel_in_comfy_layout():
     assert ov.stats.snapshot()["calls"] == {"reference": 1}
 
 
+def test_a_value_with_its_heads_unflattened_runs_the_kernel_as_sd3_passes_it():
+    """SD3's MMDiT hands v over as (b, n, heads, d) beside flattened q and k; ComfyUI's attention views it as
+    (b, -1, heads, d) all the same, so the kernel takes it (it was refused as malformed) with the same output."""
+    ov, to = make()
+    q, k, v = bnhd()
+    v4 = v.view(2, 96, 4, 64)
+    out = wrap_attn_call(ov, comfy_attention, q, k, v4, 4, transformer_options=to)
+    flat = wrap_attn_call(ov, comfy_attention, q, k, v, 4, transformer_options=to)
+    assert torch.equal(out, flat)
+    assert cosine(out, comfy_attention(q, k, v, 4, _inside_attn_wrapper=True)) > 0.998
+    assert ov.stats.snapshot()["calls"] == {"reference": 2} and not ov.stats.snapshot()["fallbacks"]
+
+
 @pytest.mark.parametrize("skip_reshape,skip_output_reshape",
                          [(False, False), (True, False), (False, True), (True, True)])
 def test_all_layout_combinations(skip_reshape, skip_output_reshape):
