@@ -117,6 +117,7 @@ def route(call: AttentionCall, kernel: str = "auto", *, quantized_only: bool = F
         return Route(RUN, get_backend(SDPA), decision.sdpa_reason(), passed_over=passed_over, decision=decision)
 
     # auto, not decided yet: a trial under way, or a measurement to begin among the ready candidates.
+    weighed = {}  # why each candidate auto would have measured refused the call: named if none takes it
     if decision is NOT_DECIDED:
         measurement = tuner.measuring(call) if method == IN_STEP else None
         if measurement is not None:  # the trial hands each call of this kind to a backend
@@ -130,6 +131,7 @@ def route(call: AttentionCall, kernel: str = "auto", *, quantized_only: bool = F
             if unverified:  # every candidate is judged before it is measured
                 return Route(VERIFY, unverified=unverified)
             ready = tuple(b for b, state in states if state is None)
+            weighed = {b.name: state for b, state in states if state is not None}
             # A check that could not run (memory ran out) left no verdict: a decision made without that candidate
             # would leave it out for the rest of the process, so this call takes the static order instead.
             unchecked = any(checked.get(b.name) is not None and b.why_not(call) is None for b in candidates)
@@ -143,10 +145,10 @@ def route(call: AttentionCall, kernel: str = "auto", *, quantized_only: bool = F
         if state is PENDING:
             return Route(VERIFY, passed_over=passed_over, unverified=(backend,))
         if state is None:
-            exact = None if backend.quantized else none_takes(call, passed_over)
+            exact = None if backend.quantized else none_takes(call, {**weighed, **passed_over})
             return Route(RUN, backend, exact, passed_over=passed_over)
         passed_over[name] = state
-    reason = none_takes(call, passed_over)
+    reason = none_takes(call, {**weighed, **passed_over})
     if quantized_only:
         return Route(REFUSE, None, reason, passed_over=passed_over)
     # SDPA is last everywhere; reaching here means even it refused (e.g. the LSE was asked for).

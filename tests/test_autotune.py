@@ -260,6 +260,26 @@ def test_nvidia_weighs_our_triton_kernels_and_comfy_kitchen_too():
     assert registry.auto_order(call) == ["sageattention", "sdpa"]  # the static order is unchanged
 
 
+def test_when_no_candidate_takes_a_call_the_reason_names_every_candidates_refusal(registered, monkeypatch):
+    """On NVIDIA the static order names SageAttention alone, but auto weighs our Triton kernels too: a call none of
+    them takes (a per-row mask) says why each refused, not only that SageAttention is not installed."""
+    rows = "a float mask that differs between query rows is not supported"
+    backends, clock, tuner = registered(
+        {"sdpa": 10.0, "sageattention": 1.0, "triton_int8_fp8": 1.0, "triton_int8_fp16": 1.0, "comfy_kitchen": 1.0},
+        refuse={"sageattention": "the package is not installed", "triton_int8_fp8": rows, "triton_int8_fp16": rows,
+                "comfy_kitchen": "the package is not installed"})
+    monkeypatch.setattr(registry, "auto_order", lambda call: ["sageattention", "sdpa"])
+    qkv = tensors()
+    call = dataclasses.replace(describe_call(*qkv), device_type="cuda", device_index=0, rocm=False, arch="sm_90")
+    found = settled_route(call, "auto", tensors=qkv, tuner=tuner)
+    assert found.backend.name == "sdpa" and clock.timed == []
+    assert found.reason.startswith("auto: no quantized kernel takes this call")
+    for name in ("sageattention", "triton_int8_fp8", "triton_int8_fp16", "comfy_kitchen"):
+        assert f"{name}: " in found.reason, name
+    assert found.reason.count(rows) == 2
+    assert dict(found.passed_over) == {"sageattention": "the package is not installed"}
+
+
 # -- on disk -----------------------------------------------------------------------------------------------
 
 def disk_tuner(tmp_path, times, identity=IDENTITY, **kw):
