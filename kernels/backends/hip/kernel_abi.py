@@ -45,7 +45,8 @@ PROBE_THREADS = 32
 
 # Verification-only build options (never set on the product path), as `module_source` keywords:
 #   acc_trunc_bits      SG_EMU_ACC_TRUNC_BITS: the emulated fp8 WMMA (CUDA, host simulator) models an
-#                       accumulator keeping that many fraction bits (NVIDIA's FP8 MMA: ~13); 0 = exact
+#                       accumulator keeping that many fraction bits (NVIDIA's FP8 MMA: ~13; 24: one bit more
+#                       than its fp32 register); 0 = exact
 #   f16_acc_trunc_bits  SG_EMU_F16_ACC_TRUNC_BITS: the same for the emulated f16 WMMA
 #   pv_single_chain     SG_PV_SINGLE_CHAIN: P.V accumulated in one WMMA chain over all key tiles (the former
 #                       kernel), instead of one chain per tile folded into the FP32 accumulator
@@ -67,8 +68,8 @@ def option_defines(**options) -> str:
         if key not in VERIFY_OPTIONS:
             raise ValueError(f"unknown kernel build option {key!r} (known: {sorted(VERIFY_OPTIONS)})")
         value = int(value)
-        if key.endswith("trunc_bits") and not 0 <= value <= 23:
-            raise ValueError(f"{key} must be in 0..23, got {value}")
+        if key.endswith("trunc_bits") and not 0 <= value <= 24:
+            raise ValueError(f"{key} must be in 0..24, got {value}")
         if value:
             lines.append(f"#define {VERIFY_OPTIONS[key]} {value}\n")
     return "".join(lines)
@@ -112,7 +113,7 @@ def all_kernel_names() -> List[str]:
             for g in QK_GROUP_SIZES.values():
                 names.append(quant_qk_kernel(d, g, dt))
     names += ["sage_colstats_finalize", "sage_qk_scores_d64", "sage_qk_scores_d128", "sage_wmma_probe",
-              "sage_bias_probe", "sage_e4m3_probe", "sage_lane_probe"]
+              "sage_bias_probe", "sage_acc_probe", "sage_e4m3_probe", "sage_lane_probe"]
     return names
 
 
@@ -337,6 +338,17 @@ def wmma_probe_plan(kind: str, a_lanes: torch.Tensor, b_lanes: torch.Tensor, c_l
     d = torch.zeros((32, 8), dtype=torch.int32, device=a_lanes.device)
     launch = Launch("sage_wmma_probe", (1, 1, 1), (PROBE_THREADS, 1, 1),
                     (_i32(WMMA_KINDS[kind]), _ptr(a_lanes), _ptr(b_lanes), _ptr(c_lanes), _ptr(d)))
+    return d, [launch]
+
+
+def acc_probe_plan(kind: str, a_lanes: torch.Tensor, b_lanes: torch.Tensor, c_lanes: torch.Tensor, steps: int):
+    """`steps` chained WMMAs of `kind` ('fp8' or 'f16') on per-lane fragments (int32 words, lane-major), C from
+    c_lanes before the first, each D the next C. Returns (the last D's lanes as int32 (32, 8), launches)."""
+    if kind not in ("fp8", "f16"):
+        raise ValueError(f"the accumulator probe takes 'fp8' or 'f16', got {kind!r}")
+    d = torch.zeros((32, 8), dtype=torch.int32, device=a_lanes.device)
+    launch = Launch("sage_acc_probe", (1, 1, 1), (PROBE_THREADS, 1, 1),
+                    (_i32(WMMA_KINDS[kind]), _ptr(a_lanes), _ptr(b_lanes), _ptr(c_lanes), _i32(steps), _ptr(d)))
     return d, [launch]
 
 
