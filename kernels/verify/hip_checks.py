@@ -357,9 +357,10 @@ def qk_scores_expected(qq: quant.QuantizedQKV) -> torch.Tensor:
 
 
 def attention(run: Callable, qq: quant.QuantizedQKV, *, pv, is_causal, out_dtype, return_lse=False, q=None,
-              sm_scale=1.0, out=None):
+              sm_scale=1.0, out=None, chain="two-level"):
     out, lse, launches = kernel_abi.attention_plan(qq, pv=pv, is_causal=is_causal, out_dtype=out_dtype,
-                                                    return_lse=return_lse, q=q, sm_scale=sm_scale, out=out)
+                                                    return_lse=return_lse, q=q, sm_scale=sm_scale, out=out,
+                                                    chain=chain)
     run(launches)
     return out, lse
 

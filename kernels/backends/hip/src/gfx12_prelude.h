@@ -431,6 +431,19 @@ SG_INLINE float lane_xor16_full_wave(float v) {
   return lane_xor<16>(v);
 #endif
 }
+// Whether x holds in any lane of the wave (a wave-uniform answer: a scalar branch on AMD).
+SG_INLINE bool wave_any(bool x) {
+#if defined(SG_AMD)
+  return __builtin_amdgcn_ballot_w32(x) != 0u;
+#elif defined(SG_CUDA)
+  return __any_sync(0xffffffffu, x);
+#else
+  const u32 v = x ? 1u : 0u;
+  u32 r = v | emu_shfl_xor(v, 16);
+  r |= emu_shfl_xor(r, 8); r |= emu_shfl_xor(r, 4); r |= emu_shfl_xor(r, 2); r |= emu_shfl_xor(r, 1);
+  return r != 0u;
+#endif
+}
 // Wave-wide abs_max of values >= 0 or NaN (NaN in any lane gives NaN in every lane).
 SG_INLINE float wave_abs_max(float v) {
   v = abs_max(v, lane_xor<16>(v)); v = abs_max(v, lane_xor<8>(v)); v = abs_max(v, lane_xor<4>(v));
