@@ -25,7 +25,7 @@ from ... import quant
 from ...call_spec import AttentionCall, mask_refusal
 from ...gating import Verdicts
 from ...registry import Backend, KernelRefused, get_backend
-from . import probes
+from . import probes, pv_chain
 from . import prologue as hip_prologue
 from .runtime import environment_refusal, kernel_bundle, run_launches
 
@@ -87,17 +87,19 @@ def quantize(q, k, v, call: AttentionCall, sm_scale: float, pv: str) -> quant.Qu
 
 def hip_attention(qq: quant.QuantizedQKV, call: AttentionCall, pv: str, sm_scale: float,
                   q: Optional[torch.Tensor] = None):
-    """Launch wrapper of the attention kernel; applies the same rule as `refuse`."""
+    """Launch wrapper of the attention kernel; applies the same rule as `refuse`. The P.V chain is the one chosen
+    for the device at first use (pv_chain.py)."""
     reason = attention_refusal(call, pv)
     if reason:
         raise KernelRefused(f"hip_int8_{pv}", reason)
+    chain = pv_chain.chosen(pv, qq.q8.device.type, qq.q8.device.index).chain
     return launch_attention(qq, pv=pv, is_causal=call.is_causal, return_lse=call.return_lse,
-                            sm_scale=sm_scale, q=q, out_dtype=call.dtype)
+                            sm_scale=sm_scale, q=q, out_dtype=call.dtype, chain=chain)
 
 
-def launch_attention(qq, *, pv, is_causal, return_lse, sm_scale, q, out_dtype):
+def launch_attention(qq, *, pv, is_causal, return_lse, sm_scale, q, out_dtype, chain="two-level"):
     out, lse, launches = kernel_abi().attention_plan(qq, pv=pv, is_causal=is_causal, out_dtype=out_dtype,
-                                                      return_lse=return_lse, q=q, sm_scale=sm_scale)
+                                                      return_lse=return_lse, q=q, sm_scale=sm_scale, chain=chain)
     run_launches(qq.q8.device.index, kernel_bundle(), launches)
     return out, lse
 
@@ -166,7 +168,32 @@ class HipBackend(Backend):
                 backend.disable(device_type, index, reason)
             if name == self.name:
                 mine = reason
+        if mine is None:
+            pv_chain.choose(self.pv, device_type, index, report.single_chain_refusal(self.name),
+                            lambda: self.long_tail_refusal(device_type, index, "single"))
         return mine
+
+    def long_tail_refusal(self, device_type: str, index: Optional[int], chain: str) -> Optional[str]:
+        """The self-check's long-tail case on this backend's kernel with the given P.V chain: None when it
+        passes, else the reason."""
+        from ...self_check import DEFAULT_CASES, run_self_check
+        case = next(c for c in DEFAULT_CASES if c.kind == "long-tail")
+        return run_self_check(self.chain_attention(chain), torch.device(device_type, index), [case],
+                              lambda c: True).reason
+
+    def chain_attention(self, chain: str) -> Callable:
+        """attention(q, k, v, is_causal=False) -> out through this backend's prologue and the `chain` kernel (the
+        self-check's calling convention; the field report times both chains with it)."""
+        from ...call_spec import describe_call
+
+        def attention(q, k, v, is_causal=False):
+            call = describe_call(q, k, v, is_causal=is_causal)
+            sm_scale = quant.default_sm_scale(call.head_dim)
+            qq = quantize(q, k, v, call, sm_scale, self.pv)
+            out, _ = launch_attention(qq, pv=self.pv, is_causal=is_causal, return_lse=False, sm_scale=sm_scale,
+                                      q=q, out_dtype=call.dtype, chain=chain)
+            return out
+        return attention
 
     # -- running --------------------------------------------------------------------------------
     def launch(self, q, k, v, call: AttentionCall, sm_scale: float, attn_mask):

@@ -92,7 +92,8 @@ def module_source(target: str = "hip", **options) -> str:
 def attention_kernel(pv: str, head_dim: int, dtype: torch.dtype, chain: str = "two-level") -> str:
     if chain not in CHAINS or (chain == "single" and pv not in SINGLE_CHAIN_PV):
         raise ValueError(f"no {chain!r} P.V kernel for pv={pv!r} (chains {CHAINS}; single for {SINGLE_CHAIN_PV})")
-    return f"sage_attn_i8{'f8' if pv == 'fp8' else 'f16'}_d{head_dim}_{DTYPES[dtype]}{'_sc' if chain == 'single' else ''}"
+    suffix = "_sc" if chain == "single" else ""
+    return f"sage_attn_i8{'f8' if pv == 'fp8' else 'f16'}_d{head_dim}_{DTYPES[dtype]}{suffix}"
 
 
 def quant_qk_kernel(head_dim: int, group: int, dtype: torch.dtype) -> str:

@@ -1,0 +1,81 @@
+"""Which P.V accumulation the HIP kernels use on a device: the two-level chain (any accumulator) or the single
+chain (kernel_abi.CHAINS), chosen once per device and P.V mode at first use, after the hardware probes.
+
+The single chain serves only where its kernel ships (kernel_abi.SINGLE_CHAIN_PV), the accumulator probe read the
+WMMA's C as full FP32 (probes.ProbeReport.single_chain_refusal) and the self-check's long-tail case passes with
+it; otherwise the two-level kernel, as before. SAGE_RDNA4_HIP_PV_CHAIN forces either (a volunteer's comparison:
+forcing the single chain onto a unit not read as full FP32 is logged as a warning). The choice and its reason are
+kept here for the stats, the log and the field report.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+from ... import settings
+from . import kernel_abi
+
+log = logging.getLogger(__name__)
+TWO_LEVEL, SINGLE = kernel_abi.CHAINS
+
+
+@dataclass(frozen=True)
+class ChainChoice:
+    chain: str
+    why: str
+
+    def line(self) -> str:
+        return f"{self.chain} P.V ({self.why})"
+
+
+_CHOICES: Dict[Tuple[str, str, Optional[int]], ChainChoice] = {}
+_LOCK = threading.Lock()
+
+
+def chosen(pv: str, device_type: str, index: Optional[int]) -> ChainChoice:
+    """The choice made for this P.V mode and device; the two-level chain before any was made."""
+    return _CHOICES.get((pv, device_type, index)) or ChainChoice(TWO_LEVEL, "no choice made yet: the default")
+
+
+def recorded(pv: str, device_type: str, index: Optional[int]) -> Optional[ChainChoice]:
+    return _CHOICES.get((pv, device_type, index))
+
+
+def choose(pv: str, device_type: str, index: Optional[int], probe_refusal: Optional[str],
+           long_tail: Callable[[], Optional[str]]) -> ChainChoice:
+    """Decide once per (pv, device): `probe_refusal` is the probes' answer for the single chain (None: full FP32),
+    `long_tail()` runs the self-check's long-tail case on the single chain (None: passed)."""
+    key = (pv, device_type, index)
+    with _LOCK:
+        if key in _CHOICES:
+            return _CHOICES[key]
+    forced = settings.hip_pv_chain()
+    if pv not in kernel_abi.SINGLE_CHAIN_PV:
+        choice = ChainChoice(TWO_LEVEL, f"no single-chain {pv.upper()} kernel ships")
+    elif forced == TWO_LEVEL:
+        choice = ChainChoice(TWO_LEVEL, f"forced by {settings.HIP_PV_CHAIN.name}")
+    elif forced == SINGLE:
+        if probe_refusal:
+            log.warning("%s=single: the single-chain P.V serves although %s", settings.HIP_PV_CHAIN.name,
+                        probe_refusal)
+        choice = ChainChoice(SINGLE, f"forced by {settings.HIP_PV_CHAIN.name}"
+                                     + (f", although {probe_refusal}" if probe_refusal else ""))
+    elif probe_refusal:
+        choice = ChainChoice(TWO_LEVEL, probe_refusal)
+    else:
+        reason = long_tail()
+        choice = (ChainChoice(TWO_LEVEL, f"the single chain failed the long-tail self-check case: {reason}")
+                  if reason else ChainChoice(SINGLE, "the accumulator probe reads full FP32 and the single chain "
+                                                     "passes the long-tail self-check case"))
+    with _LOCK:
+        choice = _CHOICES.setdefault(key, choice)
+    log.info("hip_int8_%s on %s%s: %s", pv, device_type, "" if index is None else f":{index}", choice.line())
+    return choice
+
+
+def forget() -> None:
+    """Drop the choices (tests)."""
+    with _LOCK:
+        _CHOICES.clear()
