@@ -176,7 +176,11 @@ def probes_section(device: torch.device) -> Dict:
             refuse(device.type, device.index)
     report = probes.probe_device(device.type, device.index)
     status = "could not run" if report.error else ("failed" if report.failures() else "ran")
-    return {"status": status, "note": report.summary(), **report.as_dict()}
+    from .backends.hip import pv_chain
+    chains = {pv: pv_chain.recorded(pv, device.type, device.index) for pv in ("fp8", "fp16")}
+    return {"status": status, "note": report.summary(), **report.as_dict(),
+            "pv_chain": {f"hip_int8_{pv}": c.line() if c else "not chosen (the backend did not reach first use)"
+                         for pv, c in chains.items()}}
 
 
 def self_check_targets(device: torch.device) -> List[Dict]:
