@@ -119,12 +119,29 @@ class _HardwareProbes:
         return self.backend.probe_refusal(device_type, index)
 
 
+class _ChainPassCache:
+    """The self-check's pass cache with the device's chosen P.V chain in its keys: a pass of the two-level kernel
+    says nothing of the single chain (both live in one code object, so the code digest cannot tell them apart)."""
+
+    def __init__(self, inner, pv: str):
+        self.inner, self.pv = inner, pv
+
+    def key(self, backend: str, variant, device, *args, **kwargs):
+        chain = pv_chain.chosen(self.pv, device.type, device.index).chain
+        return self.inner.key(f"{backend} ({chain} P.V)", variant, device, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 class HipBackend(Backend):
     quantized = True
     own_prologue = "hip"
 
     def __init__(self, pv: str):
-        super().__init__(Verdicts(), probe=_HardwareProbes(self))
+        verdicts = Verdicts()
+        verdicts.cache = _ChainPassCache(verdicts.cache, pv)
+        super().__init__(verdicts, probe=_HardwareProbes(self))
         if pv not in PV_MODES:
             raise ValueError(f"pv must be one of {PV_MODES}, got {pv!r}")
         self.pv = pv

@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ... import first_use_costs
-from . import accumulator
+from . import accumulator, pv_chain
 from . import kernel_abi as abi
 
 log = logging.getLogger(__name__)
@@ -400,7 +400,8 @@ def probe_device(device_type: str, index: Optional[int]) -> ProbeReport:
 
 
 def forget() -> None:
-    """Drop the recorded reports (tests)."""
+    """Drop the recorded reports, and the P.V chains chosen from them (tests)."""
     with _GUARD:
         _REPORTS.clear()
         _LOCKS.clear()
+    pv_chain.forget()

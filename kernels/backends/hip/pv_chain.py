@@ -31,7 +31,7 @@ class ChainChoice:
 
 
 _CHOICES: Dict[Tuple[str, str, Optional[int]], ChainChoice] = {}
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # held while a choice is made: concurrent first callers wait for that one
 
 
 def chosen(pv: str, device_type: str, index: Optional[int]) -> ChainChoice:
@@ -49,8 +49,14 @@ def choose(pv: str, device_type: str, index: Optional[int], probe_refusal: Optio
     `long_tail()` runs the self-check's long-tail case on the single chain (None: passed)."""
     key = (pv, device_type, index)
     with _LOCK:
-        if key in _CHOICES:
-            return _CHOICES[key]
+        if key not in _CHOICES:
+            _CHOICES[key] = _decide(pv, probe_refusal, long_tail)
+            log.info("hip_int8_%s on %s%s: %s", pv, device_type, "" if index is None else f":{index}",
+                     _CHOICES[key].line())
+        return _CHOICES[key]
+
+
+def _decide(pv: str, probe_refusal: Optional[str], long_tail: Callable[[], Optional[str]]) -> ChainChoice:
     forced = settings.hip_pv_chain()
     if pv not in kernel_abi.SINGLE_CHAIN_PV:
         choice = ChainChoice(TWO_LEVEL, f"no single-chain {pv.upper()} kernel ships")
@@ -65,13 +71,13 @@ def choose(pv: str, device_type: str, index: Optional[int], probe_refusal: Optio
     elif probe_refusal:
         choice = ChainChoice(TWO_LEVEL, probe_refusal)
     else:
-        reason = long_tail()
+        try:
+            reason = long_tail()
+        except Exception as exc:  # the check could not run (no memory, a launch error): the two-level kernel
+            reason = f"it could not run: {type(exc).__name__}: {exc}"
         choice = (ChainChoice(TWO_LEVEL, f"the single chain failed the long-tail self-check case: {reason}")
                   if reason else ChainChoice(SINGLE, "the accumulator probe reads full FP32 and the single chain "
                                                      "passes the long-tail self-check case"))
-    with _LOCK:
-        choice = _CHOICES.setdefault(key, choice)
-    log.info("hip_int8_%s on %s%s: %s", pv, device_type, "" if index is None else f":{index}", choice.line())
     return choice
 
 
