@@ -65,8 +65,8 @@ EMU_FP8_NONSAT = Setting("SAGE_RDNA4_EMU_FP8_NONSAT", "0",
                          "1: the gfx12 emulation's FP8 conversion gives NaN above 448 (verification only)")
 
 HIP_PV_CHAIN = Setting("SAGE_RDNA4_HIP_PV_CHAIN", "auto",
-                       "the HIP P.V accumulation: auto (the single chain where the probe reads full FP32 and its "
-                       "long-tail check passes), two-level or single (forced, for a comparison)",
+                       "the HIP P.V accumulation: auto (the single chain where the probe reads full FP32 and it passes "
+                       "the self-check's accumulation cases), two-level or single (forced, for a comparison)",
                        "auto, two-level or single")
 
 SETTINGS: Tuple[Setting, ...] = (CACHE, AUTOTUNE, AUTOTUNE_CACHE, SELF_CHECK, SELF_CHECK_CACHE, TRITON_FP8_CVT,

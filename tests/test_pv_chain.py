@@ -1,6 +1,6 @@
 """The HIP P.V chain (kernels/backends/hip/pv_chain.py): chosen once per device and P.V mode at first use, the single
-chain only where its kernel ships, the accumulator probe read full FP32 and the long-tail self-check case passes
-with it; SAGE_RDNA4_HIP_PV_CHAIN forces either. The kernels themselves on the host simulator (the HIP sources as
+chain only where its kernel ships, the accumulator probe read full FP32 and the self-check's precision-probe and
+long-tail cases pass with it; SAGE_RDNA4_HIP_PV_CHAIN forces either. The kernels themselves on the host simulator (the HIP sources as
 C++ with the gfx12 emulation): the FP16 single chain matches the spec with an exact accumulator and loses mass on a
 long diffuse row with the emulation's truncating 13-bit one, where the two-level kernel does not (the planted fault
 the probe and the self-check must catch). Nothing here has run on RDNA4 hardware."""
@@ -49,7 +49,7 @@ def test_single_chain_needs_full_fp32_and_the_long_tail_case():
 
 def test_a_failed_or_crashed_long_tail_case_keeps_the_two_level_kernel():
     failed = pv_chain.choose("fp16", "cuda", 0, FULL, lambda: "rel L1 0.21 > 0.035 at (0, 1)")
-    assert failed.chain == "two-level" and "long-tail self-check case: rel L1 0.21" in failed.why
+    assert failed.chain == "two-level" and "accumulation cases: rel L1 0.21" in failed.why
 
     def crash():
         raise RuntimeError("hipModuleLaunchKernel failed")

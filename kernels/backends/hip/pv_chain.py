@@ -2,8 +2,8 @@
 chain (kernel_abi.CHAINS), chosen once per device and P.V mode at first use, after the hardware probes.
 
 The single chain serves only where its kernel ships (kernel_abi.SINGLE_CHAIN_PV), the accumulator probe read the
-WMMA's C as full FP32 (probes.ProbeReport.single_chain_refusal) and the self-check's long-tail case passes with
-it; otherwise the two-level kernel, as before. SAGE_RDNA4_HIP_PV_CHAIN forces either (a volunteer's comparison:
+WMMA's C as full FP32 (probes.ProbeReport.single_chain_refusal) and the self-check's cases that see lost P.V mass
+(the precision probe and the long tail, backend.ACCUMULATION_CASE_KINDS) pass with it; otherwise the two-level kernel, as before. SAGE_RDNA4_HIP_PV_CHAIN forces either (a volunteer's comparison:
 forcing the single chain onto a unit not read as full FP32 is logged as a warning). The choice and its reason are
 kept here for the stats, the log and the field report.
 """
@@ -46,7 +46,7 @@ def recorded(pv: str, device_type: str, index: Optional[int]) -> Optional[ChainC
 def choose(pv: str, device_type: str, index: Optional[int], probe_refusal: Optional[str],
            long_tail: Callable[[], Optional[str]]) -> ChainChoice:
     """Decide once per (pv, device): `probe_refusal` is the probes' answer for the single chain (None: full FP32),
-    `long_tail()` runs the self-check's long-tail case on the single chain (None: passed)."""
+    `long_tail()` runs the self-check's precision-probe and long-tail cases on the single chain (None: passed)."""
     key = (pv, device_type, index)
     with _LOCK:
         if key not in _CHOICES:
@@ -75,9 +75,9 @@ def _decide(pv: str, probe_refusal: Optional[str], long_tail: Callable[[], Optio
             reason = long_tail()
         except Exception as exc:  # the check could not run (no memory, a launch error): the two-level kernel
             reason = f"it could not run: {type(exc).__name__}: {exc}"
-        choice = (ChainChoice(TWO_LEVEL, f"the single chain failed the long-tail self-check case: {reason}")
+        choice = (ChainChoice(TWO_LEVEL, f"the single chain failed the self-check's accumulation cases: {reason}")
                   if reason else ChainChoice(SINGLE, "the accumulator probe reads full FP32 and the single chain "
-                                                     "passes the long-tail self-check case"))
+                                                     "passes the self-check's precision-probe and long-tail cases"))
     return choice
 
 
