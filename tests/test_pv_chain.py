@@ -1,9 +1,9 @@
 """The HIP P.V chain (kernels/backends/hip/pv_chain.py): chosen once per device and P.V mode at first use, the single
 chain only where its kernel ships, the accumulator probe read full FP32 and the self-check's precision-probe and
-long-tail cases pass with it; SAGE_RDNA4_HIP_PV_CHAIN forces either. The kernels themselves on the host simulator (the HIP sources as
-C++ with the gfx12 emulation): the FP16 single chain matches the spec with an exact accumulator and loses mass on a
-long diffuse row with the emulation's truncating 13-bit one, where the two-level kernel does not (the planted fault
-the probe and the self-check must catch). Nothing here has run on RDNA4 hardware."""
+long-tail cases pass with it; SAGE_RDNA4_HIP_PV_CHAIN forces either. The kernels themselves on the host simulator
+(the HIP sources as C++ with the gfx12 emulation): the FP16 single chain matches the spec with an exact accumulator
+and loses mass on a long diffuse row with the emulation's truncating 13-bit one, where the two-level kernel does
+not (the planted fault the probe and the self-check must catch). Nothing here has run on RDNA4 hardware."""
 import logging
 import threading
 

@@ -3,9 +3,10 @@ chain (kernel_abi.CHAINS), chosen once per device and P.V mode at first use, aft
 
 The single chain serves only where its kernel ships (kernel_abi.SINGLE_CHAIN_PV), the accumulator probe read the
 WMMA's C as full FP32 (probes.ProbeReport.single_chain_refusal) and the self-check's cases that see lost P.V mass
-(the precision probe and the long tail, backend.ACCUMULATION_CASE_KINDS) pass with it; otherwise the two-level kernel, as before. SAGE_RDNA4_HIP_PV_CHAIN forces either (a volunteer's comparison:
-forcing the single chain onto a unit not read as full FP32 is logged as a warning). The choice and its reason are
-kept here for the stats, the log and the field report.
+(the precision probe and the long tail, backend.ACCUMULATION_CASE_KINDS) pass with it; otherwise the two-level
+kernel, as before. SAGE_RDNA4_HIP_PV_CHAIN forces either (a volunteer's comparison: forcing the single chain onto
+a unit not read as full FP32 is logged as a warning). The choice and its reason are kept here for the log and the
+field report.
 """
 from __future__ import annotations
 
