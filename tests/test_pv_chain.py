@@ -154,3 +154,19 @@ def test_a_truncating_accumulator_breaks_the_fp16_single_chain_only():
     assert err_two < 0.01, err_two
     assert err_one > 3 * err_two and err_one > 0.01, (err_one, err_two)
     assert probes.probe_accumulator(run, CPU, "f16").full_fp32 is False
+
+
+def test_field_report_shows_each_choice_and_both_timings():
+    from comfyui_sage_rdna4.kernels import field_report as fr
+    pv_chain.choose("fp16", "cpu", None, FULL, passes)
+    data = fr.pv_chain_section(CPU, lambda text: None)
+    assert data["choices"]["hip_int8_fp16"].startswith("single P.V (the accumulator probe reads full FP32")
+    assert data["choices"]["hip_int8_fp8"].startswith("not chosen") and data["timings"] == []
+    assert data["note"] == "no GPU (cpu): nothing timed"
+    data["timings"] = [{"kernel": "hip_int8_fp16", "shape": "flux_1mp", "two-level ms": 2.0, "single ms": 1.8,
+                        "single / two-level": 0.9}]
+    report = {"title": fr.TITLE, "created_utc": "now", "device": "cpu", "seconds": 1.0, "rdna4_note": "",
+              "errors": [], "sections": {"hip_pv_chain": {"status": "ok", "data": data}}}
+    md = fr.to_markdown(report)
+    assert "## HIP P·V chain" in md and "| hip_int8_fp16 | flux_1mp | 2.0 | 1.8 | 0.9 |" in md
+    assert "- hip_int8_fp16: single P.V (" in md
