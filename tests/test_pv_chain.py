@@ -170,3 +170,19 @@ def test_field_report_shows_each_choice_and_both_timings():
     md = fr.to_markdown(report)
     assert "## HIP P·V chain" in md and "| hip_int8_fp16 | flux_1mp | 2.0 | 1.8 | 0.9 |" in md
     assert "- hip_int8_fp16: single P.V (" in md
+
+
+def test_the_chain_shows_in_the_stats(monkeypatch):
+    from comfyui_sage_rdna4.kernels.backends.hip import runtime
+    from comfyui_sage_rdna4.sage_patch.stats import PatchStats
+    monkeypatch.setattr(runtime, "code_path_line", lambda: "prebuilt gfx1201 1a2b3c4d")
+    pv_chain.choose("fp16", "cuda", 0, FULL, passes)
+    pv_chain.choose("fp8", "cuda", 0, FULL, passes)
+    stats = PatchStats()
+    stats.record_call("hip_int8_fp16")
+    stats.record_call("hip_int8_fp8")
+    summary = stats.summary()
+    assert "ran hip_int8_fp16: 1 (prebuilt gfx1201 1a2b3c4d; single P.V)" in summary
+    assert "ran hip_int8_fp8: 1 (prebuilt gfx1201 1a2b3c4d; two-level P.V)" in summary
+    pv_chain.choose("fp16", "cuda", 1, NARROW, passes)
+    assert pv_chain.stats_line("fp16") == "cuda:0 single P.V, cuda:1 two-level P.V"

@@ -82,6 +82,18 @@ def _decide(pv: str, probe_refusal: Optional[str], long_tail: Callable[[], Optio
     return choice
 
 
+def stats_line(pv: str) -> Optional[str]:
+    """The P.V chain of `pv`'s kernel in a stats line ('single-chain P.V'; per device where devices differ), or
+    None before any choice."""
+    with _LOCK:
+        found = {(t, i): c.chain for (p, t, i), c in _CHOICES.items() if p == pv}
+    if not found:
+        return None
+    if len(set(found.values())) == 1:
+        return f"{next(iter(found.values()))} P.V"
+    return ", ".join(f"{t}:{i} {c} P.V" for (t, i), c in sorted(found.items(), key=str))
+
+
 def forget() -> None:
     """Drop the choices (tests)."""
     with _LOCK:
