@@ -94,3 +94,18 @@ def test_probe_kernel_on_the_emulation(bits, read_bits, full):
         assert (refusal is None) is full
         if not full:
             assert refusal.startswith(f"{probes.ACCUMULATOR_PROBES[backend]}: {read_bits} fraction bits")
+
+
+@pytest.mark.skipif(host_sim.host_compiler() is None, reason="no host C++ compiler for the simulator")
+@pytest.mark.parametrize("bits", [16, 24])
+@pytest.mark.parametrize("kind", ["fp8", "f16"])
+def test_emulated_truncation_matches_its_torch_twin_at_any_width(kind, bits):
+    """The emulation's truncating accumulator (normalised in double, then stored as fp32) equals the torch model bit
+    for bit at 16 and 24 bits too, where the normalised sum can need more than fp32's 24 significant bits."""
+    from comfyui_sage_rdna4.kernels.verify import hip_checks
+    run = host_sim.runner(acc_trunc_bits=bits, f16_acc_trunc_bits=bits)
+    for seed in range(2):
+        got, want, exact = hip_checks.run_trunc_wmma(run, kind, CPU, bits, seed)
+        assert torch.equal(got, want), (kind, bits, seed, (got - want).abs().max())
+        if bits == 16:
+            assert not torch.equal(want, exact)
