@@ -186,3 +186,29 @@ def test_the_chain_shows_in_the_stats(monkeypatch):
     assert "ran hip_int8_fp8: 1 (prebuilt gfx1201 1a2b3c4d; two-level P.V)" in summary
     pv_chain.choose("fp16", "cuda", 1, NARROW, passes)
     assert pv_chain.stats_line("fp16") == "cuda:0 single P.V, cuda:1 two-level P.V"
+
+
+def test_the_accumulation_check_runs_once_per_gpu_driver_and_code(monkeypatch, tmp_path):
+    """A pass of the single chain's accumulation cases is kept with the self-check's passes: a later process (a
+    fresh backend) on the same GPU, driver and code does not run them again; a failure is never kept."""
+    import importlib
+
+    from comfyui_sage_rdna4.kernels import pass_cache
+    self_check = importlib.import_module("comfyui_sage_rdna4.kernels.self_check")
+    monkeypatch.setenv(settings.CACHE.name, str(tmp_path))
+    monkeypatch.setenv(settings.SELF_CHECK_CACHE.name, "1")  # the tests' default is off (tests/conftest.py)
+    monkeypatch.setattr(pass_cache, "gpu_identity", lambda device: {"gpu": "test gpu", "driver": "1"})
+    runs, verdict = [], [None]
+
+    def fake_run(attention, device, cases, accepts=None, **kw):
+        runs.append(sorted(c.kind for c in cases))
+        result = self_check.SelfCheckResult(verdict[0])
+        return result
+    monkeypatch.setattr(self_check, "run_self_check", fake_run)
+    verdict[0] = "rel L1 0.05 > 0.015"
+    assert hip_backend.make_backend("fp16").accumulation_refusal("cuda", 0, "single") == "rel L1 0.05 > 0.015"
+    verdict[0] = None
+    assert hip_backend.make_backend("fp16").accumulation_refusal("cuda", 0, "single") is None
+    assert hip_backend.make_backend("fp16").accumulation_refusal("cuda", 0, "single") is None
+    assert runs == [["long-tail", "probe"]] * 2
+    assert hip_backend.make_backend("fp16").accumulation_refusal("cuda", 0, "two-level") is None and len(runs) == 3

@@ -193,11 +193,19 @@ class HipBackend(Backend):
 
     def accumulation_refusal(self, device_type: str, index: Optional[int], chain: str) -> Optional[str]:
         """The self-check's cases that see lost P.V mass (the precision probe: 16400 diffuse keys with a V offset;
-        the long tail) on this backend's kernel with the given P.V chain: None when both pass, else the reason."""
+        the long tail) on this backend's kernel with the given P.V chain: None when both pass, else the reason.
+        A pass is kept on disk with the self-check's passes (same GPU, driver and code: not run again)."""
         from ...self_check import DEFAULT_CASES, run_self_check
         cases = [c for c in DEFAULT_CASES if c.kind in ACCUMULATION_CASE_KINDS]
-        return run_self_check(self.chain_attention(chain), torch.device(device_type, index), cases,
-                              lambda c: True).reason
+        device = torch.device(device_type, index)
+        store = getattr(self.verdicts.cache, "inner", self.verdicts.cache)
+        key = store.key(f"{self.name} ({chain} P.V, accumulation cases)", None, device, cases)
+        if key and store.has_pass(key, self.name):
+            return None
+        result = run_self_check(self.chain_attention(chain), device, cases, lambda c: True)
+        if result.reason is None and key:
+            store.store_pass(key, self.name, result)
+        return result.reason
 
     def chain_attention(self, chain: str) -> Callable:
         """attention(q, k, v, is_causal=False) -> out through this backend's prologue and the `chain` kernel (the
