@@ -134,7 +134,7 @@ class Reading:
     bits: Optional[int]            # fraction bits kept along the ladder (LADDER[0] - 1: fewer than LADDER[0])
     mode: Optional[str]            # NEAREST, TRUNCATE, or None where no rung above `bits` says
     full_fp32: bool                # every fp32-exact chain exact, nothing outside the tested elements
-    models: Tuple[Tuple[int, str], ...]  # the exact models that predict every element
+    models: Tuple[Tuple[int, str], ...]  # the narrowest exact model that predicts every element, if one does
     problems: Tuple[str, ...]      # elements off every model (first few), non-finite results
 
     def text(self) -> str:
@@ -146,8 +146,7 @@ class Reading:
         parts.append("full FP32" if self.full_fp32 else "not full FP32")
         if self.models:
             b, m = self.models[0]
-            wider = len(self.models) - 1
-            parts.append(f"as a {b}-bit accumulator that {m}" + (f" (or {wider} wider models)" if wider else ""))
+            parts.append(f"as a {b}-bit accumulator that {m}")
         else:
             parts.append("no N-bit model predicts every element: " + "; ".join(self.problems))
         return ", ".join(parts)
@@ -176,8 +175,11 @@ def read(d: torch.Tensor) -> Reading:
         kept = {got[el.row, el.col] == el.c0 for el in rung}
         mode = NEAREST if moved == {True} else TRUNCATE if kept == {True} else None
     full = not stray and all(got[el.row, el.col] == el.exact for el in ELEMENTS if fp32_exact(el))
-    # A model of fewer bits than the ladder read fails a rung that came out exact: only wider ones are tried.
-    models = tuple(m for m in MODELS if bits <= m[0] <= bits + 3 and not stray and torch.equal(_model_output(*m), d))
+    # The narrowest model that predicts every element (a model of fewer bits than the ladder read fails a rung that
+    # came out exact, so only wider ones are tried; the first match ends the search: first use pays for few).
+    match = None if stray else next((m for m in MODELS if bits <= m[0] <= bits + 3
+                                     and torch.equal(_model_output(*m), d)), None)
+    models = (match,) if match else ()
     if not models:
         near = _model_output(bits, mode or TRUNCATE)
         diff = [(el, float(near[el.row, el.col])) for el in ELEMENTS
