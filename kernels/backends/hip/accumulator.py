@@ -11,8 +11,8 @@ With p = 3/2 at j = N + 1 each step adds 3/4 of a unit: rounding to nearest move
 Expected values come from exact arithmetic (fractions): `exact` is the definition, c0 + STEPS * delta. The reading
 (`read`) counts fraction bits along the p = 1 ladder, takes the mode from p = 3/2 one rung above, says whether
 every element whose partial sums are all fp32 numbers came out exact ("full FP32", what a single chain needs),
-and names the accumulator models (`chain`: N fraction bits, rounding or truncating, stored as fp32) that predict
-every element. Nothing here has run on RDNA4 hardware.
+and names the narrowest accumulator model (`chain`: N fraction bits, rounding or truncating, stored as fp32) that
+predicts every element. Nothing here has run on RDNA4 hardware.
 """
 from __future__ import annotations
 
