@@ -181,6 +181,54 @@ def probes_section(device: torch.device) -> Dict:
     return {"status": status, "note": report.summary(), **report.as_dict()}
 
 
+PV_CHAIN_SHAPES = ("flux_1mp", "sdxl_1mp_d64")  # one D128 and one D64 shape
+
+
+def pv_chain_section(device: torch.device, say: Callable[[str], None]) -> Dict:
+    """The HIP P.V chain each backend took on this device at first use and why (the accumulator probe, the
+    self-check's accumulation cases, SAGE_RDNA4_HIP_PV_CHAIN), and the attention kernel alone timed with each chain
+    where a single chain ships, on the same quantized inputs (the prologue is shared, and not timed)."""
+    from .backends.hip import kernel_abi, pv_chain
+    out: Dict[str, object] = {"choices": {}, "timings": []}
+    for pv in ("fp8", "fp16"):
+        c = pv_chain.recorded(pv, device.type, device.index)
+        out["choices"][f"hip_int8_{pv}"] = c.line() if c else "not chosen: the backend did not reach first use here"
+    if device.type != "cuda":
+        out["note"] = f"no GPU ({device.type}): nothing timed"
+        return out
+    catalogue = {s.name: s for s in bench.GPU_SHAPES}
+    for pv in kernel_abi.SINGLE_CHAIN_PV:
+        backend = get_backend(f"hip_int8_{pv}")
+        reason = backend.unavailable(device.type, device.index)
+        if reason:
+            out["timings"].append({"kernel": backend.name, "unavailable": reason})
+            continue
+        for shape in (catalogue[n] for n in PV_CHAIN_SHAPES):
+            say(f"  {backend.name} {shape.name}: {' and '.join(kernel_abi.CHAINS)} P.V")
+            row = {"kernel": backend.name, "shape": shape.name, **_time_chains(shape, pv, device)}
+            row["single / two-level"] = round(row["single ms"] / row["two-level ms"], 4)
+            out["timings"].append(row)
+            torch.cuda.empty_cache()
+    return out
+
+
+def _time_chains(shape, pv: str, device: torch.device) -> Dict[str, float]:
+    """{'<chain> ms': median ms} of the HIP attention kernel of each chain on one quantized input of `shape`."""
+    from .backends.hip import kernel_abi
+    from .backends.hip.backend import launch_attention, quantize
+    q, k, v = bench.make_inputs(shape, device)
+    call = describe_call(q, k, v)
+    sm = 1.0 / shape.head_dim ** 0.5
+    qq = quantize(q, k, v, call, sm, pv)
+    times = {}
+    for chain in kernel_abi.CHAINS:
+        def run(chain=chain):
+            return launch_attention(qq, pv=pv, is_causal=False, return_lse=False, sm_scale=sm, q=q,
+                                    out_dtype=call.dtype, chain=chain)
+        times[f"{chain} ms"] = round(bench.time_ms(run, device, GPU_REPS).median, 4)
+    return times
+
+
 def self_check_targets(device: torch.device) -> List[Dict]:
     """What the self-check section runs: every quantized kernel that can run here with each prologue (the accurate
     options: per-token INT8, smooth_k on) and with smooth_v; on the CPU also the torch reference (the spec). Each
@@ -314,7 +362,8 @@ def auto_section(device: torch.device, say: Callable[[str], None], out: Optional
 
 
 # ------------------------------------------------------------------------------------------ the run
-SECTIONS = ("environment", "libraries", "hardware_probes", "self_check", "hip_code_path", "benchmark", "auto")
+SECTIONS = ("environment", "libraries", "hardware_probes", "self_check", "hip_code_path", "hip_pv_chain", "benchmark",
+            "auto")
 
 
 NOT_RUN_YET = "not run yet: the report is still running"
@@ -372,6 +421,7 @@ def collect(device: Optional[torch.device] = None, say: Callable[[str], None] = 
                "hardware_probes": lambda: probes_section(device),
                "self_check": lambda: self_check_section(device, say, partial["self_check"]),
                "hip_code_path": lambda: hip_code_path_section(device),
+               "hip_pv_chain": lambda: pv_chain_section(device, say),
                "benchmark": lambda: benchmark_section(device, say, partial["benchmark"]),
                "auto": lambda: auto_section(device, say, partial["auto"])}
 
@@ -508,6 +558,20 @@ def to_markdown(report: Dict) -> str:
                      f"{', '.join(r['backends'])} |" for r in data["results"]]
         return rows
     lines += ["## Hardware probes", ""] + body("hardware_probes", probe_rows)
+
+    def chain_rows(data):
+        rows = [f"- {name}: {line}" for name, line in data["choices"].items()] + [""]
+        if data.get("note"):
+            rows += [data["note"]]
+        timed = [t for t in data["timings"] if "shape" in t]
+        if timed:
+            rows += ["| kernel | shape | two-level ms | single ms | single / two-level |",
+                     "| --- | --- | --- | --- | --- |"]
+            rows += [f"| {t['kernel']} | {t['shape']} | {t['two-level ms']} | {t['single ms']} | "
+                     f"{t['single / two-level']} |" for t in timed]
+        rows += [f"- {t['kernel']}: not timed: {t['unavailable']}" for t in data["timings"] if "unavailable" in t]
+        return rows
+    lines += ["## HIP P·V chain", ""] + body("hip_pv_chain", chain_rows)
 
     def checks(data):
         rows = ["| kernel | variant | verdict | time (s) | reason |", "| --- | --- | --- | --- | --- |"]

@@ -37,6 +37,7 @@ class Setting:
 
 FP8_CVT_WORDS = ("asm", "software")  # a choice's words: the first is its default
 LAUNCH_WORDS = ("direct", "triton")
+PV_CHAIN_WORDS = ("auto", "two-level", "single")
 DEFAULT_WORKSPACE_MB = 128
 MAX_WORKSPACE_MB = 65536  # 64 GiB: more than any card this pack runs on holds; a larger figure is a typo
 
@@ -65,8 +66,14 @@ HIP_EMULATE = Setting("SAGE_RDNA4_HIP_EMULATE", "0",
 EMU_FP8_NONSAT = Setting("SAGE_RDNA4_EMU_FP8_NONSAT", "0",
                          "1: the gfx12 emulation's FP8 conversion gives NaN above 448 (verification only)")
 
+HIP_PV_CHAIN = Setting("SAGE_RDNA4_HIP_PV_CHAIN", "auto",
+                       "the HIP P.V accumulation: auto (the single chain where the probe reads full FP32 and it passes "
+                       "the self-check's accumulation cases), two-level or single (forced, for a comparison)",
+                       "auto, two-level or single")
+
 SETTINGS: Tuple[Setting, ...] = (CACHE, AUTOTUNE, AUTOTUNE_CACHE, SELF_CHECK, SELF_CHECK_CACHE, TRITON_FP8_CVT,
-                                 TRITON_PRECOMPILE, TRITON_LAUNCH, WORKSPACE_MB, HIP_EMULATE, EMU_FP8_NONSAT)
+                                 TRITON_PRECOMPILE, TRITON_LAUNCH, WORKSPACE_MB, HIP_EMULATE, EMU_FP8_NONSAT,
+                                 HIP_PV_CHAIN)
 
 
 def raw(setting: Setting) -> str:
@@ -206,11 +213,15 @@ def emu_fp8_nonsat_requested() -> bool:
     return _switch(EMU_FP8_NONSAT, False)
 
 
+def hip_pv_chain() -> str:
+    return _choice(HIP_PV_CHAIN, PV_CHAIN_WORDS)
+
+
 def in_effect() -> Dict[str, object]:
     """Each variable that is set: its text and the value the pack uses (for the field report)."""
     used = {CACHE: cache_dir, AUTOTUNE: autotune_enabled, AUTOTUNE_CACHE: autotune_cache_enabled,
             SELF_CHECK: self_check_enabled, SELF_CHECK_CACHE: self_check_cache_enabled,
             TRITON_FP8_CVT: triton_fp8_cvt, TRITON_LAUNCH: triton_launch,
             WORKSPACE_MB: lambda: workspace_budget_bytes() / 2 ** 20, HIP_EMULATE: hip_emulation_requested,
-            EMU_FP8_NONSAT: emu_fp8_nonsat_requested}
+            EMU_FP8_NONSAT: emu_fp8_nonsat_requested, HIP_PV_CHAIN: hip_pv_chain}
     return {s.name: {"text": raw(s), "used": used[s]()} for s in SETTINGS if raw(s)}

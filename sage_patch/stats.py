@@ -191,7 +191,8 @@ class PatchStats:
         lines = [f"{self.label}: {total} attention calls"]
         hip_code = hip_code_path() if any(name.startswith("hip_") for name in snap["calls"]) else None
         for name, n in sorted(snap["calls"].items(), key=lambda kv: -kv[1]):
-            served = f" ({hip_code})" if hip_code and name.startswith("hip_") else ""
+            extra = [x for x in (hip_code, hip_pv_chain(name)) if x] if name.startswith("hip_") else []
+            served = f" ({'; '.join(extra)})" if extra else ""
             lines.append(f"  ran {name}: {n}{served}")
         for policy, n in sorted(snap["routed"].items(), key=lambda kv: -kv[1]):
             lines.append(f"  exact by policy ({policy}): {n}")
@@ -210,6 +211,15 @@ def hip_code_path() -> Optional[str]:
     try:
         from ..kernels.backends.hip import runtime
         return runtime.code_path_line()
+    except Exception:  # a stats line never fails over this
+        return None
+
+
+def hip_pv_chain(backend: str) -> Optional[str]:
+    """The P.V chain a HIP backend ('hip_int8_fp16') chose at first use ('single P.V'), or None."""
+    try:
+        from ..kernels.backends.hip import pv_chain
+        return pv_chain.stats_line(backend.rsplit("_", 1)[-1])
     except Exception:  # a stats line never fails over this
         return None
 

@@ -220,8 +220,8 @@ def _cheap_sections(monkeypatch, check=None):
                  "benchmark_section": lambda device, say, sink: {"backends": [], "reps": 1, "runs": []},
                  "auto_section": lambda device, say, sink: [{"shape": "tiny", "chosen": "sdpa"}]}
     for name, section in zip(fr.SECTIONS, ("environment_section", "libraries_section", "probes_section",
-                                           "self_check_section", "hip_code_path_section", "benchmark_section",
-                                           "auto_section")):
+                                           "self_check_section", "hip_code_path_section", "pv_chain_section",
+                                           "benchmark_section", "auto_section")):
         real = stand_ins.get(section) or getattr(fr, section)
 
         def wrapped(*args, _name=name, _real=real):
@@ -356,7 +356,7 @@ def test_ctrl_c_in_the_self_check_keeps_the_targets_before_it(tmp_path, monkeypa
     assert sec["status"] == "interrupted"
     assert [t["status"] for t in sec["data"]] == ["not available"] * len(fr.QUANTIZED) + ["interrupted"]
     assert sec["data"][-1]["kernel"] == "reference (the spec, CPU)"
-    assert list(report["missing"]) == ["self_check", "hip_code_path", "benchmark", "auto"]
+    assert list(report["missing"]) == ["self_check", "hip_code_path", "hip_pv_chain", "benchmark", "auto"]
     assert "| reference (the spec, CPU) | torch prologue, per-token INT8, smooth_k on | interrupted |" in md
 
 

@@ -29,7 +29,8 @@ from fakes import FakeBackend
 pytestmark = pytest.mark.skipif(host_sim.host_compiler() is None, reason="no host C++ compiler for the simulator")
 CPU = torch.device("cpu")
 NAMES = ("wmma_iu8_layout", "wmma_fp8_layout", "wmma_f16_layout", "iu8_bias_constant", "wmma_fp8_subnormal",
-         "wmma_f16_subnormal", "e4m3_convert", "e4m3_overflow", "lane_shuffles", "f16_pack_dot")
+         "wmma_f16_subnormal", "wmma_fp8_accumulator", "wmma_f16_accumulator", "e4m3_convert", "e4m3_overflow",
+         "lane_shuffles", "f16_pack_dot")
 FP8, FP16 = probes.FP8, probes.FP16
 
 
@@ -52,7 +53,7 @@ def by_name(report):
 
 def test_every_probe_passes_on_the_emulation():
     report = probes.run_probes(host_sim.runner(), CPU)
-    assert report.error is None and report.launches == 8
+    assert report.error is None and report.launches == 10
     assert [r.name for r in report.results] == list(NAMES)
     assert failed(report) == set() and report.disabled_reason(FP8) is None and report.disabled_reason(FP16) is None
     res = by_name(report)
@@ -60,7 +61,9 @@ def test_every_probe_passes_on_the_emulation():
     assert res["e4m3_overflow"].verdict == "reading"
     assert res["e4m3_overflow"].found.startswith("saturates to 448 (Inf included)")
     assert "subnormal 2^-8 kept" in res["e4m3_overflow"].found
-    assert "7 passed, 0 differ" in report.summary() and "8 launches" in report.summary()
+    assert "7 passed, 0 differ" in report.summary() and "10 launches" in report.summary()
+    assert res["wmma_fp8_accumulator"].full_fp32 and res["wmma_f16_accumulator"].full_fp32
+    assert report.single_chain_refusal(FP8) is None and report.single_chain_refusal(FP16) is None
 
 
 def test_k_order_fault_is_caught_by_the_layout_probes():
@@ -251,7 +254,7 @@ def test_field_report_shows_a_planted_probe_failure(hip_pair, monkeypatch):
     monkeypatch.setattr(probes, "device_runner", lambda device_type, index: (PLANTED["e4m3 of 1.0 one code up"][0](),
                                                                             CPU))
     data = fr.probes_section(torch.device("cuda", 0))
-    assert data["status"] == "failed" and data["launches"] == 8
+    assert data["status"] == "failed" and data["launches"] == 10
     rows = {r["name"]: r for r in data["results"]}
     assert rows["e4m3_convert"]["verdict"] == "differs" and "1 -> 0x39 (want 0x38)" in rows["e4m3_convert"]["found"]
     assert hip_pair[FP8].unavailable("cuda", 0).startswith("hip_int8_fp8 disabled on cuda:0: hardware probe "

@@ -17,7 +17,7 @@ PENDING = set()  # (file, name) of a setting still read directly while it moves;
 
 def test_every_setting_is_declared_once_with_a_default_and_a_meaning():
     names = [s.name for s in settings.SETTINGS]
-    assert len(names) == len(set(names)) == 11
+    assert len(names) == len(set(names)) == 12
     for s in settings.SETTINGS:
         assert NAME.fullmatch(s.name) and s.default and s.doc and "\n" not in s.doc, s
 
@@ -273,3 +273,17 @@ def test_the_readme_documents_the_accepted_values():
     assert "`1`, `true`, `on`, `yes`" in table and "`0`, `false`, `off`, `no`" in table
     assert "case and\nsurrounding spaces ignored" in table and "absolute" in table and "one-line warning" in table
     assert str(settings.MAX_WORKSPACE_MB) in table
+
+
+def test_hip_pv_chain_takes_its_three_words(monkeypatch, caplog):
+    """auto (default), two-level or single, in any case and spacing; anything else is auto with one warning."""
+    assert settings.HIP_PV_CHAIN.accepted == "auto, two-level or single"
+    monkeypatch.delenv(settings.HIP_PV_CHAIN.name, raising=False)
+    assert settings.hip_pv_chain() == "auto"
+    for text, want in ((" Single ", "single"), ("TWO-LEVEL", "two-level"), ("auto", "auto")):
+        monkeypatch.setenv(settings.HIP_PV_CHAIN.name, text)
+        assert settings.hip_pv_chain() == want, text
+    assert warnings_of(caplog) == []
+    monkeypatch.setenv(settings.HIP_PV_CHAIN.name, "twolevel")
+    assert settings.hip_pv_chain() == "auto"
+    assert len(warnings_of(caplog)) == 1 and "twolevel" in warnings_of(caplog)[0]

@@ -151,7 +151,8 @@ def run_e4m3(run: Callable, x: torch.Tensor, device) -> torch.Tensor:
 # The pure-torch twin of the prelude's emu_trunc_acc (SG_EMU_ACC_TRUNC_BITS, kernel_abi.VERIFY_OPTIONS): per output
 # element the terms C and the 16 exact products are aligned to the largest exponent emax among the nonzero terms,
 # every bit below 2^(emax - bits) is dropped (truncation toward zero), the aligned terms are summed exactly and the
-# sum is normalised to `bits` fraction bits, again truncating toward zero. NaN/Inf terms give the plain sum.
+# sum is normalised to `bits` fraction bits, again truncating toward zero, and stored as fp32 (round to nearest even,
+# exact for bits <= 23). NaN/Inf terms give the plain sum.
 _SIGN = -(1 << 31)
 
 
@@ -179,8 +180,10 @@ def trunc_acc_model(terms: torch.Tensor, bits: int) -> torch.Tensor:
     exps = torch.where(nonzero, _exponent(terms), torch.full_like(terms, -1000, dtype=torch.int32))
     emax = exps.amax(dim=-1)
     aligned = trunc_to_grid(terms, (emax - bits).unsqueeze(-1))
-    r = aligned.double().sum(dim=-1).float()
-    r = torch.where(r == 0, r, trunc_to_grid(r, _exponent(r) - bits))
+    s = aligned.double().sum(dim=-1)  # exact; normalised in double, then stored as fp32 (emu_trunc_acc)
+    lead = torch.frexp(s).exponent - 1
+    grid = torch.ldexp(torch.ones_like(s), (lead - bits).to(torch.float64))
+    r = torch.where(s == 0, s, torch.trunc(s / grid) * grid).float()
     r = torch.where(emax == -1000, terms[..., 0] + 0.0, r)
     plain = terms[..., 1:].sum(dim=-1) + terms[..., 0]
     return torch.where(finite, r, plain)
@@ -354,9 +357,10 @@ def qk_scores_expected(qq: quant.QuantizedQKV) -> torch.Tensor:
 
 
 def attention(run: Callable, qq: quant.QuantizedQKV, *, pv, is_causal, out_dtype, return_lse=False, q=None,
-              sm_scale=1.0, out=None):
+              sm_scale=1.0, out=None, chain="two-level"):
     out, lse, launches = kernel_abi.attention_plan(qq, pv=pv, is_causal=is_causal, out_dtype=out_dtype,
-                                                    return_lse=return_lse, q=q, sm_scale=sm_scale, out=out)
+                                                    return_lse=return_lse, q=q, sm_scale=sm_scale, out=out,
+                                                    chain=chain)
     run(launches)
     return out, lse
 

@@ -293,7 +293,9 @@ def fresh_sources() -> str:
 
 # The attention kernels of the summary, by what they are: (P.V, head dim) -> the kernel read (bf16 is the same code).
 SUMMARY_KERNELS = {("FP8", 128): "sage_attn_i8f8_d128_f16", ("FP8", 64): "sage_attn_i8f8_d64_f16",
-                   ("FP16", 128): "sage_attn_i8f16_d128_f16", ("FP16", 64): "sage_attn_i8f16_d64_f16"}
+                   ("FP16", 128): "sage_attn_i8f16_d128_f16", ("FP16", 64): "sage_attn_i8f16_d64_f16",
+                   ("FP16 single chain", 128): "sage_attn_i8f16_d128_f16_sc",
+                   ("FP16 single chain", 64): "sage_attn_i8f16_d64_f16_sc"}
 SUMMARY_BEGIN, SUMMARY_END = "<!-- shipped objects: begin -->", "<!-- shipped objects: end -->"
 
 

@@ -25,11 +25,12 @@ from ... import quant
 from ...call_spec import AttentionCall, mask_refusal
 from ...gating import Verdicts
 from ...registry import Backend, KernelRefused, get_backend
-from . import probes
+from . import probes, pv_chain
 from . import prologue as hip_prologue
 from .runtime import environment_refusal, kernel_bundle, run_launches
 
 PV_MODES = ("fp8", "fp16")
+ACCUMULATION_CASE_KINDS = ("probe", "long-tail")  # the self-check cases a single chain must pass before it serves
 DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -87,17 +88,19 @@ def quantize(q, k, v, call: AttentionCall, sm_scale: float, pv: str) -> quant.Qu
 
 def hip_attention(qq: quant.QuantizedQKV, call: AttentionCall, pv: str, sm_scale: float,
                   q: Optional[torch.Tensor] = None):
-    """Launch wrapper of the attention kernel; applies the same rule as `refuse`."""
+    """Launch wrapper of the attention kernel; applies the same rule as `refuse`. The P.V chain is the one chosen
+    for the device at first use (pv_chain.py)."""
     reason = attention_refusal(call, pv)
     if reason:
         raise KernelRefused(f"hip_int8_{pv}", reason)
+    chain = pv_chain.chosen(pv, qq.q8.device.type, qq.q8.device.index).chain
     return launch_attention(qq, pv=pv, is_causal=call.is_causal, return_lse=call.return_lse,
-                            sm_scale=sm_scale, q=q, out_dtype=call.dtype)
+                            sm_scale=sm_scale, q=q, out_dtype=call.dtype, chain=chain)
 
 
-def launch_attention(qq, *, pv, is_causal, return_lse, sm_scale, q, out_dtype):
+def launch_attention(qq, *, pv, is_causal, return_lse, sm_scale, q, out_dtype, chain="two-level"):
     out, lse, launches = kernel_abi().attention_plan(qq, pv=pv, is_causal=is_causal, out_dtype=out_dtype,
-                                                      return_lse=return_lse, q=q, sm_scale=sm_scale)
+                                                      return_lse=return_lse, q=q, sm_scale=sm_scale, chain=chain)
     run_launches(qq.q8.device.index, kernel_bundle(), launches)
     return out, lse
 
@@ -117,12 +120,29 @@ class _HardwareProbes:
         return self.backend.probe_refusal(device_type, index)
 
 
+class _ChainPassCache:
+    """The self-check's pass cache with the device's chosen P.V chain in its keys: a pass of the two-level kernel
+    says nothing of the single chain (both live in one code object, so the code digest cannot tell them apart)."""
+
+    def __init__(self, inner, pv: str):
+        self.inner, self.pv = inner, pv
+
+    def key(self, backend: str, variant, device, *args, **kwargs):
+        chain = pv_chain.chosen(self.pv, device.type, device.index).chain
+        return self.inner.key(f"{backend} ({chain} P.V)", variant, device, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 class HipBackend(Backend):
     quantized = True
     own_prologue = "hip"
 
     def __init__(self, pv: str):
-        super().__init__(Verdicts(), probe=_HardwareProbes(self))
+        verdicts = Verdicts()
+        verdicts.cache = _ChainPassCache(verdicts.cache, pv)
+        super().__init__(verdicts, probe=_HardwareProbes(self))
         if pv not in PV_MODES:
             raise ValueError(f"pv must be one of {PV_MODES}, got {pv!r}")
         self.pv = pv
@@ -166,7 +186,40 @@ class HipBackend(Backend):
                 backend.disable(device_type, index, reason)
             if name == self.name:
                 mine = reason
+        if mine is None:
+            pv_chain.choose(self.pv, device_type, index, report.single_chain_refusal(self.name),
+                            lambda: self.accumulation_refusal(device_type, index, "single"))
         return mine
+
+    def accumulation_refusal(self, device_type: str, index: Optional[int], chain: str) -> Optional[str]:
+        """The self-check's cases that see lost P.V mass (the precision probe: 16400 diffuse keys with a V offset;
+        the long tail) on this backend's kernel with the given P.V chain: None when both pass, else the reason.
+        A pass is kept on disk with the self-check's passes (same GPU, driver and code: not run again)."""
+        from ...self_check import DEFAULT_CASES, run_self_check
+        cases = [c for c in DEFAULT_CASES if c.kind in ACCUMULATION_CASE_KINDS]
+        device = torch.device(device_type, index)
+        store = getattr(self.verdicts.cache, "inner", self.verdicts.cache)
+        key = store.key(f"{self.name} ({chain} P.V, accumulation cases)", None, device, cases)
+        if key and store.has_pass(key, self.name):
+            return None
+        result = run_self_check(self.chain_attention(chain), device, cases, lambda c: True)
+        if result.reason is None and key:
+            store.store_pass(key, self.name, result)
+        return result.reason
+
+    def chain_attention(self, chain: str) -> Callable:
+        """attention(q, k, v, is_causal=False) -> out through this backend's prologue and the `chain` kernel (the
+        self-check's calling convention; the field report times both chains with it)."""
+        from ...call_spec import describe_call
+
+        def attention(q, k, v, is_causal=False):
+            call = describe_call(q, k, v, is_causal=is_causal)
+            sm_scale = quant.default_sm_scale(call.head_dim)
+            qq = quantize(q, k, v, call, sm_scale, self.pv)
+            out, _ = launch_attention(qq, pv=self.pv, is_causal=is_causal, return_lse=False, sm_scale=sm_scale,
+                                      q=q, out_dtype=call.dtype, chain=chain)
+            return out
+        return attention
 
     # -- running --------------------------------------------------------------------------------
     def launch(self, q, k, v, call: AttentionCall, sm_scale: float, attn_mask):

@@ -33,6 +33,10 @@ SOURCE_FILES = ("gfx12_prelude.h", "sage_prologue.hip", "sage_attention.hip", "s
 HEAD_DIMS = (64, 128)
 DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 QK_GROUP_SIZES = {"token": 1, "block32": 32, "block64": 64, "block128": 128}
+# P.V accumulation: "two-level" (each tile's chain folded into FP32, any accumulator) or "single" (one chain over
+# all tiles, for a unit whose C keeps full FP32); the single chain ships for these P.V modes only.
+CHAINS = ("two-level", "single")
+SINGLE_CHAIN_PV = ("fp16",)
 
 # Geometry constants, mirrored from the sources (checked by tests/test_hip_static_check.py).
 PRO_THREADS = 256
@@ -45,10 +49,11 @@ PROBE_THREADS = 32
 
 # Verification-only build options (never set on the product path), as `module_source` keywords:
 #   acc_trunc_bits      SG_EMU_ACC_TRUNC_BITS: the emulated fp8 WMMA (CUDA, host simulator) models an
-#                       accumulator keeping that many fraction bits (NVIDIA's FP8 MMA: ~13); 0 = exact
+#                       accumulator keeping that many fraction bits (NVIDIA's FP8 MMA: ~13; 24: one bit more
+#                       than its fp32 register); 0 = exact
 #   f16_acc_trunc_bits  SG_EMU_F16_ACC_TRUNC_BITS: the same for the emulated f16 WMMA
-#   pv_single_chain     SG_PV_SINGLE_CHAIN: P.V accumulated in one WMMA chain over all key tiles (the former
-#                       kernel), instead of one chain per tile folded into the FP32 accumulator
+#   pv_single_chain     SG_PV_SINGLE_CHAIN: every attention kernel accumulates P.V in one WMMA chain over all key
+#                       tiles (FP8 too, which ships only the two-level kernel), as the `single` chain does
 #   fp8_nonsat          SG_EMU_FP8_NONSAT: the emulated e4m3 conversion (CUDA, host simulator) gives NaN for
 #                       |x| > 448, the non-saturating reading of gfx12's v_cvt_pk_fp8_f32 (no clamp bit)
 #   wmma_k_fault        SG_EMU_WMMA_K_FAULT: a planted fault of the emulated WMMA's K order, for the layout probe:
@@ -67,8 +72,8 @@ def option_defines(**options) -> str:
         if key not in VERIFY_OPTIONS:
             raise ValueError(f"unknown kernel build option {key!r} (known: {sorted(VERIFY_OPTIONS)})")
         value = int(value)
-        if key.endswith("trunc_bits") and not 0 <= value <= 23:
-            raise ValueError(f"{key} must be in 0..23, got {value}")
+        if key.endswith("trunc_bits") and not 0 <= value <= 24:
+            raise ValueError(f"{key} must be in 0..24, got {value}")
         if value:
             lines.append(f"#define {VERIFY_OPTIONS[key]} {value}\n")
     return "".join(lines)
@@ -84,8 +89,11 @@ def module_source(target: str = "hip", **options) -> str:
 
 
 # ------------------------------------------------------------------------------------------ names
-def attention_kernel(pv: str, head_dim: int, dtype: torch.dtype) -> str:
-    return f"sage_attn_i8{'f8' if pv == 'fp8' else 'f16'}_d{head_dim}_{DTYPES[dtype]}"
+def attention_kernel(pv: str, head_dim: int, dtype: torch.dtype, chain: str = "two-level") -> str:
+    if chain not in CHAINS or (chain == "single" and pv not in SINGLE_CHAIN_PV):
+        raise ValueError(f"no {chain!r} P.V kernel for pv={pv!r} (chains {CHAINS}; single for {SINGLE_CHAIN_PV})")
+    suffix = "_sc" if chain == "single" else ""
+    return f"sage_attn_i8{'f8' if pv == 'fp8' else 'f16'}_d{head_dim}_{DTYPES[dtype]}{suffix}"
 
 
 def quant_qk_kernel(head_dim: int, group: int, dtype: torch.dtype) -> str:
@@ -107,12 +115,12 @@ def all_kernel_names() -> List[str]:
         for pv in ("fp8", "fp16"):
             names.append(quant_v_kernel(pv, dt))
             for d in HEAD_DIMS:
-                names.append(attention_kernel(pv, d, dt))
+                names += [attention_kernel(pv, d, dt, c) for c in CHAINS if c == "two-level" or pv in SINGLE_CHAIN_PV]
         for d in HEAD_DIMS:
             for g in QK_GROUP_SIZES.values():
                 names.append(quant_qk_kernel(d, g, dt))
     names += ["sage_colstats_finalize", "sage_qk_scores_d64", "sage_qk_scores_d128", "sage_wmma_probe",
-              "sage_bias_probe", "sage_e4m3_probe", "sage_lane_probe"]
+              "sage_bias_probe", "sage_acc_probe", "sage_e4m3_probe", "sage_lane_probe"]
     return names
 
 
@@ -262,11 +270,12 @@ def quantized_refusal(qq: quant.QuantizedQKV, pv: str) -> Optional[str]:
 
 def attention_plan(qq: quant.QuantizedQKV, *, pv: str, is_causal: bool, out_dtype: torch.dtype,
                    return_lse: bool = False, q: Optional[torch.Tensor] = None, sm_scale: float = 1.0,
-                   out: Optional[torch.Tensor] = None):
+                   out: Optional[torch.Tensor] = None, chain: str = "two-level"):
     """Return (out (B,Hq,Nq,Dv) in out_dtype, lse (B,Hq,Nq) fp32 or None, launches).
 
     `out` may be passed as any view whose last dim is contiguous with rows 16-byte aligned (e.g. an
-    HND view of an NHD buffer). `q` (the raw fp16/bf16 query) is needed for the LSE's smooth_k term.
+    HND view of an NHD buffer). `q` (the raw fp16/bf16 query) is needed for the LSE's smooth_k term. `chain`: the
+    P.V accumulation (CHAINS).
     A call above the device's work bound becomes several launches (kernels/launch_split.py)."""
     reason = quantized_refusal(qq, pv)
     if reason:
@@ -286,7 +295,7 @@ def attention_plan(qq: quant.QuantizedQKV, *, pv: str, is_causal: bool, out_dtyp
         raise ValueError("the LSE with smooth_k needs the raw q (same dtype as the output)")
     pieces = launch_split.split_attention(b, hq, hkv, nq, nk, d, d, pv=pv, causal=is_causal, row_block=ATT_BLOCK_M,
                                           bound=launch_split.work_bound(dev))
-    kernel, group = attention_kernel(pv, d, out_dtype), hq // hkv
+    kernel, group = attention_kernel(pv, d, out_dtype, chain), hq // hkv
     qs = _strides(q) if use_q else (_i64(0),) * 4
     tail = (_i64(out.stride(0)), _i64(out.stride(1)), _i64(out.stride(2)))
     v_mean = getattr(qq, "v_mean", None)
@@ -337,6 +346,17 @@ def wmma_probe_plan(kind: str, a_lanes: torch.Tensor, b_lanes: torch.Tensor, c_l
     d = torch.zeros((32, 8), dtype=torch.int32, device=a_lanes.device)
     launch = Launch("sage_wmma_probe", (1, 1, 1), (PROBE_THREADS, 1, 1),
                     (_i32(WMMA_KINDS[kind]), _ptr(a_lanes), _ptr(b_lanes), _ptr(c_lanes), _ptr(d)))
+    return d, [launch]
+
+
+def acc_probe_plan(kind: str, a_lanes: torch.Tensor, b_lanes: torch.Tensor, c_lanes: torch.Tensor, steps: int):
+    """`steps` chained WMMAs of `kind` ('fp8' or 'f16') on per-lane fragments (int32 words, lane-major), C from
+    c_lanes before the first, each D the next C. Returns (the last D's lanes as int32 (32, 8), launches)."""
+    if kind not in ("fp8", "f16"):
+        raise ValueError(f"the accumulator probe takes 'fp8' or 'f16', got {kind!r}")
+    d = torch.zeros((32, 8), dtype=torch.int32, device=a_lanes.device)
+    launch = Launch("sage_acc_probe", (1, 1, 1), (PROBE_THREADS, 1, 1),
+                    (_i32(WMMA_KINDS[kind]), _ptr(a_lanes), _ptr(b_lanes), _ptr(c_lanes), _i32(steps), _ptr(d)))
     return d, [launch]
 
 

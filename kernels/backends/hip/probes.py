@@ -1,12 +1,13 @@
 """Hardware probes: what the HIP kernels assume of the gfx12 instructions, checked on each device at first use.
 
-The probe kernels (src/sage_probes.hip) run one wave each, 8 launches in all; the expected values come from the
+The probe kernels (src/sage_probes.hip) run one wave each, 10 launches in all; the expected values come from the
 spec (AMD's RDNA4 operand layouts in kernel_abi, IEEE/OCP rounding) computed here in torch. Each probe names
 the assumption it checks and the backends that rely on it. Verdicts:
   pass     the device did what the kernels assume;
   differs  it did not: the dependent backends are disabled on that device, with the probe named in the reason;
   reading  a fact recorded for the field report that no kernel relies on (FP8 conversion above 448: the kernels
-           keep P <= 447.9953 and V at most 448; subnormal WMMA inputs: flushed or kept).
+           keep P <= 447.9953 and V at most 448; subnormal WMMA inputs: flushed or kept); the accumulator
+           readings (accumulator.py) also decide whether the single-chain P.V may serve (`full_fp32`).
 A WMMA probe cannot see a K permutation shared by A and B: the sum over K is the same, and so is every kernel's
 result, so such a permutation is harmless. Nothing here has run on RDNA4 hardware yet: the expected values are the
 documented layouts and the emulation (CUDA, host simulator) matches them.
@@ -23,6 +24,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ... import first_use_costs
+from . import accumulator, pv_chain
 from . import kernel_abi as abi
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ PASS, DIFFERS, READING = "pass", "differs", "reading"
 FP8, FP16 = "hip_int8_fp8", "hip_int8_fp16"
 BOTH = (FP8, FP16)
 QK_BIAS = 0x3E22F983  # sage_attention.hip: the Q.K chain's start, the bits of the float 1/(2 pi)
+ACCUMULATOR_PROBES = {FP8: "wmma_fp8_accumulator", FP16: "wmma_f16_accumulator"}
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,14 @@ class ProbeResult:
     expected: str
     checks: str  # the assumption
     backends: Tuple[str, ...]  # the backends relying on it (disabled when it differs)
+    full_fp32: Optional[bool] = None  # accumulator probes: C keeps full FP32 across a chain
 
     def as_dict(self) -> Dict:
-        return {"name": self.name, "verdict": self.verdict, "found": self.found, "expected": self.expected,
-                "checks": self.checks, "backends": list(self.backends)}
+        out = {"name": self.name, "verdict": self.verdict, "found": self.found, "expected": self.expected,
+               "checks": self.checks, "backends": list(self.backends)}
+        if self.full_fp32 is not None:
+            out["full_fp32"] = self.full_fp32
+        return out
 
 
 @dataclass
@@ -67,6 +74,17 @@ class ProbeReport:
             return None
         return "; ".join(f"hardware probe {r.name} differs ({r.checks}): found {r.found}, expected {r.expected}"
                          for r in bad)
+
+    def single_chain_refusal(self, backend: str) -> Optional[str]:
+        """Why `backend`'s single-chain P.V must not serve on this device (its WMMA's accumulator not read as full
+        FP32), or None."""
+        if self.error:
+            return f"hardware probes could not run: {self.error}"
+        name = ACCUMULATOR_PROBES[backend]
+        found = next((r for r in self.results if r.name == name), None)
+        if found is None:
+            return f"the accumulator probe {name} did not run"
+        return None if found.full_fp32 else f"{name}: {found.found}"
 
     def summary(self) -> str:
         if self.error:
@@ -199,6 +217,21 @@ def probe_wmma_subnormal(run, device, kind: str) -> ProbeResult:
                        (FP8,) if kind == "fp8" else (FP16,))
 
 
+def probe_accumulator(run, device, kind: str) -> ProbeResult:
+    """A chain of accumulator.STEPS WMMAs whose exact sums tell how many fraction bits C keeps (accumulator.py)."""
+    a, b, c = accumulator.operands()
+    cast = torch.float8_e4m3fn if kind == "fp8" else torch.float16
+    a_l, b_l, c_l = _lanes(a.to(cast), b.to(cast), c, device)
+    d_l, launches = abi.acc_probe_plan(kind, a_l, b_l, c_l, accumulator.STEPS)
+    run(launches)
+    reading = accumulator.read(abi.d_from_lanes(d_l.cpu().view(torch.float32)))
+    backend = FP8 if kind == "fp8" else FP16
+    return ProbeResult(ACCUMULATOR_PROBES[backend], READING, reading.text(),
+                       "full FP32 lets the single-chain P.V serve; fewer bits: the two-level P.V only",
+                       f"{_WMMA_NAMES[kind]}: fraction bits C keeps across a chain, rounding or truncation",
+                       (backend,), full_fp32=reading.full_fp32)
+
+
 # In-range inputs (their bytes: torch's RNE e4m3), a subnormal, and the overflow inputs the reading classifies.
 _E4M3_EXACT = (0.0, 1.0, 0.3, -2.5, 447.0, 448.0, -448.0, 2.0 ** -6)
 _E4M3_SUB = 2.0 ** -8  # 2 steps of 2^-9: byte 0x02
@@ -307,6 +340,7 @@ def run_probes(run: Callable, device, label: Optional[str] = None) -> ProbeRepor
         results = [probe_wmma_layout(counting, device, kind) for kind in ("iu8", "fp8", "f16")]
         results.append(probe_qk_bias(counting, device))
         results += [probe_wmma_subnormal(counting, device, kind) for kind in ("fp8", "f16")]
+        results += [probe_accumulator(counting, device, kind) for kind in ("fp8", "f16")]
         results += probe_e4m3(counting, device)
         results += probe_lanes(counting, device)
         report.results = results
@@ -366,7 +400,8 @@ def probe_device(device_type: str, index: Optional[int]) -> ProbeReport:
 
 
 def forget() -> None:
-    """Drop the recorded reports (tests)."""
+    """Drop the recorded reports, and the P.V chains chosen from them (tests)."""
     with _GUARD:
         _REPORTS.clear()
         _LOCKS.clear()
+    pv_chain.forget()

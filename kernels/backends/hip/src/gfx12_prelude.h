@@ -431,6 +431,19 @@ SG_INLINE float lane_xor16_full_wave(float v) {
   return lane_xor<16>(v);
 #endif
 }
+// Whether x holds in any lane of the wave (a wave-uniform answer: a scalar branch on AMD).
+SG_INLINE bool wave_any(bool x) {
+#if defined(SG_AMD)
+  return __builtin_amdgcn_ballot_w32(x) != 0u;
+#elif defined(SG_CUDA)
+  return __any_sync(0xffffffffu, x);
+#else
+  const u32 v = x ? 1u : 0u;
+  u32 r = v | emu_shfl_xor(v, 16);
+  r |= emu_shfl_xor(r, 8); r |= emu_shfl_xor(r, 4); r |= emu_shfl_xor(r, 2); r |= emu_shfl_xor(r, 1);
+  return r != 0u;
+#endif
+}
 // Wave-wide abs_max of values >= 0 or NaN (NaN in any lane gives NaN in every lane).
 SG_INLINE float wave_abs_max(float v) {
   v = abs_max(v, lane_xor<16>(v)); v = abs_max(v, lane_xor<8>(v)); v = abs_max(v, lane_xor<4>(v));
@@ -445,10 +458,11 @@ SG_INLINE float wave_abs_max(float v) {
 // 16 products (each exact in fp32), are aligned to the largest exponent emax among the nonzero terms
 // and every bit below 2^(emax - N) is dropped (each term truncated toward zero to a multiple of
 // 2^(emax - N)); the aligned terms are summed exactly and the sum is normalised into the N-bit
-// accumulator, again truncating toward zero (N fraction bits below its leading bit). Terms that are
-// NaN or Inf give the plain sum. A pure-torch twin of this model is kernels/verify/hip_checks.py
-// (trunc_acc_model); tests compare the two bit for bit. It says nothing about what RDNA4 does: it lets
-// the emulation show which kernels survive a truncating accumulator.
+// accumulator, again truncating toward zero (N fraction bits below its leading bit), and stored as fp32
+// (round to nearest even: exact for N <= 23; N = 24 models a unit one bit wider than its fp32 register).
+// Terms that are NaN or Inf give the plain sum. A pure-torch twin of this model is
+// kernels/verify/hip_checks.py (trunc_acc_model); tests compare the two bit for bit. It says nothing about
+// what RDNA4 does: it lets the emulation show which kernels survive a truncating accumulator.
 #if !defined(SG_AMD)
 #ifndef SG_EMU_ACC_TRUNC_BITS
 #define SG_EMU_ACC_TRUNC_BITS 0
@@ -485,9 +499,11 @@ SG_INLINE float emu_trunc_acc(const float* t, int bits) {
   if (emax == -1000) return t[0] + 0.0f;  // all terms zero
   double sum = 0.0;  // multiples of 2^(emax - bits) below 17 * 2^(emax + 1): exact in double
   for (int i = 0; i < 17; ++i) sum += (double)emu_trunc_to_grid(t[i], emax - bits);
-  float r = (float)sum;  // exact for bits <= 18
-  if (r == 0.0f) return r;
-  return emu_trunc_to_grid(r, emu_exponent(r) - bits);
+  if (sum == 0.0) return (float)sum;
+  // Normalised in double (the sum may need bits + 5 significant bits), then stored as fp32.
+  const u64 u = bit_cast<u64>(sum);
+  const int drop = 52 - bits;  // sum is a normal double: its leading bit is 2^52 units of its last mantissa bit
+  return (float)bit_cast<double>(u & ~((1ull << drop) - 1ull));
 }
 #endif
 

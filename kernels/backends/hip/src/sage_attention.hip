@@ -235,8 +235,10 @@ template <int D> struct PFrag<D, false> { f16x8 p[4]; };
 // per element (o = fma(o, alpha, t), which replaces the separate o *= alpha). A matrix unit whose
 // accumulator keeps fewer bits than FP32 (NVIDIA's FP8 MMA keeps ~13) then only rounds one tile's sum,
 // never the small increment of a tile against the large running total of a long diffuse row.
-// SG_PV_SINGLE_CHAIN=1 (verification only) builds the former single chain instead: o *= alpha, then
-// every WMMA step accumulates into o itself.
+// SC (the single-chain variant, for a unit whose accumulator keeps full FP32: probes.py reads it at first use):
+// every WMMA step accumulates into o itself, no fold; attend_tile rescales o only on a tile whose shift moved
+// (FP16: the running max grew; FP8's shift follows each tile's max, so only FP16 ships it, kernel_abi).
+// SG_PV_SINGLE_CHAIN=1 (verification only) makes every kernel a single chain, FP8 included.
 #ifndef SG_PV_SINGLE_CHAIN
 #define SG_PV_SINGLE_CHAIN 0
 #endif
@@ -253,18 +255,18 @@ SG_INLINE float fold_acc(float o, float alpha, float t) {
   return fma_(o, alpha, t);
 #endif
 }
-SG_INLINE void pv_begin(f32x8& t, const f32x8& o, float alpha) {
+template <bool SC> SG_INLINE void pv_begin(f32x8& t, const f32x8& o) {
   #pragma unroll
-  for (int e = 0; e < 8; ++e) t[e] = SG_PV_SINGLE_CHAIN ? o[e] * alpha : 0.0f;
+  for (int e = 0; e < 8; ++e) t[e] = SC ? o[e] : 0.0f;
 }
-SG_INLINE void pv_end(f32x8& o, const f32x8& t, float alpha) {
+template <bool SC> SG_INLINE void pv_end(f32x8& o, const f32x8& t, float alpha) {
   #pragma unroll
-  for (int e = 0; e < 8; ++e) o[e] = SG_PV_SINGLE_CHAIN ? t[e] : fold_acc(o[e], alpha, t[e]);
+  for (int e = 0; e < 8; ++e) o[e] = SC ? t[e] : fold_acc(o[e], alpha, t[e]);
 }
 // Two 16-channel blocks at a time: their chains interleave (a chain's consecutive WMMAs sit two apart) and
 // their V^T reads are issued together, the first one used issued last (LDS reads complete in order, so one
 // wait covers the batch). (Four blocks at a time at D64 spill at 12 waves per SIMD, for no fewer instructions.)
-template <int D>
+template <int D, bool SC>
 SG_INLINE void pv_tile(f32x8* o, float alpha, const PFrag<D, true>& pf, const u8* vt, int vt_stride) {
   const int l = lane_id();
   const u8* base = vt + (l & 15) * vt_stride + 16 * (l >> 4);
@@ -281,7 +283,7 @@ SG_INLINE void pv_tile(f32x8* o, float alpha, const PFrag<D, true>& pf, const u8
     sched_fence();
     f32x8 t[2];
     #pragma unroll
-    for (int u = 0; u < 2; ++u) pv_begin(t[u], o[tt + u], alpha);
+    for (int u = 0; u < 2; ++u) pv_begin<SC>(t[u], o[tt + u]);
     #pragma unroll
     for (int m = 0; m < 2; ++m) {
       #pragma unroll
@@ -291,10 +293,10 @@ SG_INLINE void pv_tile(f32x8* o, float alpha, const PFrag<D, true>& pf, const u8
     }
     if (D != 64) sched_fence();  // D64: fences left out where clang-19 then schedules tighter (README, HIP kernels)
     #pragma unroll
-    for (int u = 0; u < 2; ++u) pv_end(o[tt + u], t[u], alpha);
+    for (int u = 0; u < 2; ++u) pv_end<SC>(o[tt + u], t[u], alpha);
   }
 }
-template <int D>
+template <int D, bool SC>
 SG_INLINE void pv_tile(f32x8* o, float alpha, const PFrag<D, false>& pf, const u8* vt, int vt_stride) {
   const int l = lane_id();
   const u8* base = vt + (l & 15) * vt_stride + 16 * (l >> 4);
@@ -311,14 +313,14 @@ SG_INLINE void pv_tile(f32x8* o, float alpha, const PFrag<D, false>& pf, const u
     sched_fence();
     f32x8 t[2];
     #pragma unroll
-    for (int u = 0; u < 2; ++u) pv_begin(t[u], o[tt + u], alpha);
+    for (int u = 0; u < 2; ++u) pv_begin<SC>(t[u], o[tt + u]);
     #pragma unroll
     for (int j = 0; j < 4; ++j)
       #pragma unroll
       for (int u = 0; u < 2; ++u) t[u] = wmma_f16(bit_cast<f16x8>(a[u][j]), pf.p[j], t[u]);
     if (D != 64) sched_fence();  // D64: the folds may move among the WMMAs (-2 instructions per tile, clang-19)
     #pragma unroll
-    for (int u = 0; u < 2; ++u) pv_end(o[tt + u], t[u], alpha);
+    for (int u = 0; u < 2; ++u) pv_end<SC>(o[tt + u], t[u], alpha);
   }
 }
 
@@ -370,7 +372,7 @@ template <bool FP8PV> SG_INLINE float p_shift(float m, float qscale) {
 
 // `prefetch` issues the next tile's global loads once the scores are out of the WMMA accumulators: their
 // registers then overlap the softmax and P.V, not the Q.K phase, where the key loop's register peak is.
-template <int D, bool FP8PV, bool MASK, class Prefetch>
+template <int D, bool FP8PV, bool SC, bool MASK, class Prefetch>
 SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const AttnSmem<D, FP8PV>& sm,
                            int kt0, int Nk, int causal, const Prefetch& prefetch) {
   typedef AttnSmem<D, FP8PV> M;
@@ -471,7 +473,16 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
   rs.l = fold_acc(rs.l, alpha, (part[0] + part[1]) + (part[2] + part[3]));  // VOP3: no copy on the back edge
   rs.bias = bias_new;
   if (D != 64 || FP8PV) sched_fence();  // FP16 D64: left out (README, HIP kernels); FP8 D64: -2 per tile (clang-19)
-  pv_tile<D>(rs.o, alpha, pf, sm.vt, M::VT_STRIDE);
+  if constexpr (SC) {
+    // The single chain rescales o only on a tile whose shift moved in some lane (alpha is exactly 1 elsewhere).
+    if (wave_any(alpha != 1.0f)) {
+      #pragma unroll
+      for (int tt = 0; tt < D / 16; ++tt)
+        #pragma unroll
+        for (int e = 0; e < 8; ++e) rs.o[tt][e] *= alpha;
+    }
+  }
+  pv_tile<D, SC>(rs.o, alpha, pf, sm.vt, M::VT_STRIDE);
   // max(running max, this tile's max) - range = max(floor, shift - range): the shift is the tile's max or the floor.
   if constexpr (FP8PV) rs.floor = fmax_(rs.floor, bias_new - FP8_TILE_SHIFT_RANGE);
   if (D != 64) sched_fence();  // D64: the last folds may meet the loop's tail (left out, README, HIP kernels)
@@ -479,12 +490,13 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
 
 
 // The whole attention for one block of BM query rows of one (batch, q head).
-template <int D, bool FP8PV, class T>
+template <int D, bool FP8PV, bool SC_, class T>
 SG_INLINE void attention(const i8* q8, const float* q_scale, const i8* k8, const float* k_scale, const u8* v,
                          const float* v_scale, const float* v_mean, int Hq, int Hkv, int Nq, int Nk, int causal,
                          u16* out, i64 osb, i64 osh, i64 osn, float* lse,
                          const u16* q, i64 qsb, i64 qsh, i64 qsn, i64 qsd, const float* k_mean, float sm_scale) {
   typedef AttnSmem<D, FP8PV> M;
+  constexpr bool SC = SC_ || SG_PV_SINGLE_CHAIN;
   SG_SHARED M sm;
   const int hq = bid_y(), b = bid_z(), hk = hq / (Hq / Hkv);
   const int lane = lane_id(), h = lane >> 4;
@@ -526,7 +538,7 @@ SG_INLINE void attention(const i8* q8, const float* q_scale, const i8* k8, const
   for (; i < n_main; ++i) {
     stage_store<D, FP8PV>(st, sm);
     block_sync();
-    attend_tile<D, FP8PV, false>(rs, qf, sm, i * BN, Nk, causal,
+    attend_tile<D, FP8PV, SC, false>(rs, qf, sm, i * BN, Nk, causal,
                                  [&] { stage_load_whole<D, FP8PV>(st, so, kbase, vbase, ksbase, (i + 1) * BN); });
     block_sync_lds();  // the next tile's global loads stay in flight across it
   }
@@ -534,7 +546,7 @@ SG_INLINE void attention(const i8* q8, const float* q_scale, const i8* k8, const
     stage_store<D, FP8PV>(st, sm);
     block_sync();
     if (i + 1 < n_tiles) stage_load<D, FP8PV>(st, kbase, vbase, ksbase, (i + 1) * BN, Nk);
-    attend_tile<D, FP8PV, true>(rs, qf, sm, i * BN, Nk, causal, [] {});
+    attend_tile<D, FP8PV, SC, true>(rs, qf, sm, i * BN, Nk, causal, [] {});
     block_sync();
   }
 
@@ -616,23 +628,29 @@ SG_INLINE void qk_scores(const i8* q8, const i8* k8, int Hq, int Hkv, int Nq, in
 }  // namespace sg
 
 // ---------------------------------------------------------------- entry points
-#define SG_ATTN(PV, FP8, D, SUF, T, WAVES)                                                                   \
-  extern "C" __global__ SG_LAUNCH_BOUNDS(256) SG_MIN_WAVES(WAVES) void sage_attn_i8##PV##_d##D##_##SUF(                          \
+#define SG_ATTN(PV, FP8, D, SUF, T, WAVES, SC, CHAIN)                                                        \
+  extern "C" __global__ SG_LAUNCH_BOUNDS(256) SG_MIN_WAVES(WAVES) void sage_attn_i8##PV##_d##D##_##SUF##CHAIN(                   \
       const sg::i8* q8, const float* q_scale, const sg::i8* k8, const float* k_scale, const sg::u8* v,        \
       const float* v_scale, const float* v_mean, int Hq, int Hkv, int Nq, int Nk, int causal, sg::u16* out,  \
       sg::i64 osb, sg::i64 osh, sg::i64 osn, float* lse, const sg::u16* q, sg::i64 qsb, sg::i64 qsh,         \
       sg::i64 qsn, sg::i64 qsd, const float* k_mean, float sm_scale) {                                        \
-    sg::attention<D, FP8, sg::T>(q8, q_scale, k8, k_scale, v, v_scale, v_mean, Hq, Hkv, Nq, Nk, causal, out, \
+    sg::attention<D, FP8, SC, sg::T>(q8, q_scale, k8, k_scale, v, v_scale, v_mean, Hq, Hkv, Nq, Nk, causal, out, \
                                  osb, osh, osn, lse, q, qsb, qsh, qsn, qsd, k_mean, sm_scale);                \
   }
-SG_ATTN(f8, true, 128, f16, F16, 9)
-SG_ATTN(f8, true, 128, bf16, BF16, 9)
-SG_ATTN(f8, true, 64, f16, F16, 12)
-SG_ATTN(f8, true, 64, bf16, BF16, 12)
-SG_ATTN(f16, false, 128, f16, F16, 8)
-SG_ATTN(f16, false, 128, bf16, BF16, 8)
-SG_ATTN(f16, false, 64, f16, F16, 10)
-SG_ATTN(f16, false, 64, bf16, BF16, 10)
+// Two-level P.V (any accumulator), then the FP16 single-chain variants (`_sc`: a unit keeping full FP32 in C). FP8
+// has none: its shift moves every tile, and clang-19 spills around the rescale branch (docs/MEASUREMENTS.md).
+SG_ATTN(f8, true, 128, f16, F16, 9, false, )
+SG_ATTN(f8, true, 128, bf16, BF16, 9, false, )
+SG_ATTN(f8, true, 64, f16, F16, 12, false, )
+SG_ATTN(f8, true, 64, bf16, BF16, 12, false, )
+SG_ATTN(f16, false, 128, f16, F16, 8, false, )
+SG_ATTN(f16, false, 128, bf16, BF16, 8, false, )
+SG_ATTN(f16, false, 64, f16, F16, 10, false, )
+SG_ATTN(f16, false, 64, bf16, BF16, 10, false, )
+SG_ATTN(f16, false, 128, f16, F16, 8, true, _sc)
+SG_ATTN(f16, false, 128, bf16, BF16, 8, true, _sc)
+SG_ATTN(f16, false, 64, f16, F16, 10, true, _sc)
+SG_ATTN(f16, false, 64, bf16, BF16, 10, true, _sc)
 
 #define SG_QK_SCORES(D)                                                                                     \
   extern "C" __global__ SG_LAUNCH_BOUNDS(256) void sage_qk_scores_d##D(                                      \

@@ -64,6 +64,25 @@ SG_INLINE void bias_probe(const u32* a, const u32* b, u32* d, float* dot) {
   }
 }
 
+// The accumulator probe: `steps` WMMAs of one builtin (kind 1 fp8 x fp8, 2 f16) in one chain, each D the next C,
+// as a single-chain P.V accumulates; A and B the same every step, C from c before the first. Writes the last D.
+// probes.py chooses operands whose exact sums tell how many fraction bits C keeps across the chain.
+SG_INLINE void acc_probe(int kind, const u32* a, const u32* b, const u32* c, int steps, u32* d) {
+  const int l = lane_id();
+  f32x8 acc;
+  #pragma unroll
+  for (int e = 0; e < 8; ++e) acc[e] = bit_cast<float>(c[8 * l + e]);
+  if (kind == 2) {
+    const f16x8 av = bit_cast<f16x8>(*(const u32x4*)(a + 4 * l)), bv = bit_cast<f16x8>(*(const u32x4*)(b + 4 * l));
+    for (int s = 0; s < steps; ++s) acc = wmma_f16(av, bv, acc);
+  } else {
+    const i32x2 av = mk_i32x2(a[2 * l], a[2 * l + 1]), bv = mk_i32x2(b[2 * l], b[2 * l + 1]);
+    for (int s = 0; s < steps; ++s) acc = wmma_fp8(av, bv, acc);
+  }
+  #pragma unroll
+  for (int e = 0; e < 8; ++e) d[8 * l + e] = bit_cast<u32>(acc[e]);
+}
+
 // n floats (n a multiple of 4) to e4m3 bytes through pack_e4m3x4, the conversion P and V go through (one dword
 // of 4 bytes per thread): rounding, byte order, overflow.
 SG_INLINE void e4m3_probe(const float* x, u32* out, int n) {
@@ -100,6 +119,11 @@ extern "C" __global__ SG_LAUNCH_BOUNDS(32) void sage_wmma_probe(int kind, const 
 extern "C" __global__ SG_LAUNCH_BOUNDS(32) void sage_bias_probe(const sg::u32* a, const sg::u32* b, sg::u32* d,
                                                                 float* dot) {
   sg::bias_probe(a, b, d, dot);
+}
+
+extern "C" __global__ SG_LAUNCH_BOUNDS(32) void sage_acc_probe(int kind, const sg::u32* a, const sg::u32* b,
+                                                               const sg::u32* c, int steps, sg::u32* d) {
+  sg::acc_probe(kind, a, b, c, steps, d);
 }
 
 extern "C" __global__ SG_LAUNCH_BOUNDS(32) void sage_e4m3_probe(const float* x, sg::u32* out, int n) {
