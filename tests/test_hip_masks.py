@@ -224,7 +224,7 @@ def test_prologue_with_live_keys_is_bit_exact(pv, d, dtype, group, smooth_v):
 def _masked_case(name, pv, d, dtype, causal=False, nq=40, nk=150, hq=2, hkv=1, smooth_k=True):
     scale = 1.0 if name in ("per-head bool", "soft bias") else 1000.0  # live padding belongs in the statistics
     q, k, v = hip_checks.padded_qkv(2, hq, hkv, nq, nk, d, dtype, CPU, PAD, scale=scale)
-    mask = hip_checks.key_mask_variants(2, hq, nk, PAD)[name]
+    mask = hip_checks.key_mask_variants(2, hq, nk, PAD, nq=nq)[name]
     sm = 1 / math.sqrt(d)
     qq, km = hip_checks.masked_prologue(host_sim.run, q, k, v, mask, sm_scale=sm, pv=pv, smooth_k=smooth_k)
     out, lse = hip_checks.masked_attention(host_sim.run, qq, km, pv=pv, is_causal=causal, out_dtype=dtype,

@@ -494,10 +494,10 @@ def padded_qkv(b, hq, hkv, nq, nk, d, dtype, device, pad, scale: float = 1000.0,
     return tuple(t.to(device) for t in (q, k, v))
 
 
-def key_mask_variants(b: int, hq: int, nk: int, pad, device="cpu") -> Dict[str, torch.Tensor]:
+def key_mask_variants(b: int, hq: int, nk: int, pad, device="cpu", nq: int = 70) -> Dict[str, torch.Tensor]:
     """Key-only masks as ComfyUI's models pass them, hiding batch i's last pad[i % len(pad)] keys (except where the
     name says otherwise): bool (True keeps), -inf in fp16, -finfo.max in bf16 (HunyuanVideo's), a 3-D one, one
-    expanded over the query rows (stride 0), a mask per head (bool), a soft bias (no key dead), every key -inf
+    expanded over nq query rows (stride 0), a mask per head (bool), a soft bias (no key dead), every key -inf
     (rows with no key: zeros, LSE -inf), every key at -finfo.max (SDPA's uniform average)."""
     keep = torch.ones(b, 1, 1, nk, dtype=torch.bool)
     for i in range(b):
@@ -510,7 +510,7 @@ def key_mask_variants(b: int, hq: int, nk: int, pad, device="cpu") -> Dict[str, 
         "neg-inf fp16": torch.zeros(b, 1, 1, nk, dtype=torch.float16).masked_fill(~keep, -math.inf),
         "-finfo.max bf16": neg_max,
         "-finfo.max bf16 3d": neg_max[:1, 0],
-        "-finfo.max expanded": neg_max.expand(b, 1, 70, nk),
+        "-finfo.max expanded": neg_max.expand(b, 1, nq, nk),
         "per-head bool": per_head,
         "soft bias": torch.randn(b, hq, 1, nk, generator=torch.Generator().manual_seed(5)) * 2.0,
         "all -inf": torch.full((b, 1, 1, nk), -math.inf),

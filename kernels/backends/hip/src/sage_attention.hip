@@ -424,9 +424,17 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
     // multiplications after them. All four subtiles' reads at once (one wait) only for FP16 P.V D64: the FP8
     // kernels spill with them and FP16 D128 gains nothing.
     constexpr int G = D == 64 && !FP8PV ? 4 : 2;
+    // KM: the keys' biases are read in the same batches, issued first (the one wait covers them), except for FP16
+    // D64, whose batch of four then spills: there they follow in a pass of their own (clang-19).
+    constexpr bool BIAS_IN_BATCH = KM && G == 2;
     #pragma unroll
     for (int j0 = 0; j0 < 4; j0 += G) {
       u32x4 kq[G][2];
+      u32x4 bq[G][2];
+      if constexpr (BIAS_IN_BATCH) {
+        #pragma unroll
+        for (int i = 2 * G - 1; i >= 0; --i) bq[i / 2][i % 2] = *(const u32x4*)(key_bias + 16 * (j0 + i / 2) + 8 * h + 4 * (i % 2));
+      }
       #pragma unroll
       for (int i = 2 * G - 1; i >= 0; --i) {
         if (i == 0) sched_fence();
@@ -446,9 +454,15 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
         const u32 km[8] = {ka.x, ka.y, ka.z, ka.w, kb.x, kb.y, kb.z, kb.w};
         #pragma unroll
         for (int e = 0; e < 8; ++e) s[j0 + jj][e] *= bit_cast<float>(km[e]);
+        if constexpr (BIAS_IN_BATCH) {
+          const u32 bm[8] = {bq[jj][0].x, bq[jj][0].y, bq[jj][0].z, bq[jj][0].w,
+                             bq[jj][1].x, bq[jj][1].y, bq[jj][1].z, bq[jj][1].w};
+          #pragma unroll
+          for (int e = 0; e < 8; ++e) s[j0 + jj][e] = fma_(s[j0 + jj][e], rs.qscale, bit_cast<float>(bm[e]));
+        }
       }
     }
-    if constexpr (KM) {
+    if constexpr (KM && !BIAS_IN_BATCH) {
       #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const u32x4 ba = *(const u32x4*)(key_bias + 16 * j + 8 * h);
