@@ -105,6 +105,16 @@ def _backend_or_skip(pv, monkeypatch):
     return backend
 
 
+@pytest.fixture(scope="module")
+def backends():
+    """One emulated HipBackend per P.V mode for the module: each runs its first-use self-check once per prologue."""
+    patch = pytest.MonkeyPatch()
+    try:
+        yield {pv: _backend_or_skip(pv, patch) for pv in ("fp8", "fp16")}
+    finally:
+        patch.undo()
+
+
 @pytest.mark.parametrize("pv", ["fp8", "fp16"])
 def test_self_check_runs_and_passes_padded_keys(pv, monkeypatch):
     """The first-use self-check of the HIP backend now includes the padded-keys case (a key-only -finfo.max mask over
@@ -122,11 +132,11 @@ def test_self_check_runs_and_passes_padded_keys(pv, monkeypatch):
 @pytest.mark.parametrize("prologue", ["hip", "triton"])
 @pytest.mark.parametrize("style", ["-finfo.max bf16", "bool", "neg-inf fp32", "per-head soft", "all -finfo.max",
                                    "all -inf"])
-def test_backend_with_key_masks_against_sdpa(pv, prologue, style, monkeypatch):
+def test_backend_with_key_masks_against_sdpa(backends, pv, prologue, style):
     """HunyuanVideo's key-only padding mask at B2 H8 N2100 D128 bf16 (padding K and V 100x larger), through
     HipBackend: within the unmasked bounds of SDPA and exact attention, LSE included; every key -finfo.max gives the
     uniform average, every key -inf zeros with LSE -inf."""
-    backend = _backend_or_skip(pv, monkeypatch)
+    backend = backends[pv]
     b, h, n, d, pad = 2, 8, 2100, 128, (200, 613)
     q, k, v = hip_checks.padded_qkv(b, h, h, n, n, d, torch.bfloat16, DEV, pad, scale=100.0)
     keep = torch.ones(b, 1, 1, n, dtype=torch.bool, device=DEV)

@@ -433,7 +433,8 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
       u32x4 bq[G][2];
       if constexpr (BIAS_IN_BATCH) {
         #pragma unroll
-        for (int i = 2 * G - 1; i >= 0; --i) bq[i / 2][i % 2] = *(const u32x4*)(key_bias + 16 * (j0 + i / 2) + 8 * h + 4 * (i % 2));
+        for (int i = 2 * G - 1; i >= 0; --i)
+          bq[i / 2][i % 2] = *(const u32x4*)(key_bias + 16 * (j0 + i / 2) + 8 * h + 4 * (i % 2));
       }
       #pragma unroll
       for (int i = 2 * G - 1; i >= 0; --i) {
