@@ -262,7 +262,9 @@ def test_fully_masked_rows_follow_sdpa(pv):
     out, lse, qq, km, q, k, v, mask = _masked_case("all -finfo.max", pv, 64, torch.float16, nk=100)
     uniform = v.float().mean(dim=2, keepdim=True).repeat_interleave(2, dim=1).expand(out.shape)
     err = float((out.float() - uniform).abs().sum() / uniform.abs().sum())
-    assert err <= {"fp8": 0.05, "fp16": 0.01}[pv], err
+    assert err <= {"fp8": 0.05, "fp16": 0.01}[pv], err  # V's own rounding: the spec's error too
+    ref, _ = hip_checks.hip_spec(qq, pv=pv, out_dtype=torch.float16, key_bias=km.attention.bias)
+    assert float((out.float() - ref.float()).abs().sum() / ref.float().abs().sum()) < 2e-3
     assert torch.isfinite(lse).all()
 
 

@@ -89,8 +89,11 @@ def test_fully_masked_rows(run, pv):
     uniform = v.float().mean(dim=2, keepdim=True).expand_as(sdpa)
     torch.testing.assert_close(sdpa, uniform, rtol=1e-4, atol=1e-3)
     err = metrics.rel_l1(out.float(), sdpa)
-    print(f"{pv} every key -finfo.max: rel L1 vs SDPA {err:.4f}")
-    assert err <= {"fp8": 0.03, "fp16": 0.01}[pv] and torch.isfinite(lse).all()
+    ref, _ = hip_checks.hip_spec(qq, pv=pv, out_dtype=torch.bfloat16, key_bias=km.attention.bias)
+    vs_spec = metrics.rel_l1(out.float(), ref.float())
+    print(f"{pv} every key -finfo.max: rel L1 vs SDPA {err:.4f}, vs the spec {vs_spec:.2e}")
+    assert vs_spec <= hip_checks.TOL_REL_L1_VS_REF[pv]
+    assert err <= {"fp8": 0.04, "fp16": 0.01}[pv] and torch.isfinite(lse).all()
 
 
 # -- the backend, through the pack's loader -----------------------------------------------------------------
@@ -170,13 +173,13 @@ def test_backend_with_key_masks_against_sdpa(backends, pv, prologue, style):
     err, sdpa_err = metrics.rel_l1(out.float(), exact), metrics.rel_l1(sdpa.float(), exact)
     print(f"{backend.name} {prologue} {style}: rel L1 vs exact {err:.4f} (SDPA FP32 {sdpa_err:.2e}), "
           f"LSE max err {float((lse - exact_lse).abs().max()):.2e}")
-    if style == "all -finfo.max":
-        uniform = v.float().mean(dim=2, keepdim=True).expand_as(exact)
-        assert metrics.rel_l1(out.float(), uniform) <= 0.03
-        return
     spec, spec_lse = reference.reference_attention(q, k, v, pv=pv, attn_mask=mask, return_lse=True,
                                                    p_tile=hip_checks.HIP_P_TILE)
     assert metrics.rel_l1(out.float(), spec.float()) <= hip_checks.TOL_REL_L1_VS_REF[pv]
+    if style == "all -finfo.max":  # the uniform average (V's e4m3 / fp16 rounding: the spec's own error)
+        uniform = v.float().mean(dim=2, keepdim=True).expand_as(exact)
+        assert metrics.rel_l1(out.float(), uniform) <= {"fp8": 0.04, "fp16": 0.01}[pv]
+        return
     assert metrics.cosine(out.float(), exact) >= 0.999
     assert err <= {"fp8": 0.05, "fp16": 0.015}[pv]
     assert float((lse - spec_lse).abs().max()) < hip_checks.TOL_LSE * 5
