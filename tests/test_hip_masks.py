@@ -284,3 +284,32 @@ def test_bool_mask_selects_even_a_nan_key():
     ref, _ = hip_checks.hip_spec(qq, pv="fp16", out_dtype=torch.float16, key_bias=km.attention.bias, key_fill=True)
     assert torch.isfinite(out).all() and torch.isfinite(ref).all()
     assert float((out.float() - ref.float()).abs().sum() / ref.float().abs().sum()) < 2e-3
+
+
+@needs_sim
+@pytest.mark.parametrize("units", [1e-9, pytest.param(1.0, marks=SLOW)])
+def test_split_launches_address_the_mask_of_each_piece(units):
+    """A call cut into launches (kernels/launch_split.py: one row block of one q head per launch, or one head) reads
+    each piece's own mask row: a different key end per (batch, head), the same output and LSE bits as one launch."""
+    from comfyui_sage_rdna4.kernels import launch_split as ls
+    b, hq, hkv, nq, nk = 2, 2, 1, 150, 70
+    q, k, v = hip_checks.make_qkv(b, hq, hkv, nq, nk, 64, torch.float16, CPU, layout="nhd")
+    keep = torch.ones(b, hq, 1, nk, dtype=torch.bool)
+    for i, (bi, h) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
+        keep[bi, h, :, nk - 5 - 20 * i:] = False
+    sm = 0.125
+    qq, km = hip_checks.masked_prologue(host_sim.run, q, k, v, keep, sm_scale=sm, pv="fp8")
+    assert km.attention.key_end.tolist() == [[65, 45], [25, 5]]
+    head = ls.call_work(ls.visible_keys(0, nq, nk, False), 64, 64, "fp8")
+    results = []
+    for bound in (None, units * head):
+        with ls.work_bound_override(bound):
+            out, lse, launches = kernel_abi.attention_plan(qq, pv="fp8", is_causal=False, out_dtype=torch.float16,
+                                                           return_lse=True, q=q, sm_scale=sm, key_mask=km.attention)
+        host_sim.run(launches)
+        results.append((out, lse, len(launches)))
+    (one, one_lse, n_one), (split, split_lse, n_split) = results
+    assert n_one == 1 and n_split > 1
+    assert torch.equal(one, split) and torch.equal(one_lse, split_lse)
+    ref, _ = hip_checks.hip_spec(qq, pv="fp8", out_dtype=torch.float16, key_bias=km.attention.bias)
+    assert float((one.float() - ref.float()).abs().sum() / ref.float().abs().sum()) < 2e-3
