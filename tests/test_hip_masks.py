@@ -16,7 +16,7 @@ from comfyui_sage_rdna4.kernels import quant
 from comfyui_sage_rdna4.kernels.backends.hip import backend as hip_backend
 from comfyui_sage_rdna4.kernels.backends.hip import kernel_abi
 from comfyui_sage_rdna4.kernels.backends.hip.masks import key_mask_operands
-from comfyui_sage_rdna4.kernels.call_spec import describe_call
+from comfyui_sage_rdna4.kernels.call_spec import describe_call, key_mask
 from comfyui_sage_rdna4.kernels.verify import hip_checks, host_sim
 
 CPU = torch.device("cpu")
@@ -79,6 +79,9 @@ def test_broadcast_shapes_per_batch_and_head():
     assert km.live.shape == (2, 2, 8)
     assert km.live[0, 0].all() and km.live[0, 1].tolist() == [True] * 5 + [False] * 3
     assert km.live[1, :, :2].any() == torch.tensor(False) and km.live[1, :, 2:].all()
+    for mask in hip_checks.key_mask_variants(2, 4, 8, (3, 5)).values():  # the spec's own rule, every style
+        raw = quant.mask_bias_base2(key_mask(mask, 8))
+        assert torch.equal(key_mask_operands(mask, 2, 8).live, quant.live_keys(raw, 2))
     rows = torch.zeros(1, 1, 1, 8).masked_fill(~m[:1, :1], -math.inf).expand(1, 1, 30, 8)
     assert rows.stride(2) == 0
     assert torch.equal(key_mask_operands(rows, 1, 8).attention.bias, key_mask_operands(m[:1, :1], 1, 8).attention.bias)

@@ -1,7 +1,8 @@
 """A key-only mask's operands for the HIP kernels, in torch on the mask's device: the FP32 base-2 bias the masked
 attention kernels add per key (`quant.key_mask_bias`: -inf on dead keys), the end of each mask row's last live key
 (the key loop stops there), and the live keys the prologue's statistics take (`quant.live_keys`). The same values
-as the torch spec, bit for bit (they are the spec's functions).
+as the torch spec, bit for bit (the spec's functions; the live keys by quant.live_keys's rule from the dead keys
+found once). 15-17 small device operations per masked call (the Triton backend does the same in one launch).
 """
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ def key_mask_operands(attn_mask: torch.Tensor, kv_heads: int, kv_len: int) -> Hi
     position = torch.arange(1, kv_len + 1, dtype=torch.int32, device=raw.device)
     # 1 + the last key that is not dead; at least 1 (a row's largest bias is never dead, nor is any key of a row
     # whose largest bias is -inf or NaN).
-    key_end = torch.where(dead, torch.zeros_like(position), position).amax(dim=-1).to(torch.int32).contiguous()
-    return HipKeyMask(KeyMaskOperands(bias, key_end, attn_mask.dtype == torch.bool),
-                      quant.live_keys(raw, kv_heads))
+    key_end = torch.where(dead, 0, position).amax(dim=-1).to(torch.int32).contiguous()
+    # quant.live_keys from the dead keys already found (one pass over the mask fewer): live for a kv head where any
+    # q head of its group keeps the key.
+    live = ~dead
+    if live.shape[1] > 1:
+        live = live.unflatten(1, (kv_heads, -1)).any(dim=2)
+    return HipKeyMask(KeyMaskOperands(bias, key_end, attn_mask.dtype == torch.bool), live)
