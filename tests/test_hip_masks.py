@@ -172,9 +172,11 @@ def test_prologue_plan_hands_the_live_keys_to_k_and_v_only():
                                  live=kernel_abi.LiveKeys(lk.flags.bool(), lk.count))
 
 
-def test_backend_launch_hands_the_mask_to_both_halves(monkeypatch):
-    """HipBackend.launch: the prologue gets the live keys, the attention the key bias and end (a bool mask: fill);
-    an unmasked call gets neither. Both halves are stand-ins here (the simulator tests below run the kernels)."""
+@pytest.mark.parametrize("prologue", ["hip", "triton"])
+def test_backend_launch_hands_the_mask_to_both_halves(monkeypatch, prologue):
+    """HipBackend.launch: the prologue the call asks for gets the live keys, the attention the key bias and end (a
+    bool mask: fill); an unmasked call gets neither. Both halves are stand-ins here (the simulator tests below run
+    the kernels)."""
     from comfyui_sage_rdna4.kernels.backends.hip import prologue as hip_prologue
     seen = {}
 
@@ -186,18 +188,22 @@ def test_backend_launch_hands_the_mask_to_both_halves(monkeypatch):
         seen["key_mask"] = key_mask
         return torch.zeros(q.shape, dtype=q.dtype), None
 
-    monkeypatch.setattr(hip_prologue, "hip_quantize_qkv", quantize)
+    if prologue == "triton":
+        triton_prologue = pytest.importorskip("comfyui_sage_rdna4.kernels.backends.triton.prologue")
+        monkeypatch.setattr(triton_prologue, "triton_quantize_qkv", quantize)
+        monkeypatch.setattr(hip_prologue, "hip_quantize_qkv", None)  # must not be reached
+    else:
+        monkeypatch.setattr(hip_prologue, "hip_quantize_qkv", quantize)
     backend = hip_backend.make_backend("fp16")
     backend.attention_impl = attention
     q = torch.randn(2, 2, 30, 64, dtype=torch.float16)
+    kv = q[:, :, :1].expand(2, 2, 50, 64)
     keep = torch.ones(2, 1, 1, 50, dtype=torch.bool)
     keep[1, ..., 40:] = False
-    backend.launch(q, q[:, :, :1].expand(2, 2, 50, 64), q[:, :, :1].expand(2, 2, 50, 64),
-                   describe_call(q, q[:, :, :1].expand(2, 2, 50, 64), q[:, :, :1].expand(2, 2, 50, 64),
-                                 attn_mask=keep), 0.125, keep)
+    backend.launch(q, kv, kv, describe_call(q, kv, kv, attn_mask=keep, prologue=prologue), 0.125, keep)
     assert seen["live"].shape == (2, 1, 50) and seen["live"][1, 0, 40:].any() == torch.tensor(False)
     assert seen["key_mask"].fill and seen["key_mask"].key_end.tolist() == [[50], [40]]
-    backend.launch(q, q, q, describe_call(q, q, q), 0.125, None)
+    backend.launch(q, q, q, describe_call(q, q, q, prologue=prologue), 0.125, None)
     assert seen["live"] is None and seen["key_mask"] is None
 
 
