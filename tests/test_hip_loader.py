@@ -592,14 +592,29 @@ def test_backend_names_and_unavailable_on_cpu():
     (dict(dtype=torch.float32), "not fp16 or bf16"),
     (dict(d=96), "head_dim 96"),
     (dict(dv=64), "v head_dim 64"),
-    (dict(mask=torch.ones(40, 40, dtype=torch.bool)), "differs between query rows"),
-    (dict(mask=torch.ones(1, 40, dtype=torch.bool)), "key-only masks are not implemented in the HIP kernels"),
+    (dict(mask=torch.ones(40, 40, dtype=torch.bool)), "a bool mask (40, 40) that differs between query rows"),
+    (dict(mask=torch.zeros(1, 2, 40, 40)), "a float mask (1, 2, 40, 40) that differs between query rows"),
     (dict(nq=0), "zero-size"),
 ])
 def test_attention_refusal_reasons(kw, words):
     reason = hip_backend.attention_refusal(_call(**kw), "fp8")
     assert reason and words in reason
     assert hip_backend.attention_refusal(_call(), "fp8") is None
+
+
+@pytest.mark.parametrize("mask", [
+    torch.ones(1, 40, dtype=torch.bool),                       # 2-D, ComfyUI's unsqueezed to (1, 1, 40)
+    torch.zeros(1, 1, 1, 40, dtype=torch.bfloat16),            # HunyuanVideo's additive key bias
+    torch.zeros(1, 2, 1, 40),                                  # one row per head
+    torch.zeros(1, 1, 1, 40, dtype=torch.float16).expand(1, 2, 40, 40),  # expanded over the query rows
+])
+def test_key_only_masks_are_taken(mask):
+    """One value per (batch or 1, head or 1, key), in any float dtype or bool: the HIP kernels take it (the kind
+    and shape rule is call_spec.mask_refusal's, the same one the Triton kernels apply)."""
+    call = _call(mask=mask)
+    assert call.mask_scope == "keys"
+    for pv in ("fp8", "fp16"):
+        assert hip_backend.attention_refusal(call, pv) is None
 
 
 def test_launch_wrapper_uses_the_same_rule():
@@ -621,12 +636,19 @@ def test_hip_prologue_refuses_cpu():
 
 # -- the self-check ---------------------------------------------------------------------------------
 
-def good_attention(qq, call, pv, sm_scale, q=None):
+def good_attention(qq, call, pv, sm_scale, q=None, key_mask=None):
+    """The spec's attention half, with a key-only mask as the masked HIP kernels take it (KeyMaskOperands)."""
     return attention_from_quantized(qq, pv=pv, is_causal=call.is_causal, return_lse=call.return_lse,
-                                    q=q, sm_scale=sm_scale, out_dtype=call.dtype)
+                                    q=q, sm_scale=sm_scale, out_dtype=call.dtype,
+                                    key_bias=None if key_mask is None else key_mask.bias,
+                                    key_fill=key_mask is not None and key_mask.fill)
 
 
-def garbage_attention(qq, call, pv, sm_scale, q=None):
+def mask_ignoring_attention(qq, call, pv, sm_scale, q=None, key_mask=None):
+    return good_attention(qq, call, pv, sm_scale, q)
+
+
+def garbage_attention(qq, call, pv, sm_scale, q=None, key_mask=None):
     b, h, n, _ = qq.q8.shape
     out = torch.randn(b, h, n, qq.v.shape[3], generator=torch.Generator().manual_seed(0)).to(call.dtype)
     return out, (torch.zeros(b, h, n) if call.return_lse else None)
@@ -657,12 +679,33 @@ def test_selfcheck_passes_a_correct_kernel(cpu_hip_backend):
     assert cpu_hip_backend.ready(_call()) is None
     assert cpu_hip_backend.verdicts.verdict("cpu", None, cpu_hip_backend.variant(_call())) == (True, None)
     result = cpu_hip_backend.verdicts.last_result
-    # LSE too; the key-mask case is skipped: the HIP kernels refuse masks
-    assert [r.case for r in result.results] == [c for c in DEFAULT_CASES if not c.key_mask]
-    assert [c.name for c in result.skipped] == ["padded-keys"]
+    # LSE too, and the key-mask case: the HIP kernels take key-only masks
+    assert [r.case for r in result.results] == list(DEFAULT_CASES)
+    assert any(c.key_mask for c in DEFAULT_CASES) and not result.skipped
 
 
-def _nan_attention(qq, call, pv, s, q=None):
+def _statistics_with_dead_keys(q, k, v, live=None, **kw):
+    return quant.quantize_qkv_torch(q, k, v, **kw)  # the padding's 1000x K and V in the means and scales
+
+
+@pytest.mark.parametrize("attention, prologue, words", [
+    (mask_ignoring_attention, None, "rel L1"),                 # the padding reaches the row max and the P.V sum
+    (good_attention, _statistics_with_dead_keys, "cosine"),    # the padding coarsens the kept keys' K and V codes
+])
+def test_selfcheck_padded_keys_catches_a_hip_path_that_drops_the_mask(cpu_hip_backend, monkeypatch, attention,
+                                                                       prologue, words):
+    """The HIP backend's own path (backend.launch: masks.key_mask_operands, the prologue with the live keys, the
+    attention with the key bias) through the self-check's padded-keys case: an attention that ignores the bias, or a
+    prologue that keeps the padding keys (1000x larger) in the K/V statistics, fails it by name."""
+    cpu_hip_backend.attention_impl = attention
+    if prologue is not None:
+        monkeypatch.setattr(hip_prologue, "hip_quantize_qkv", prologue)
+    cpu_hip_backend.verdicts = Verdicts(tuple(c for c in DEFAULT_CASES if c.key_mask))
+    reason = cpu_hip_backend.ready(_call())
+    assert reason and "'padded-keys'" in reason and words in reason, reason
+
+
+def _nan_attention(qq, call, pv, s, q=None, key_mask=None):
     return torch.full((*qq.q8.shape[:3], qq.v.shape[3]), float("nan"), dtype=call.dtype), None
 
 

@@ -216,7 +216,7 @@ def test_emulated_backend_is_disabled_by_a_broken_kernel(monkeypatch):
     backend = _backend_or_skip("fp8", monkeypatch)
     from comfyui_sage_rdna4.kernels.call_spec import describe_call
 
-    def garbage(qq, call, pv, sm_scale, q=None):
+    def garbage(qq, call, pv, sm_scale, q=None, key_mask=None):
         b, h, n, _ = qq.q8.shape
         return torch.rand(b, h, n, qq.v.shape[3], device=qq.q8.device, dtype=call.dtype), None
 

@@ -482,3 +482,124 @@ def assert_overflow_safe(out, qq, v, *, pv, is_causal):
     # In FP64: near 3e38 an FP32 sum of |ref| overflows to Inf and the ratio becomes NaN.
     o64, r64 = o.double(), ref.double()
     assert float((o64 - r64).abs().sum() / r64.abs().sum()) < TOL_REL_L1_VS_REF[pv]
+
+
+# ------------------------------------------------------------------------------------------ key-only masks
+def padded_qkv(b, hq, hkv, nq, nk, d, dtype, device, pad, scale: float = 1000.0, layout: str = "hnd", seed: int = 0):
+    """make_qkv with batch i's last pad[i % len(pad)] keys' K and V `scale` times larger: padding a kernel must keep
+    out of the row max and the K/V statistics when a mask hides it."""
+    q, k, v = make_qkv(b, hq, hkv, nq, nk, d, torch.float32, torch.device("cpu"), seed=seed)
+    for i in range(b):
+        k[i, :, nk - pad[i % len(pad)]:] *= scale
+        v[i, :, nk - pad[i % len(pad)]:] *= scale
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    if layout == "nhd":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    return tuple(t.to(device) for t in (q, k, v))
+
+
+def key_mask_variants(b: int, hq: int, nk: int, pad, device="cpu", nq: int = 70) -> Dict[str, torch.Tensor]:
+    """Key-only masks as ComfyUI's models pass them, hiding batch i's last pad[i % len(pad)] keys (except where the
+    name says otherwise): bool (True keeps), -inf in fp16, -finfo.max in bf16 (HunyuanVideo's), a 3-D one, one
+    expanded over nq query rows (stride 0), a mask per head (bool), a soft bias (no key dead), every key -inf
+    (rows with no key: zeros, LSE -inf), every key at -finfo.max (SDPA's uniform average)."""
+    keep = torch.ones(b, 1, 1, nk, dtype=torch.bool)
+    for i in range(b):
+        keep[i, ..., nk - pad[i % len(pad)]:] = False
+    neg_max = torch.zeros(b, 1, 1, nk, dtype=torch.bfloat16).masked_fill(~keep, -torch.finfo(torch.bfloat16).max)
+    per_head = keep.expand(b, hq, 1, nk).clone()
+    per_head[:, -1, :, : nk // 3] = False
+    masks = {
+        "bool": keep,
+        "neg-inf fp16": torch.zeros(b, 1, 1, nk, dtype=torch.float16).masked_fill(~keep, -math.inf),
+        "-finfo.max bf16": neg_max,
+        "-finfo.max bf16 3d": neg_max[:1, 0],
+        "-finfo.max expanded": neg_max.expand(b, 1, nq, nk),
+        "per-head bool": per_head,
+        "soft bias": torch.randn(b, hq, 1, nk, generator=torch.Generator().manual_seed(5)) * 2.0,
+        "all -inf": torch.full((b, 1, 1, nk), -math.inf),
+        "all -finfo.max": torch.full((1, 1, nk), -torch.finfo(torch.float32).max),
+    }
+    return {name: m.to(device) for name, m in masks.items()}
+
+
+def masked_prologue(run: Callable, q, k, v, attn_mask, *, sm_scale, smooth_k=True, pv="fp8", qk_group="token",
+                    smooth_v=False):
+    """The HIP prologue with a key-only mask's live keys (backends/hip/masks.py), and the mask's operands.
+    Returns (qq, HipKeyMask)."""
+    from ..backends.hip.masks import key_mask_operands
+    km = key_mask_operands(attn_mask, k.shape[1], k.shape[2])
+    live = kernel_abi.live_keys(km.live, k.shape[0], k.shape[1], k.shape[2])
+    qq, ws, launches = kernel_abi.prologue_plan(q, k, v, sm_scale=sm_scale, smooth_k=smooth_k, pv=pv,
+                                                qk_group=qk_group, smooth_v=smooth_v, live=live)
+    run(launches)
+    del ws
+    return qq, km
+
+
+def masked_prologue_mismatches(qq, q, k, v, km, **kw) -> Dict[str, int]:
+    """prologue_mismatches against quant.quantize_qkv_torch(live=...) of the same mask (CPU)."""
+    ref = quant.quantize_qkv_torch(q.cpu(), k.cpu(), v.cpu(), live=km.live.cpu(), **kw)
+    bad = {}
+    for name in QQ_FIELDS:
+        a, b = getattr(qq, name), getattr(ref, name)
+        if a is None or b is None:
+            if (a is None) != (b is None):
+                bad[name] = -1
+            continue
+        a = a.cpu()
+        n = -1 if a.shape != b.shape or a.dtype != b.dtype else _differing(a, b)
+        if n:
+            bad[name] = n
+    return bad
+
+
+def masked_attention(run: Callable, qq, km, *, pv, is_causal, out_dtype, return_lse=False, q=None, sm_scale=1.0):
+    """The masked attention kernels (the *_kmask entry points) on a prologue's output."""
+    out, lse, launches = kernel_abi.attention_plan(qq, pv=pv, is_causal=is_causal, out_dtype=out_dtype,
+                                                    return_lse=return_lse, q=q, sm_scale=sm_scale,
+                                                    key_mask=km.attention)
+    run(launches)
+    return out, lse
+
+
+def masked_report(out, lse, qq, km, q, k, v, attn_mask, *, pv, is_causal, sm_scale) -> Dict[str, float]:
+    """The masked kernel's output against the spec's attention half on the kernel's P grid with the same key bias
+    (same QuantizedQKV), against exact attention with the mask, and against the whole spec
+    (reference.reference_attention with the mask: its own quantization, dead keys out of the statistics)."""
+    cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+    qq_cpu = quant.QuantizedQKV(*(cpu(getattr(qq, f)) for f in QQ_FIELDS))
+    q, k, v, mask = q.cpu(), k.cpu(), v.cpu(), attn_mask.cpu()
+    ref_o, ref_l = hip_spec(qq_cpu, pv=pv, is_causal=is_causal, return_lse=lse is not None, q=q, sm_scale=sm_scale,
+                            out_dtype=out.dtype, key_bias=cpu(km.attention.bias), key_fill=km.attention.fill)
+    ex_o, ex_l = reference.exact_attention(q, k, v, is_causal=is_causal, sm_scale=sm_scale, attn_mask=mask,
+                                           return_lse=True)
+    spec_o, _ = reference.reference_attention(q, k, v, is_causal=is_causal, sm_scale=sm_scale, pv=pv,
+                                              attn_mask=mask, p_tile=HIP_P_TILE)
+    o, r = out.cpu().float(), ref_o.float()
+    rep = {
+        "rel_l1_vs_ref": metrics.rel_l1(o, r),
+        "max_abs_vs_ref": float((o - r).abs().max()),
+        "rel_l1_vs_spec": metrics.rel_l1(o, spec_o.float()),
+        "cos_vs_exact": metrics.cosine(o, ex_o),
+        "rel_l1_vs_exact": metrics.rel_l1(o, ex_o),
+        "ref_rel_l1_vs_exact": metrics.rel_l1(r, ex_o),
+        "nonfinite": int((~torch.isfinite(o)).sum()),
+        "zero_rows_vs_exact": int(((o == 0).all(-1) != (ex_o == 0).all(-1)).sum()),
+    }
+    if lse is not None:
+        got, want = lse.cpu(), ref_l
+        both_inf = (got == -math.inf) & (want == -math.inf)
+        rep["lse_max_abs_vs_ref"] = float(torch.where(both_inf, 0.0, (got - want).abs()).max())
+        rep["lse_inf_mismatch"] = int(((got == -math.inf) != (ex_l == -math.inf)).sum())
+    return rep
+
+
+def assert_masked_attention_ok(rep: Dict[str, float], pv: str) -> None:
+    """The unmasked bounds (assert_attention_ok) for a masked call, plus: the same rows empty as exact attention's
+    (a row whose every key is masked is 0 with LSE -inf), and within the spec's own bound of the whole spec."""
+    assert rep["zero_rows_vs_exact"] == 0, rep
+    if "lse_inf_mismatch" in rep:
+        assert rep["lse_inf_mismatch"] == 0, rep
+    assert rep["rel_l1_vs_spec"] < TOL_REL_L1_VS_REF[pv], rep
+    assert_attention_ok(rep, pv)

@@ -295,7 +295,12 @@ def fresh_sources() -> str:
 SUMMARY_KERNELS = {("FP8", 128): "sage_attn_i8f8_d128_f16", ("FP8", 64): "sage_attn_i8f8_d64_f16",
                    ("FP16", 128): "sage_attn_i8f16_d128_f16", ("FP16", 64): "sage_attn_i8f16_d64_f16",
                    ("FP16 single chain", 128): "sage_attn_i8f16_d128_f16_sc",
-                   ("FP16 single chain", 64): "sage_attn_i8f16_d64_f16_sc"}
+                   ("FP16 single chain", 64): "sage_attn_i8f16_d64_f16_sc",
+                   # the same kernels with a key-only mask (the *_kmask entry points)
+                   ("FP8, key mask", 128): "sage_attn_i8f8_d128_f16_kmask",
+                   ("FP8, key mask", 64): "sage_attn_i8f8_d64_f16_kmask",
+                   ("FP16, key mask", 128): "sage_attn_i8f16_d128_f16_kmask",
+                   ("FP16, key mask", 64): "sage_attn_i8f16_d64_f16_kmask"}
 SUMMARY_BEGIN, SUMMARY_END = "<!-- shipped objects: begin -->", "<!-- shipped objects: end -->"
 
 

@@ -6,7 +6,8 @@ Acceptance, stated once:
     on NVIDIA only the gfx12 emulation, only when SAGE_RDNA4_HIP_EMULATE=1 (never a speed path, and
     the registry's `auto` order never lists HIP outside gfx12 anyway);
   * the call (`attention_refusal`): the one shape rule that `refuse` and the launch wrapper
-    `hip_attention` both apply;
+    `hip_attention` both apply; key-only masks are taken (call_spec.mask_refusal states which), through the
+    masked entry points with the mask's operands from masks.py;
   * the prologue the call asks for: 'auto'/'hip' -> the HIP prologue, 'triton' -> the Triton one;
   * the hardware probes (probes.py), once per device before any self-check: a probe that differs disables
     the backends relying on it there, through `Backend.disable` as a failed self-check does;
@@ -54,9 +55,9 @@ def attention_refusal(call: AttentionCall, pv: str) -> Optional[str]:
         return f"head_dim {call.head_dim} is not one of {dims}"
     if call.v_head_dim != call.head_dim:
         return f"v head_dim {call.v_head_dim} differs from q/k head_dim {call.head_dim}"
-    if call.mask != "none":
-        return (mask_refusal(call) or f"{call.mask} key-only masks are not implemented in the HIP kernels yet "
-                "(the Triton kernels take them)")
+    reason = mask_refusal(call)
+    if reason:
+        return reason
     if call.has_zero_size:
         return "a zero-size q, k or v"
     # The kernels' own geometry rule (grid limits, 32-bit offsets inside one kv head), stated in kernel_abi.
@@ -77,9 +78,12 @@ def prologue_refusal(call: AttentionCall) -> Optional[str]:
     return f"HIP prologue: {reason}" if reason else None
 
 
-def quantize(q, k, v, call: AttentionCall, sm_scale: float, pv: str) -> quant.QuantizedQKV:
+def quantize(q, k, v, call: AttentionCall, sm_scale: float, pv: str, live=None) -> quant.QuantizedQKV:
+    """`live` (a key-only mask's live keys, bool): dead keys stay out of the K/V statistics, in either prologue."""
     # With smooth_v, v_mean comes back in the QuantizedQKV; the attention kernel adds it to the output.
     kw = dict(sm_scale=sm_scale, smooth_k=call.smooth_k, pv=pv, qk_group=call.qk_group, smooth_v=call.smooth_v)
+    if live is not None:
+        kw["live"] = live
     if call.prologue == "triton":
         from ..triton.prologue import triton_quantize_qkv
         return triton_quantize_qkv(q, k, v, **kw)
@@ -87,20 +91,24 @@ def quantize(q, k, v, call: AttentionCall, sm_scale: float, pv: str) -> quant.Qu
 
 
 def hip_attention(qq: quant.QuantizedQKV, call: AttentionCall, pv: str, sm_scale: float,
-                  q: Optional[torch.Tensor] = None):
-    """Launch wrapper of the attention kernel; applies the same rule as `refuse`. The P.V chain is the one chosen
-    for the device at first use (pv_chain.py)."""
+                  q: Optional[torch.Tensor] = None, key_mask=None):
+    """Launch wrapper of the attention kernel; applies the same rule as `refuse`. `key_mask`
+    (kernel_abi.KeyMaskOperands) for a call with a key-only mask, None without a mask. The P.V chain of an unmasked
+    call is the one chosen for the device at first use (pv_chain.py); masked calls run the two-level kernels."""
     reason = attention_refusal(call, pv)
     if reason:
         raise KernelRefused(f"hip_int8_{pv}", reason)
-    chain = pv_chain.chosen(pv, qq.q8.device.type, qq.q8.device.index).chain
+    if (key_mask is None) != (call.mask == "none"):
+        raise ValueError(f"a {call.mask} mask call needs its key-mask operands, and only it takes them")
+    chain = "two-level" if key_mask is not None else pv_chain.chosen(pv, qq.q8.device.type, qq.q8.device.index).chain
     return launch_attention(qq, pv=pv, is_causal=call.is_causal, return_lse=call.return_lse,
-                            sm_scale=sm_scale, q=q, out_dtype=call.dtype, chain=chain)
+                            sm_scale=sm_scale, q=q, out_dtype=call.dtype, chain=chain, key_mask=key_mask)
 
 
-def launch_attention(qq, *, pv, is_causal, return_lse, sm_scale, q, out_dtype, chain="two-level"):
+def launch_attention(qq, *, pv, is_causal, return_lse, sm_scale, q, out_dtype, chain="two-level", key_mask=None):
     out, lse, launches = kernel_abi().attention_plan(qq, pv=pv, is_causal=is_causal, out_dtype=out_dtype,
-                                                      return_lse=return_lse, q=q, sm_scale=sm_scale, chain=chain)
+                                                      return_lse=return_lse, q=q, sm_scale=sm_scale, chain=chain,
+                                                      key_mask=key_mask)
     run_launches(qq.q8.device.index, kernel_bundle(), launches)
     return out, lse
 
@@ -225,8 +233,14 @@ class HipBackend(Backend):
     def launch(self, q, k, v, call: AttentionCall, sm_scale: float, attn_mask):
         if sm_scale is None or not math.isfinite(sm_scale):
             sm_scale = quant.default_sm_scale(call.head_dim)
-        qq = quantize(q, k, v, call, sm_scale, self.pv)
-        return self.attention_impl(qq, call, self.pv, sm_scale, q)
+        if attn_mask is None:
+            qq = quantize(q, k, v, call, sm_scale, self.pv)
+            return self.attention_impl(qq, call, self.pv, sm_scale, q)
+        # A key-only mask (refuse): its bias per key for the attention, its live keys for the prologue's statistics.
+        from .masks import key_mask_operands
+        km = key_mask_operands(attn_mask, call.kv_heads, call.kv_len)
+        qq = quantize(q, k, v, call, sm_scale, self.pv, live=km.live)
+        return self.attention_impl(qq, call, self.pv, sm_scale, q, key_mask=km.attention)
 
 
 def make_backend(pv: str) -> HipBackend:

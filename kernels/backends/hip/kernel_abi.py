@@ -89,10 +89,14 @@ def module_source(target: str = "hip", **options) -> str:
 
 
 # ------------------------------------------------------------------------------------------ names
-def attention_kernel(pv: str, head_dim: int, dtype: torch.dtype, chain: str = "two-level") -> str:
-    if chain not in CHAINS or (chain == "single" and pv not in SINGLE_CHAIN_PV):
-        raise ValueError(f"no {chain!r} P.V kernel for pv={pv!r} (chains {CHAINS}; single for {SINGLE_CHAIN_PV})")
-    suffix = "_sc" if chain == "single" else ""
+def attention_kernel(pv: str, head_dim: int, dtype: torch.dtype, chain: str = "two-level",
+                     key_mask: bool = False) -> str:
+    """The attention entry point: `chain` its P.V accumulation (CHAINS); `key_mask`: the variant taking a key-only
+    mask (KeyMask in sage_attention.hip), which ships two-level only."""
+    if chain not in CHAINS or (chain == "single" and (pv not in SINGLE_CHAIN_PV or key_mask)):
+        raise ValueError(f"no {chain!r} P.V kernel for pv={pv!r}{' with a key mask' if key_mask else ''} "
+                         f"(chains {CHAINS}; single for {SINGLE_CHAIN_PV}, unmasked)")
+    suffix = "_sc" if chain == "single" else "_kmask" if key_mask else ""
     return f"sage_attn_i8{'f8' if pv == 'fp8' else 'f16'}_d{head_dim}_{DTYPES[dtype]}{suffix}"
 
 
@@ -116,6 +120,7 @@ def all_kernel_names() -> List[str]:
             names.append(quant_v_kernel(pv, dt))
             for d in HEAD_DIMS:
                 names += [attention_kernel(pv, d, dt, c) for c in CHAINS if c == "two-level" or pv in SINGLE_CHAIN_PV]
+                names.append(attention_kernel(pv, d, dt, key_mask=True))
         for d in HEAD_DIMS:
             for g in QK_GROUP_SIZES.values():
                 names.append(quant_qk_kernel(d, g, dt))
@@ -171,12 +176,28 @@ def raw_input_refusal(q, k, v) -> Optional[str]:
     return None
 
 
+@dataclass(frozen=True)
+class LiveKeys:
+    """The keys a key-only mask leaves in the K/V statistics (quant.live_keys), as the prologue reads them: `flags`
+    int8 (B, Hkv, Nk) contiguous (1 live, 0 dead), `count` FP64 (B * Hkv,) the live keys per (batch, kv head), at
+    least 1."""
+    flags: torch.Tensor
+    count: torch.Tensor
+
+
+def live_keys(live: torch.Tensor, b: int, hkv: int, nk: int) -> LiveKeys:
+    """`quant.live_keys`'s bool (1 or B, 1 or Hkv, Nk) as the prologue's operands."""
+    flags = live.expand(b, hkv, nk).to(torch.int8).contiguous()
+    return LiveKeys(flags, flags.sum(dim=-1, dtype=torch.float64).clamp_min(1).reshape(-1))
+
+
 def prologue_plan(q, k, v, *, sm_scale: float, smooth_k: bool, pv: str, qk_group: str = "token",
-                  smooth_v: bool = False):
+                  smooth_v: bool = False, live: Optional[LiveKeys] = None):
     """Allocate a QuantizedQKV (plus workspace) and return (qq, workspace, launches) for the HIP prologue.
 
     Keep `workspace` alive until the launches have run. smooth_v: V's channel mean (`v_mean`) is taken out
-    before V's scale and quantization (quant.quantize_qkv_torch's rule)."""
+    before V's scale and quantization (quant.quantize_qkv_torch's rule). `live` (a key-only mask's LiveKeys): only
+    live keys enter the means and scales and dead keys' K and V codes are 0 (quant.quantize_qkv_torch(live=...))."""
     reason = raw_input_refusal(q, k, v)
     if reason:
         raise ValueError(reason)
@@ -195,6 +216,11 @@ def prologue_plan(q, k, v, *, sm_scale: float, smooth_k: bool, pv: str, qk_group
     v_scale = torch.empty((b, hkv, dv), dtype=torch.float32, device=dev)
     k_mean = torch.empty((b, hkv, d), dtype=torch.float32, device=dev) if smooth_k else None
     v_mean = torch.empty((b, hkv, dv), dtype=torch.float32, device=dev) if smooth_v else None
+    if live is not None and (tuple(live.flags.shape) != (b, hkv, nk) or live.flags.dtype != torch.int8
+                             or not live.flags.is_contiguous() or tuple(live.count.shape) != (b * hkv,)
+                             or live.count.dtype != torch.float64 or not live.count.is_contiguous()):
+        raise ValueError(f"live must be int8 flags {(b, hkv, nk)} and an FP64 count {(b * hkv,)}, contiguous")
+    flags, count = (None, None) if live is None else (live.flags, live.count)
     chunks = max(1, math.ceil(nk / STAT_CHUNK))
     ws = torch.empty((2, b * hkv * chunks * max(d, dv)), dtype=torch.float64, device=dev)
     ws_k, ws_v = ws[0], ws[1]
@@ -204,10 +230,11 @@ def prologue_plan(q, k, v, *, sm_scale: float, smooth_k: bool, pv: str, qk_group
     def stats(x, width, mode, wsp, out, mean=None):
         launches.append(Launch(colstats_kernel(dt), (chunks, x.shape[1], b), block,
                                (_ptr(x), *_strides(x), _i32(x.shape[1]), _i32(nk), _i32(width), _i32(chunks),
-                                _i32(0 if mode == 0 else 1), _ptr(mean), _ptr(wsp))))
+                                _i32(0 if mode == 0 else 1), _ptr(mean), _ptr(flags), _ptr(wsp))))
         rows = b * x.shape[1]
         launches.append(Launch("sage_colstats_finalize", (math.ceil(rows * width / PRO_THREADS), 1, 1), block,
-                               (_ptr(wsp), _i32(chunks), _i64(rows), _i32(width), _i32(nk), _i32(mode), _ptr(out))))
+                               (_ptr(wsp), _i32(chunks), _i64(rows), _i32(width), _i32(nk), _i32(mode),
+                                _ptr(count if mode == 0 else None), _ptr(out))))
 
     if smooth_k:
         stats(k, d, 0, ws_k, k_mean)
@@ -216,16 +243,16 @@ def prologue_plan(q, k, v, *, sm_scale: float, smooth_k: bool, pv: str, qk_group
     stats(v, dv, 1 if pv == "fp8" else 2, ws_v, v_scale, v_mean)
     tb = 32 if group == 1 else group
 
-    def quant_qk(x, n, mult, mean, out, scale):
+    def quant_qk(x, n, mult, mean, key_flags, out, scale):
         launches.append(Launch(quant_qk_kernel(d, group, dt), (math.ceil(n / tb), x.shape[1], b), block,
                                (_ptr(x), *_strides(x), _i32(x.shape[1]), _i32(n), _f32(mult), _ptr(mean),
-                                _ptr(out), _ptr(scale))))
+                                _ptr(key_flags), _ptr(out), _ptr(scale))))
 
-    quant_qk(q, nq, quant.qk_multiplier(sm_scale), None, q8, q_scale)
-    quant_qk(k, nk, 1.0, k_mean, k8, k_scale)
+    quant_qk(q, nq, quant.qk_multiplier(sm_scale), None, None, q8, q_scale)
+    quant_qk(k, nk, 1.0, k_mean, flags, k8, k_scale)
     launches.append(Launch(quant_v_kernel(pv, dt), (math.ceil(nk * (dv // 4) / PRO_THREADS), hkv, b), block,
                            (_ptr(v), *_strides(v), _i32(hkv), _i32(nk), _i32(dv), _ptr(v_scale), _ptr(v_mean),
-                            _ptr(v_q))))
+                            _ptr(flags), _ptr(v_q))))
     qq = quant.QuantizedQKV(q8, q_scale, k8, k_scale, v_q, v_scale, k_mean, v_mean)
     return qq, ws, launches
 
@@ -268,14 +295,39 @@ def quantized_refusal(qq: quant.QuantizedQKV, pv: str) -> Optional[str]:
     return None
 
 
+@dataclass(frozen=True)
+class KeyMaskOperands:
+    """A key-only mask as the masked attention kernels take it (sage_attention.hip, KeyMask): `bias` FP32 base 2
+    (1 or B, 1 or Hq, Nk) with unit-stride keys, -inf on dead keys (quant.key_mask_bias); `key_end` int32 (1 or B,
+    1 or Hq): 1 + the last live key of each mask row, the key loop stops there; `fill` (a bool mask): keys at -inf
+    score -inf whatever q.k is."""
+    bias: torch.Tensor
+    key_end: torch.Tensor
+    fill: bool
+
+
+def key_mask_refusal(km: KeyMaskOperands, b: int, hq: int, nk: int) -> Optional[str]:
+    """Why the masked kernels cannot take these operands for a (B, Hq, Nk) call, or None."""
+    bias, end = km.bias, km.key_end
+    if (bias.dim() != 3 or bias.dtype != torch.float32 or bias.shape[2] != nk or bias.shape[0] not in (1, b)
+            or bias.shape[1] not in (1, hq) or (nk > 1 and bias.stride(2) != 1)):
+        return (f"key bias must be FP32 (1 or {b}, 1 or {hq}, {nk}) with unit-stride keys, got "
+                f"{tuple(bias.shape)} {bias.dtype}")
+    if end.dim() != 2 or end.dtype != torch.int32 or tuple(end.shape) != tuple(bias.shape[:2]):
+        return f"key end must be int32 {tuple(bias.shape[:2])}, got {tuple(end.shape)} {end.dtype}"
+    return None
+
+
 def attention_plan(qq: quant.QuantizedQKV, *, pv: str, is_causal: bool, out_dtype: torch.dtype,
                    return_lse: bool = False, q: Optional[torch.Tensor] = None, sm_scale: float = 1.0,
-                   out: Optional[torch.Tensor] = None, chain: str = "two-level"):
+                   out: Optional[torch.Tensor] = None, chain: str = "two-level",
+                   key_mask: Optional[KeyMaskOperands] = None):
     """Return (out (B,Hq,Nq,Dv) in out_dtype, lse (B,Hq,Nq) fp32 or None, launches).
 
     `out` may be passed as any view whose last dim is contiguous with rows 16-byte aligned (e.g. an
     HND view of an NHD buffer). `q` (the raw fp16/bf16 query) is needed for the LSE's smooth_k term. `chain`: the
-    P.V accumulation (CHAINS).
+    P.V accumulation (CHAINS) of an unmasked call. `key_mask`: a key-only mask, through the masked entry points (the
+    same kernels with the bias per key; two-level, whatever `chain` says).
     A call above the device's work bound becomes several launches (kernels/launch_split.py)."""
     reason = quantized_refusal(qq, pv)
     if reason:
@@ -295,7 +347,14 @@ def attention_plan(qq: quant.QuantizedQKV, *, pv: str, is_causal: bool, out_dtyp
         raise ValueError("the LSE with smooth_k needs the raw q (same dtype as the output)")
     pieces = launch_split.split_attention(b, hq, hkv, nq, nk, d, d, pv=pv, causal=is_causal, row_block=ATT_BLOCK_M,
                                           bound=launch_split.work_bound(dev))
-    kernel, group = attention_kernel(pv, d, out_dtype, chain), hq // hkv
+    masked = key_mask is not None
+    kernel, group = attention_kernel(pv, d, out_dtype, "two-level" if masked else chain, masked), hq // hkv
+    if key_mask is not None:
+        reason = key_mask_refusal(key_mask, b, hq, nk)
+        if reason:
+            raise ValueError(reason)
+        # (B, Hq, Nk) and (B, Hq) views, stride 0 where the mask broadcasts: a piece's (batch, head) address below.
+        bias_bh, end_bh = key_mask.bias.expand(b, hq, nk), key_mask.key_end.expand(b, hq)
     qs = _strides(q) if use_q else (_i64(0),) * 4
     tail = (_i64(out.stride(0)), _i64(out.stride(1)), _i64(out.stride(2)))
     v_mean = getattr(qq, "v_mean", None)
@@ -316,7 +375,10 @@ def attention_plan(qq: quant.QuantizedQKV, *, pv: str, is_causal: bool, out_dtyp
             (_at(qq.q8, *bh, n0), _at(qq.q_scale, *bh, n0), _at(qq.k8, *hk), _at(qq.k_scale, *hk), _at(qq.v, *hk),
              _at(qq.v_scale, *hk), _at(v_mean, *hk), _i32(heads), _i32(kv_heads), _i32(rows), _i32(nk),
              _i32(1 if is_causal else 0), _at(out, *bh, n0), *tail, _at(lse, *bh, n0), _at(q, *bh, n0), *qs,
-             _at(k_mean, *hk), _f32(sm_scale))))
+             _at(k_mean, *hk), _f32(sm_scale),
+            *(() if key_mask is None else (
+                _at(bias_bh, *bh), *(_i64(s) for s in bias_bh.stride()[:2]), _at(end_bh, *bh),
+                *(_i64(s) for s in end_bh.stride()), _i32(1 if key_mask.fill else 0))))))
     return out, lse, launches
 
 

@@ -47,18 +47,28 @@ def hip_prologue_refusal(call: AttentionCall) -> Optional[str]:
 
 
 def hip_quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float, smooth_k: bool = True,
-                     pv: str = "fp8", qk_group: str = "token", smooth_v: bool = False) -> quant.QuantizedQKV:
+                     pv: str = "fp8", qk_group: str = "token", smooth_v: bool = False,
+                     live: Optional[torch.Tensor] = None) -> quant.QuantizedQKV:
     """Quantize HND views (any strides) on their GPU with the HIP prologue, on PyTorch's current stream.
 
     smooth_v: V's channel mean is taken out before its quantization and returned as `v_mean` (B, Hkv, Dv)
-    fp32, which both the HIP and the Triton attention add back to their output."""
+    fp32, which both the HIP and the Triton attention add back to their output. `live` (bool (1 or B, 1 or Hkv,
+    Nk), `quant.live_keys` of a key-only mask): only live keys enter the means and scales, as
+    `quant.quantize_qkv_torch(live=...)`."""
     from ...call_spec import describe_call
     call = describe_call(q, k, v, smooth_k=smooth_k, prologue="hip", qk_group=qk_group, smooth_v=smooth_v)
     reason = hip_prologue_refusal(call)
     if reason:
         raise KernelRefused("prologue=hip", reason)
-    qq, workspace, launches = _abi().prologue_plan(q, k, v, sm_scale=sm_scale, smooth_k=smooth_k, pv=pv,
-                                                   qk_group=qk_group, smooth_v=smooth_v)
+    abi = _abi()
+    if live is not None:
+        b, hkv, nk = k.shape[:3]
+        if live.dim() != 3 or live.dtype != torch.bool or live.shape[0] not in (1, b) or \
+                live.shape[1] not in (1, hkv) or live.shape[2] != nk:
+            raise ValueError(f"live must be bool (1 or {b}, 1 or {hkv}, {nk}), got {tuple(live.shape)} {live.dtype}")
+        live = abi.live_keys(live, b, hkv, nk)
+    qq, workspace, launches = abi.prologue_plan(q, k, v, sm_scale=sm_scale, smooth_k=smooth_k, pv=pv,
+                                                qk_group=qk_group, smooth_v=smooth_v, live=live)
     run_launches(q.device.index, kernel_bundle(), launches)
-    del workspace  # freed in stream order: the allocator reuses it only after these launches
+    del workspace, live  # freed in stream order: the allocator reuses them only after these launches
     return qq

@@ -26,6 +26,24 @@ template <int D, bool FP8PV> struct __attribute__((aligned(16))) AttnSmem {
   float ks[BN];  // k_scale (see unbias_dot)
 };
 
+// A key-only mask (the *_kmask entry points): the LDS tile also holds each key's FP32 base-2 bias. The unmasked
+// kernels keep AttnSmem itself (same LDS).
+template <int D, bool FP8PV> struct __attribute__((aligned(16))) AttnSmemKM : AttnSmem<D, FP8PV> { float kb[BN]; };
+template <int D, bool FP8PV, bool KM> struct SmemOf { typedef AttnSmem<D, FP8PV> type; };
+template <int D, bool FP8PV> struct SmemOf<D, FP8PV, true> { typedef AttnSmemKM<D, FP8PV> type; };
+
+// A key-only mask's operands (kernel_abi.attention_plan): bias (1 or B, 1 or Hq, Nk) FP32 base 2, -inf on dead keys,
+// its (batch, head) strides 0 where it broadcasts; end: 1 + the last live key of that row (the key loop stops there);
+// fill (a bool mask): keys at -inf score -inf whatever q.k is (their staged k_scale becomes 0, so a NaN or Inf K
+// cannot make the product NaN).
+struct KeyMask {
+  const float* bias;
+  i64 sbb, sbh;
+  const int* end;
+  i64 seb, seh;
+  int fill;
+};
+
 SG_INLINE i32x2 mk_i32x2(u32 x, u32 y) { i32x2 a = {(int)x, (int)y}; return a; }
 SG_INLINE int imin(int a, int b) { return a < b ? a : b; }
 
@@ -37,13 +55,15 @@ template <int D, bool FP8PV> struct Stage {
   u32x4 k[KB / 16];
   u32 v[4][VW];
   float ks;
+  float kb;  // the key bias (masked kernels only)
 };
 
 // Global -> registers for key tile starting at kt0; rows past Nk are clamped to Nk - 1 (masked later).
 // Offsets inside one head are 32-bit (kernel_abi refuses heads of 2^31 bytes or more): the 64-bit (b, h)
 // base stays uniform in SGPRs and the address is base + zext(offset).
-template <int D, bool FP8PV, bool K_ONLY = false>
-SG_INLINE void stage_load(Stage<D, FP8PV>& st, const i8* kbase, const u8* vbase, const float* ksbase, int kt0, int Nk) {
+template <int D, bool FP8PV, bool K_ONLY = false, bool KM = false>
+SG_INLINE void stage_load(Stage<D, FP8PV>& st, const i8* kbase, const u8* vbase, const float* ksbase, int kt0, int Nk,
+                          const float* kbbase = nullptr) {
   typedef Stage<D, FP8PV> S;
   const int t = tid_x();
   auto load_k = [&] {
@@ -66,6 +86,7 @@ SG_INLINE void stage_load(Stage<D, FP8PV>& st, const i8* kbase, const u8* vbase,
   }
   // Every thread loads a k_scale (4 threads per key) so that no lane-divergent branch is needed.
   st.ks = ksbase[(u32)imin(kt0 + (t & (BN - 1)), Nk - 1)];
+  if constexpr (KM) st.kb = kbbase[(u32)imin(kt0 + (t & (BN - 1)), Nk - 1)];
   sched_fence();
   load_k();  // issued last, stored first (see stage_store)
 }
@@ -85,9 +106,9 @@ template <int D, bool FP8PV> SG_INLINE StageOffsets make_stage_offsets() {
   o.ks = lane_offset(4 * (t & (BN - 1)));
   return o;
 }
-template <int D, bool FP8PV>
+template <int D, bool FP8PV, bool KM = false>
 SG_INLINE void stage_load_whole(Stage<D, FP8PV>& st, StageOffsets& so, const i8* kbase, const u8* vbase,
-                                const float* ksbase, int kt0) {
+                                const float* ksbase, int kt0, const float* kbbase = nullptr) {
   typedef Stage<D, FP8PV> S;
   so.k = lane_offset(so.k);
   so.v = lane_offset(so.v);
@@ -105,6 +126,7 @@ SG_INLINE void stage_load_whole(Stage<D, FP8PV>& st, StageOffsets& so, const i8*
     else st.v[j][0] = *(const u32*)src;
   }
   st.ks = *(const float*)(kst + so.ks);
+  if constexpr (KM) st.kb = *(const float*)((const u8*)uniform_ptr(kbbase + kt0) + so.ks);
   sched_fence();
   #pragma unroll
   for (int i = 0; i < S::KB / 16; ++i) st.k[i] = ksrc[i];  // issued last, stored first (see stage_store)
@@ -133,8 +155,8 @@ SG_INLINE int vt_pos(int key) { return (key & ~24) | ((key & 8) << 1) | ((key & 
 // The K rows are stored first and their global loads are issued last (stage_load, stage_load_whole): global loads
 // complete in order, so the one s_wait_loadcnt 0 before the K store covers the V rows and k_scale too, instead of
 // one partial wait per group (clang-19 schedules the V transposition first otherwise; the fence keeps this order).
-template <int D, bool FP8PV>
-SG_INLINE void stage_store(const Stage<D, FP8PV>& st, AttnSmem<D, FP8PV>& sm) {
+template <int D, bool FP8PV, class SM = AttnSmem<D, FP8PV>, bool KM = false>
+SG_INLINE void stage_store(const Stage<D, FP8PV>& st, SM& sm, int fill = 0) {
   typedef Stage<D, FP8PV> S;
   typedef AttnSmem<D, FP8PV> M;
   const int t = tid_x();
@@ -170,7 +192,12 @@ SG_INLINE void stage_store(const Stage<D, FP8PV>& st, AttnSmem<D, FP8PV>& sm) {
       }
     }
   }
-  sm.ks[t & (BN - 1)] = st.ks;  // 4 identical writes per slot, no branch
+  if constexpr (KM) {
+    sm.ks[t & (BN - 1)] = fill && st.kb == neg_inf() ? 0.0f : st.ks;  // a bool mask's masked key: score -inf
+    sm.kb[t & (BN - 1)] = st.kb;
+  } else {
+    sm.ks[t & (BN - 1)] = st.ks;  // 4 identical writes per slot, no branch
+  }
 }
 
 // Q fragments, the B operand of S^T = K Q^T. The contraction order over d is ours to choose as long
@@ -369,12 +396,23 @@ template <bool FP8PV> SG_INLINE float p_shift(float m, float qscale) {
   const float bias = fma_(m, qscale, -FP8_P_LOG2_MAX);
   return fma_(fabs_(bias), 1.1920929e-07f, bias);  // + |bias| * 2^-23
 }
+// The masked kernels' shift: their scores are whole base-2 scores, rounded (qscale and the key bias applied), so
+// m is a score itself. Where FP8_P_LOG2_MAX vanishes in m's rounding (|m| >= 2^28) the shift is m with no raise:
+// s - m <= 0 for every score, P <= 1; the raise would put every P of a row near -FP32 max (a -finfo.max mask on
+// every key, which SDPA averages uniformly) to 0. m = -inf stays -inf (no NaN: the row has seen no live key).
+template <bool FP8PV> SG_INLINE float p_shift_scores(float m) {
+  if (!FP8PV) return m - FP16_P_LOG2_MAX;
+  const float c = m - FP8_P_LOG2_MAX;
+  return c == m ? c : fma_(fabs_(c), 1.1920929e-07f, c);
+}
 
 // `prefetch` issues the next tile's global loads once the scores are out of the WMMA accumulators: their
 // registers then overlap the softmax and P.V, not the Q.K phase, where the key loop's register peak is.
-template <int D, bool FP8PV, bool SC, bool MASK, class Prefetch>
+// KM (a key-only mask): each score becomes the whole base-2 score s * qscale + the key's bias (the tile's biases
+// in LDS, `key_bias`), so the shift and P take qscale 1; a row may see no live key in any tile.
+template <int D, bool FP8PV, bool SC, bool MASK, bool KM, class Prefetch>
 SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const AttnSmem<D, FP8PV>& sm,
-                           int kt0, int Nk, int causal, const Prefetch& prefetch) {
+                           int kt0, int Nk, int causal, const Prefetch& prefetch, const float* key_bias = nullptr) {
   typedef AttnSmem<D, FP8PV> M;
   const int h = lane_id() >> 4;
   float s[4][8];
@@ -388,9 +426,18 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
     // multiplications after them. All four subtiles' reads at once (one wait) only for FP16 P.V D64: the FP8
     // kernels spill with them and FP16 D128 gains nothing.
     constexpr int G = D == 64 && !FP8PV ? 4 : 2;
+    // KM: the keys' biases are read in the same batches, issued first (the one wait covers them), except for FP16
+    // D64, whose batch of four then spills: there they follow in a pass of their own (clang-19).
+    constexpr bool BIAS_IN_BATCH = KM && G == 2;
     #pragma unroll
     for (int j0 = 0; j0 < 4; j0 += G) {
       u32x4 kq[G][2];
+      u32x4 bq[G][2];
+      if constexpr (BIAS_IN_BATCH) {
+        #pragma unroll
+        for (int i = 2 * G - 1; i >= 0; --i)
+          bq[i / 2][i % 2] = *(const u32x4*)(key_bias + 16 * (j0 + i / 2) + 8 * h + 4 * (i % 2));
+      }
       #pragma unroll
       for (int i = 2 * G - 1; i >= 0; --i) {
         if (i == 0) sched_fence();
@@ -410,6 +457,22 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
         const u32 km[8] = {ka.x, ka.y, ka.z, ka.w, kb.x, kb.y, kb.z, kb.w};
         #pragma unroll
         for (int e = 0; e < 8; ++e) s[j0 + jj][e] *= bit_cast<float>(km[e]);
+        if constexpr (BIAS_IN_BATCH) {
+          const u32 bm[8] = {bq[jj][0].x, bq[jj][0].y, bq[jj][0].z, bq[jj][0].w,
+                             bq[jj][1].x, bq[jj][1].y, bq[jj][1].z, bq[jj][1].w};
+          #pragma unroll
+          for (int e = 0; e < 8; ++e) s[j0 + jj][e] = fma_(s[j0 + jj][e], rs.qscale, bit_cast<float>(bm[e]));
+        }
+      }
+    }
+    if constexpr (KM && !BIAS_IN_BATCH) {
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const u32x4 ba = *(const u32x4*)(key_bias + 16 * j + 8 * h);
+        const u32x4 bb = *(const u32x4*)(key_bias + 16 * j + 8 * h + 4);
+        const u32 bm[8] = {ba.x, ba.y, ba.z, ba.w, bb.x, bb.y, bb.z, bb.w};
+        #pragma unroll
+        for (int e = 0; e < 8; ++e) s[j][e] = fma_(s[j][e], rs.qscale, bit_cast<float>(bm[e]));
       }
     }
   } else {
@@ -419,9 +482,18 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
       const u32x4 ka = *(const u32x4*)(sm.ks + 16 * j + 8 * h);
       const u32x4 kb = *(const u32x4*)(sm.ks + 16 * j + 8 * h + 4);
       const u32 km[8] = {ka.x, ka.y, ka.z, ka.w, kb.x, kb.y, kb.z, kb.w};
+      float bias[8] = {};
+      if constexpr (KM) {
+        const u32x4 ba = *(const u32x4*)(key_bias + 16 * j + 8 * h);
+        const u32x4 bb = *(const u32x4*)(key_bias + 16 * j + 8 * h + 4);
+        const u32 bm[8] = {ba.x, ba.y, ba.z, ba.w, bb.x, bb.y, bb.z, bb.w};
+        #pragma unroll
+        for (int e = 0; e < 8; ++e) bias[e] = bit_cast<float>(bm[e]);
+      }
       #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        const float v = unbias_dot(acc4[j][e]) * bit_cast<float>(km[e]);
+        float v = unbias_dot(acc4[j][e]) * bit_cast<float>(km[e]);
+        if constexpr (KM) v = fma_(v, rs.qscale, bias[e]);
         s[j][e] = kt0 + 16 * j + 8 * h + e <= last ? v : neg_inf();
       }
     }
@@ -434,7 +506,8 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
     mj[j] = fmax_(fmax_(fmax_(s[j][0], s[j][1]), fmax_(s[j][2], s[j][3])), fmax_(fmax_(s[j][4], s[j][5]), fmax_(s[j][6], s[j][7])));
   const float mx = fmax_(fmax_(mj[0], mj[1]), fmax_(mj[2], mj[3]));  // this lane's half of the row
   // The tile's shift, from this lane's and the other half's (lane ^ 16) max and the row state: one v_max3.
-  const float sh = p_shift<FP8PV>(mx, rs.qscale);
+  const float qs = KM ? 1.0f : rs.qscale;  // KM: the scores carry qscale already
+  const float sh = KM ? p_shift_scores<FP8PV>(mx) : p_shift<FP8PV>(mx, rs.qscale);
   const float sh_other = lane_xor16_full_wave(sh);
   float bias_new;
   if constexpr (FP8PV) {
@@ -448,7 +521,7 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
     bias_new = fmax_(fmax_(rs.bias, sh), sh_other);
   }
   // A row that has seen no key yet keeps the shift -inf: its P use the shift of m = 0 (exact zeros).
-  const float bias = MASK && bias_new == neg_inf() ? p_shift<FP8PV>(0.0f, rs.qscale) : bias_new;
+  const float bias = (MASK || KM) && bias_new == neg_inf() ? p_shift<FP8PV>(0.0f, qs) : bias_new;
   // o and l move from the last tile's shift to this one's: exactly the shifts their P used (FP8: P < 448).
   const float alpha = fast_exp2(rs.bias - bias);
   PFrag<D, FP8PV> pf;
@@ -457,7 +530,7 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
   for (int j = 0; j < 4; ++j) {
     float p[8];
     #pragma unroll
-    for (int e = 0; e < 8; ++e) p[e] = fast_exp2(fma_(s[j][e], rs.qscale, -bias));
+    for (int e = 0; e < 8; ++e) p[e] = fast_exp2(fma_(s[j][e], qs, -bias));
     if constexpr (FP8PV) {  // the sum first: the conversion may then reuse P's registers (pack_e4m3x4)
       part[j] = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
       pack_p(pf, j, p);
@@ -489,13 +562,15 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
 }
 
 
-// The whole attention for one block of BM query rows of one (batch, q head).
-template <int D, bool FP8PV, bool SC_, class T>
+// The whole attention for one block of BM query rows of one (batch, q head). SC_: the single P.V chain. KM: with a
+// key-only mask (`km`).
+template <int D, bool FP8PV, bool SC_, class T, bool KM = false>
 SG_INLINE void attention(const i8* q8, const float* q_scale, const i8* k8, const float* k_scale, const u8* v,
                          const float* v_scale, const float* v_mean, int Hq, int Hkv, int Nq, int Nk, int causal,
                          u16* out, i64 osb, i64 osh, i64 osn, float* lse,
-                         const u16* q, i64 qsb, i64 qsh, i64 qsn, i64 qsd, const float* k_mean, float sm_scale) {
-  typedef AttnSmem<D, FP8PV> M;
+                         const u16* q, i64 qsb, i64 qsh, i64 qsn, i64 qsd, const float* k_mean, float sm_scale,
+                         const KeyMask& km = KeyMask()) {
+  typedef typename SmemOf<D, FP8PV, KM>::type M;
   constexpr bool SC = SC_ || SG_PV_SINGLE_CHAIN;
   SG_SHARED M sm;
   const int hq = bid_y(), b = bid_z(), hk = hq / (Hq / Hkv);
@@ -505,6 +580,9 @@ SG_INLINE void attention(const i8* q8, const float* q_scale, const i8* k8, const
   const i8* kbase = k8 + bhk * Nk * D;
   const u8* vbase = v + bhk * Nk * D * (FP8PV ? 1 : 2);
   const float* ksbase = k_scale + bhk * Nk;
+  // KM: the keys from the mask row's end on are dead (bias -inf): the tiling below runs over [0, Nk_used) only.
+  const float* kbbase = KM ? km.bias + (i64)b * km.sbb + (i64)hq * km.sbh : nullptr;
+  const int Nk_used = KM ? km.end[(i64)b * km.seb + (i64)hq * km.seh] : Nk;
 
   RowState<D, FP8PV> rs;
   rs.q0 = q0;
@@ -525,28 +603,31 @@ SG_INLINE void attention(const i8* q8, const float* q_scale, const i8* k8, const
   // Tiles [0, n_whole) lie wholly inside [0, Nk): the unmasked loop runs while the tile it prefetches is one of
   // them (no clamping, uniform addresses); the rest, at most one unmasked tile more, goes through the masked loop
   // (its masks then keep everything).
-  const int kv_end = causal ? imin(Nk, q0 + BM) : Nk;
+  const int kv_end = causal ? imin(Nk_used, q0 + BM) : Nk_used;
   const int n_tiles = (kv_end + BN - 1) / BN;
-  const int n_whole = Nk / BN;
+  const int n_whole = Nk_used / BN;
   const int n_full = imin(n_whole, causal ? (q0 + 1) / BN : n_whole);
   const int n_main = imin(n_full, imin(n_whole, n_tiles) - 1);
   // One LDS buffer: store tile i, barrier, compute tile i (issuing tile i+1's global loads after its Q.K), barrier.
   Stage<D, FP8PV> st;
   StageOffsets so = make_stage_offsets<D, FP8PV>();
-  if (n_tiles > 0) stage_load<D, FP8PV>(st, kbase, vbase, ksbase, 0, Nk);
+  const float* kb_lds = nullptr;
+  if constexpr (KM) kb_lds = sm.kb;
+  if (n_tiles > 0) stage_load<D, FP8PV, false, KM>(st, kbase, vbase, ksbase, 0, Nk_used, kbbase);
   int i = 0;
   for (; i < n_main; ++i) {
-    stage_store<D, FP8PV>(st, sm);
+    stage_store<D, FP8PV, M, KM>(st, sm, km.fill);
     block_sync();
-    attend_tile<D, FP8PV, SC, false>(rs, qf, sm, i * BN, Nk, causal,
-                                 [&] { stage_load_whole<D, FP8PV>(st, so, kbase, vbase, ksbase, (i + 1) * BN); });
+    attend_tile<D, FP8PV, SC, false, KM>(rs, qf, sm, i * BN, Nk_used, causal,
+                                 [&] { stage_load_whole<D, FP8PV, KM>(st, so, kbase, vbase, ksbase, (i + 1) * BN,
+                                                                      kbbase); }, kb_lds);
     block_sync_lds();  // the next tile's global loads stay in flight across it
   }
   for (; i < n_tiles; ++i) {
-    stage_store<D, FP8PV>(st, sm);
+    stage_store<D, FP8PV, M, KM>(st, sm, km.fill);
     block_sync();
-    if (i + 1 < n_tiles) stage_load<D, FP8PV>(st, kbase, vbase, ksbase, (i + 1) * BN, Nk);
-    attend_tile<D, FP8PV, SC, true>(rs, qf, sm, i * BN, Nk, causal, [] {});
+    if (i + 1 < n_tiles) stage_load<D, FP8PV, false, KM>(st, kbase, vbase, ksbase, (i + 1) * BN, Nk_used, kbbase);
+    attend_tile<D, FP8PV, SC, true, KM>(rs, qf, sm, i * BN, Nk_used, causal, [] {}, kb_lds);
     block_sync();
   }
 
@@ -651,6 +732,27 @@ SG_ATTN(f16, false, 128, f16, F16, 8, true, _sc)
 SG_ATTN(f16, false, 128, bf16, BF16, 8, true, _sc)
 SG_ATTN(f16, false, 64, f16, F16, 10, true, _sc)
 SG_ATTN(f16, false, 64, bf16, BF16, 10, true, _sc)
+
+// The same with a key-only mask (KeyMask): its bias and end pointers with their (batch, head) strides, and fill.
+#define SG_ATTN_KMASK(PV, FP8, D, SUF, T, WAVES)                                                             \
+  extern "C" __global__ SG_LAUNCH_BOUNDS(256) SG_MIN_WAVES(WAVES) void sage_attn_i8##PV##_d##D##_##SUF##_kmask(  \
+      const sg::i8* q8, const float* q_scale, const sg::i8* k8, const float* k_scale, const sg::u8* v,        \
+      const float* v_scale, const float* v_mean, int Hq, int Hkv, int Nq, int Nk, int causal, sg::u16* out,  \
+      sg::i64 osb, sg::i64 osh, sg::i64 osn, float* lse, const sg::u16* q, sg::i64 qsb, sg::i64 qsh,         \
+      sg::i64 qsn, sg::i64 qsd, const float* k_mean, float sm_scale, const float* kbias, sg::i64 sbb,        \
+      sg::i64 sbh, const int* kend, sg::i64 seb, sg::i64 seh, int fill) {                                     \
+    const sg::KeyMask km = {kbias, sbb, sbh, kend, seb, seh, fill};                                           \
+    sg::attention<D, FP8, false, sg::T, true>(q8, q_scale, k8, k_scale, v, v_scale, v_mean, Hq, Hkv, Nq, Nk, causal, \
+                                       out, osb, osh, osn, lse, q, qsb, qsh, qsn, qsd, k_mean, sm_scale, km);  \
+  }
+SG_ATTN_KMASK(f8, true, 128, f16, F16, 8)
+SG_ATTN_KMASK(f8, true, 128, bf16, BF16, 8)
+SG_ATTN_KMASK(f8, true, 64, f16, F16, 10)
+SG_ATTN_KMASK(f8, true, 64, bf16, BF16, 10)
+SG_ATTN_KMASK(f16, false, 128, f16, F16, 7)
+SG_ATTN_KMASK(f16, false, 128, bf16, BF16, 7)
+SG_ATTN_KMASK(f16, false, 64, f16, F16, 10)
+SG_ATTN_KMASK(f16, false, 64, bf16, BF16, 10)
 
 #define SG_QK_SCORES(D)                                                                                     \
   extern "C" __global__ SG_LAUNCH_BOUNDS(256) void sage_qk_scores_d##D(                                      \

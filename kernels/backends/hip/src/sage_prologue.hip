@@ -12,9 +12,11 @@ constexpr int STAT_CHUNK = 512;  // tokens per column-statistics block
 // or with `mean` (smooth_v) max |x - mean[b, h, d]| with the difference taken in FP32 as the spec does.
 // Both keep NaN as torch does (a sum does by itself; the max through abs_max), so a NaN or Inf
 // anywhere in a channel gives that channel a NaN/Inf statistic instead of a finite one.
+// `live` (a key-only mask's live keys, int8 (B, H, N) contiguous, or nullptr): a dead key counts as x * 0
+// (quant.smooth_keys_live: 0, or NaN where x is NaN/Inf), in the sum and, without the mean, in the max.
 template <class T>
 SG_INLINE void colstats(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int N, int D, int chunks,
-                        int mode, const float* mean, double* ws) {
+                        int mode, const float* mean, const i8* live, double* ws) {
   SG_SHARED double part[PRO_THREADS];
   const int chunk = bid_x(), h = bid_y(), b = bid_z(), t = tid_x();
   const int rows = PRO_THREADS / D, d = t % D, r = t / D;
@@ -23,9 +25,11 @@ SG_INLINE void colstats(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int
   double acc = 0.0;
   if (r < rows) {
     const float mu = mean && mode != 0 ? mean[((i64)b * H + h) * D + d] : 0.0f;
+    const i8* live_row = live ? live + ((i64)b * H + h) * N : nullptr;
     for (int n = chunk * STAT_CHUNK + r; n < n_end; n += rows) {
       float v = T::load(base[(i64)n * sn]);
-      if (mean && mode != 0) v = v - mu;
+      if (live_row && !live_row[n]) v = v * 0.0f;
+      else if (mean && mode != 0) v = v - mu;
       if (mode == 0) acc += (double)v;
       else acc = abs_max(acc, (double)fabs_(v));
     }
@@ -44,10 +48,12 @@ SG_INLINE void colstats(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int
 
 // Combine the chunks, in chunk order, and finish one statistic per (b, h, channel):
 //   mode 0: key/value mean = float(sum / N)                     (torch: x.double().mean().float())
+//           or, with `count` (a key-only mask: the FP64 live keys per (b, h), at least 1), float(sum / count)
 //   mode 1: fp8 scale  = max(amax / 448, tiny)                  (quant.quantize_v_fp8)
 //   mode 2: fp16 scale = smallest power of two >= max(amax / 32768, 2^-126)   (quant.fp16_v_scale)
 // A NaN amax gives a NaN scale and an Inf amax an Inf scale (torch's clamp_min keeps both).
-SG_INLINE void colstats_finalize(const double* ws, int chunks, i64 rows, int D, int N, int mode, float* out) {
+SG_INLINE void colstats_finalize(const double* ws, int chunks, i64 rows, int D, int N, int mode, const double* count,
+                                 float* out) {
   const i64 i = (i64)bid_x() * PRO_THREADS + tid_x();
   if (i >= rows * D) return;
   const i64 bh = i / D;
@@ -59,7 +65,7 @@ SG_INLINE void colstats_finalize(const double* ws, int chunks, i64 rows, int D, 
   }
   float res;
   if (mode == 0) {
-    res = N > 0 ? (float)(s / (double)N) : 0.0f;
+    res = count ? (float)(s / count[bh]) : N > 0 ? (float)(s / (double)N) : 0.0f;
   } else if (mode == 1) {
     res = abs_max((float)s / 448.0f, F32_TINY);
   } else {
@@ -82,9 +88,10 @@ SG_INLINE void colstats_finalize(const double* ws, int chunks, i64 rows, int D, 
 // scale is NaN/Inf and every q of the group is 0 (x * inv is NaN or 0; torch casts NaN to int8 0):
 // the scores of that token become NaN (0 * Inf, x * NaN) and reach the output instead of garbage.
 // One block = 8 waves; a wave handles TB/8 tokens, a lane D/32 adjacent channels.
+// `live` (K under a key-only mask, as colstats'): a dead key is x * 0, so its code is 0 and it widens no block's amax.
 template <int D, int G, class T>
 SG_INLINE void quant_qk(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int N, float mult,
-                        const float* mean, i8* out, float* scale) {
+                        const float* mean, const i8* live, i8* out, float* scale) {
   constexpr int TB = G == 1 ? 32 : G, TPW = TB / 8, EPL = D / 32;
   SG_SHARED float wave_amax[8];
   const int h = bid_y(), b = bid_z(), lane = lane_id(), w = wave_id();
@@ -106,7 +113,8 @@ SG_INLINE void quant_qk(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int
       float f = 0.0f;
       if (n < N) {
         f = T::load(base[(i64)n * sn + (i64)(lane * EPL + i) * sd]);
-        f = mean ? f - mu[i] : f * mult;
+        if (live && !live[bh * N + n]) f = f * 0.0f;
+        else f = mean ? f - mu[i] : f * mult;
       }
       v[t][i] = f;
       m = abs_max(m, fabs_(f));
@@ -145,10 +153,11 @@ SG_INLINE void quant_qk(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int
 // V for FP8 P.V: e4m3(clamp(v / scale, -448, 448)); for FP16 P.V: fp16(v / scale); with smooth_v
 // (mean != nullptr) v is float(x) - mean[b, h, d] first (FP32, as quant.smooth_values).
 // NaN (a NaN/Inf channel: its scale is NaN/Inf) stays NaN through the clamp and the e4m3 encoding.
+// `live` (as colstats'): a dead key is x * 0 (code 0, or NaN from a NaN/Inf x).
 // One thread = 4 adjacent channels of one token; output (B, H, N, Dv) contiguous.
 template <bool FP8, class T>
 SG_INLINE void quant_v(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int N, int Dv,
-                       const float* vscale, const float* mean, void* out) {
+                       const float* vscale, const float* mean, const i8* live, void* out) {
   const int h = bid_y(), b = bid_z();
   const i64 bh = (i64)b * H + h;
   const i64 idx = (i64)bid_x() * PRO_THREADS + tid_x();
@@ -157,11 +166,13 @@ SG_INLINE void quant_v(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int 
   const i64 n = idx / groups;
   const int d0 = (int)(idx % groups) * 4;
   const u16* src = x + (i64)b * sb + (i64)h * sh + n * sn + (i64)d0 * sd;
+  const bool dead = live && !live[bh * N + n];
   float y[4];
   #pragma unroll
   for (int i = 0; i < 4; ++i) {
     float f = T::load(src[(i64)i * sd]);
-    if (mean) f = f - mean[bh * Dv + d0 + i];
+    if (dead) f = f * 0.0f;
+    else if (mean) f = f - mean[bh * Dv + d0 + i];
     f = f / vscale[bh * Dv + d0 + i];
     y[i] = FP8 ? clamp_keep_nan(f, 448.0f) : f;
   }
@@ -182,22 +193,23 @@ SG_INLINE void quant_v(const u16* x, i64 sb, i64 sh, i64 sn, i64 sd, int H, int 
 #define SG_COLSTATS(SUF, T)                                                                              \
   extern "C" __global__ SG_LAUNCH_BOUNDS(256) void sage_colstats_##SUF(                                  \
       const sg::u16* x, sg::i64 sb, sg::i64 sh, sg::i64 sn, sg::i64 sd, int H, int N, int D, int chunks, \
-      int mode, const float* mean, double* ws) {                                                          \
-    sg::colstats<sg::T>(x, sb, sh, sn, sd, H, N, D, chunks, mode, mean, ws);                            \
+      int mode, const float* mean, const sg::i8* live, double* ws) {                                      \
+    sg::colstats<sg::T>(x, sb, sh, sn, sd, H, N, D, chunks, mode, mean, live, ws);                      \
   }
 SG_COLSTATS(f16, F16)
 SG_COLSTATS(bf16, BF16)
 
 extern "C" __global__ SG_LAUNCH_BOUNDS(256) void sage_colstats_finalize(const double* ws, int chunks, sg::i64 rows,
-                                                                        int D, int N, int mode, float* out) {
-  sg::colstats_finalize(ws, chunks, rows, D, N, mode, out);
+                                                                        int D, int N, int mode, const double* count,
+                                                                        float* out) {
+  sg::colstats_finalize(ws, chunks, rows, D, N, mode, count, out);
 }
 
 #define SG_QUANT_QK(D, G, SUF, T)                                                                           \
   extern "C" __global__ SG_LAUNCH_BOUNDS(256) void sage_quant_qk_d##D##_g##G##_##SUF(                       \
       const sg::u16* x, sg::i64 sb, sg::i64 sh, sg::i64 sn, sg::i64 sd, int H, int N, float mult,         \
-      const float* mean, sg::i8* out, float* scale) {                                                       \
-    sg::quant_qk<D, G, sg::T>(x, sb, sh, sn, sd, H, N, mult, mean, out, scale);                            \
+      const float* mean, const sg::i8* live, sg::i8* out, float* scale) {                                   \
+    sg::quant_qk<D, G, sg::T>(x, sb, sh, sn, sd, H, N, mult, mean, live, out, scale);                      \
   }
 #define SG_QUANT_QK_G(D, SUF, T) SG_QUANT_QK(D, 1, SUF, T) SG_QUANT_QK(D, 32, SUF, T) \
   SG_QUANT_QK(D, 64, SUF, T) SG_QUANT_QK(D, 128, SUF, T)
@@ -209,8 +221,8 @@ SG_QUANT_QK_G(128, bf16, BF16)
 #define SG_QUANT_V(PV, FP8, SUF, T)                                                                          \
   extern "C" __global__ SG_LAUNCH_BOUNDS(256) void sage_quant_v_##PV##_##SUF(                                 \
       const sg::u16* x, sg::i64 sb, sg::i64 sh, sg::i64 sn, sg::i64 sd, int H, int N, int Dv,               \
-      const float* vscale, const float* mean, void* out) {                                                    \
-    sg::quant_v<FP8, sg::T>(x, sb, sh, sn, sd, H, N, Dv, vscale, mean, out);                                 \
+      const float* vscale, const float* mean, const sg::i8* live, void* out) {                                \
+    sg::quant_v<FP8, sg::T>(x, sb, sh, sn, sd, H, N, Dv, vscale, mean, live, out);                           \
   }
 SG_QUANT_V(fp8, true, f16, F16)
 SG_QUANT_V(fp8, true, bf16, BF16)
