@@ -1257,9 +1257,14 @@ def gpu_case(case: Case, for_comfy: bool = False) -> Case:
     if for_comfy:
         dv, causal, lse, smooth_v = d, False, False, False
     refused_dtype = case.dtype in ("mixed", torch.int8, torch.float64)
+    # A fused qkv buffer holds q, k and v of one head count and head size: a profile that changes either moves
+    # the call to the plain layout (random_case draws "fused" only where it can hold the call).
+    layout = case.layout
+    if layout == "fused" and (kv_heads != q_heads or dv != d):
+        layout = "comfy" if for_comfy else "hnd"
     return dict_replace(case, head_dim=d, v_head_dim=dv, dtype=case.dtype if refused_dtype else dtype,
                         is_causal=causal, return_lse=lse, mask=mask, q_heads=q_heads, kv_heads=kv_heads,
-                        prologue=prologue, qk_group=qk_group, smooth_k=smooth_k, smooth_v=smooth_v)
+                        prologue=prologue, qk_group=qk_group, smooth_k=smooth_k, smooth_v=smooth_v, layout=layout)
 
 
 def gpu_fuzz_calls() -> int:
@@ -1294,6 +1299,10 @@ def test_the_gpu_fuzz_draws_its_kernels_from_a_fixed_set():
     assert {(c.prologue, c.qk_group, c.smooth_k, c.smooth_v) for c in api} == set(GPU_VARIANTS)
     assert {c.head_dim for c in api} == {48, 64, 128} and not any(c.is_causal or c.return_lse for c in override)
     assert all(c.kv_heads == c.q_heads for c in override)
+    # Every call's layout can hold it (a fused qkv buffer: one head count and head size for q, k and v).
+    fused = [c for c in api + override if c.layout == "fused"]
+    assert fused and all(c.kv_heads == c.q_heads and c.v_head_dim == c.head_dim for c in fused)
+    assert any(c.layout == "hnd" and c.kv_heads != c.q_heads for c in api)
 
 
 INTERPRETER_FAULTS = ("LSE + 0.05", "causal one key late")

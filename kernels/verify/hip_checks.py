@@ -514,13 +514,15 @@ def key_mask_variants(b: int, hq: int, nk: int, pad, device="cpu", nq: int = 70)
         "neg-inf fp16": torch.zeros(b, 1, 1, nk, dtype=torch.float16).masked_fill(~keep, -math.inf),
         "-finfo.max bf16": neg_max,
         "-finfo.max bf16 3d": neg_max[:1, 0],
-        "-finfo.max expanded": neg_max.expand(b, 1, nq, nk),
         "per-head bool": per_head,
         "soft bias": torch.randn(b, hq, 1, nk, generator=torch.Generator().manual_seed(5)) * 2.0,
         "all -inf": torch.full((b, 1, 1, nk), -math.inf),
         "all -finfo.max": torch.full((1, 1, nk), -torch.finfo(torch.float32).max),
     }
-    return {name: m.to(device) for name, m in masks.items()}
+    on_device = {name: m.to(device) for name, m in masks.items()}
+    # Expanded on its device: copying an expanded tensor to another device materializes its rows.
+    on_device["-finfo.max expanded"] = on_device["-finfo.max bf16"].expand(b, 1, nq, nk)
+    return on_device
 
 
 def masked_prologue(run: Callable, q, k, v, attn_mask, *, sm_scale, smooth_k=True, pv="fp8", qk_group="token",
