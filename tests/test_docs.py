@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-README_MAX_CHARS = 17_400  # raised from 16,000 for the torch.compile and model-family sections; keep it a user's page
+README_MAX_CHARS = 18_000  # raised from 16,000 for the torch.compile and model-table sections; a user's page
 DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
