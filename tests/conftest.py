@@ -147,3 +147,20 @@ def hip_emulated_run():
         cupy_runner.run(launches)
         torch.cuda.synchronize()
     return run
+
+
+@pytest.fixture(scope="session")
+def emulated_runner(hip_emulated_run):
+    """make(**options) -> a synchronous run function for the emulated build with kernel_abi.VERIFY_OPTIONS."""
+    import torch
+
+    from comfyui_sage_rdna4.kernels.verify import cupy_runner
+
+    def make(**options):
+        launch = cupy_runner.runner(torch.cuda.current_device(), **options)
+
+        def run_(launches):
+            launch(launches)
+            torch.cuda.synchronize()
+        return run_
+    return make

@@ -186,20 +186,6 @@ TARGET_REL_L1 = 0.02      # issue 10's target for diffuse attention with a V cha
 SINGLE_CHAIN_MIN_LOSS = 0.05
 
 
-@pytest.fixture(scope="module")
-def emulated_runner(hip_emulated_run):
-    """make(**options) -> a synchronous run function for the emulated build with kernel_abi.VERIFY_OPTIONS."""
-    from comfyui_sage_rdna4.kernels.verify import cupy_runner
-
-    def make(**options):
-        launch = cupy_runner.runner(torch.cuda.current_device(), **options)
-
-        def run_(launches):
-            launch(launches)
-            torch.cuda.synchronize()
-        return run_
-    return make
-
 
 def _precision_inputs(kind):
     """diffuse_voffset: hip_checks.diffuse_qkv; regional_voffset: benchmark.py's kind at nk keys, every

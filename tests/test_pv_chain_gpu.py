@@ -19,20 +19,6 @@ DEV = torch.device("cuda")
 ACCUMULATION_CASES = [c for c in DEFAULT_CASES if c.kind in hip_backend.ACCUMULATION_CASE_KINDS]
 
 
-@pytest.fixture(scope="module")
-def emulated_runner(hip_emulated_run):
-    """make(**options) -> a synchronous run function for the emulated build with kernel_abi.VERIFY_OPTIONS."""
-    from comfyui_sage_rdna4.kernels.verify import cupy_runner
-
-    def make(**options):
-        launch = cupy_runner.runner(torch.cuda.current_device(), **options)
-
-        def run_(launches):
-            launch(launches)
-            torch.cuda.synchronize()
-        return run_
-    return make
-
 
 @pytest.fixture(autouse=True)
 def fresh():

@@ -10,7 +10,6 @@ kernel's report), DIR/<model>.txt and the first kernel's plot as PNG. The models
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import tempfile
 import time
@@ -18,18 +17,9 @@ from pathlib import Path
 
 import torch
 
-from pack_loader import ROOT, load_pack
+from pack_loader import load_harness, load_pack
 
-
-def _load_harness():
-    path = Path(ROOT) / "tests" / "comfy_harness.py"
-    spec = importlib.util.spec_from_file_location("sage_rdna4_comfy_harness", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-harness = _load_harness()
+harness = load_harness()
 
 
 def save_png(image: torch.Tensor, path: Path) -> None:

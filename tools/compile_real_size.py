@@ -16,7 +16,6 @@ A cold first use needs a fresh process: run the eager and the compiled set as tw
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -26,18 +25,9 @@ from pathlib import Path
 
 import torch
 
-from pack_loader import ROOT, load_pack
+from pack_loader import load_harness, load_pack
 
-
-def _load_harness():
-    path = Path(ROOT) / "tests" / "comfy_harness.py"
-    spec = importlib.util.spec_from_file_location("sage_rdna4_comfy_harness", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-harness = _load_harness()
+harness = load_harness()
 
 
 def build(args):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import math
 import statistics
 import sys
@@ -28,20 +27,10 @@ from typing import Dict, List, Optional
 
 import torch
 
-from pack_loader import ROOT, load_pack
+from pack_loader import load_harness, load_pack
 
 DEFAULT_KERNELS = "auto,triton_int8_fp8"
 WARMUP = 1
-
-
-def load_harness():
-    import importlib.util
-
-    path = Path(ROOT) / "tests" / "comfy_harness.py"
-    spec = importlib.util.spec_from_file_location("sage_rdna4_comfy_harness", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class CallRecorder:
@@ -313,16 +302,6 @@ def markdown(rows: List[dict], kernels: List[str], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def clean(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {str(k): clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [clean(v) for v in x]
-    return x
-
-
 def run_table(families: List[str], kernels: List[str], out: Path, steps: int, tiny: bool, harness,
               say=print, auto_priming: int = 0) -> List[dict]:
     pack = Pack()
@@ -368,7 +347,9 @@ def run_table(families: List[str], kernels: List[str], out: Path, steps: int, ti
         say(f"  [{family.label}: {row['elapsed_s']:.1f} s]")
         rows.append(row)
         # Rewritten after each family: a run cut short keeps the rows it finished.
-        (out / "model_table.json").write_text(json.dumps(clean({"meta": meta, "rows": rows}), indent=1))
+        from comfyui_sage_rdna4.sage_patch.report import report_json
+
+        (out / "model_table.json").write_text(report_json({"meta": meta, "rows": rows}))
         (out / "model_table.md").write_text(markdown(rows, kernels, meta))
     return rows
 

@@ -8,6 +8,16 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def load_harness():
+    """tests/comfy_harness.py (the ComfyUI model builders the tests share), loaded by path: tests/ is not on
+    sys.path when a tool runs."""
+    path = os.path.join(ROOT, "tests", "comfy_harness.py")
+    spec = importlib.util.spec_from_file_location("sage_rdna4_comfy_harness", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_pack():
     spec = importlib.util.spec_from_file_location("_sage_rdna4_entry", os.path.join(ROOT, "benchmark.py"))
     entry = importlib.util.module_from_spec(spec)

@@ -326,6 +326,12 @@ def prologue_mismatches(qq: quant.QuantizedQKV, q, k, v, *, sm_scale, smooth_k=T
     holding NaN/Inf, NaN must sit exactly where the spec puts it)."""
     ref = quant.quantize_qkv_torch(q.cpu(), k.cpu(), v.cpu(), sm_scale=sm_scale, smooth_k=smooth_k, pv=pv,
                                    qk_group=qk_group, smooth_v=smooth_v)
+    return field_mismatches(qq, ref)
+
+
+def field_mismatches(qq: quant.QuantizedQKV, ref: quant.QuantizedQKV) -> Dict[str, int]:
+    """{field: elements of `qq` (any device) that differ from `ref` (CPU); -1 for a field missing on one side or of
+    another shape or dtype}."""
     bad = {}
     for name in QQ_FIELDS:
         a, b = getattr(qq, name), getattr(ref, name)
@@ -334,12 +340,9 @@ def prologue_mismatches(qq: quant.QuantizedQKV, q, k, v, *, sm_scale, smooth_k=T
                 bad[name] = -1
             continue
         a = a.cpu()
-        if a.shape != b.shape or a.dtype != b.dtype:
-            bad[name] = -1
-        else:
-            n = _differing(a, b)
-            if n:
-                bad[name] = n
+        n = -1 if a.shape != b.shape or a.dtype != b.dtype else _differing(a, b)
+        if n:
+            bad[name] = n
     return bad
 
 
@@ -541,19 +544,7 @@ def masked_prologue(run: Callable, q, k, v, attn_mask, *, sm_scale, smooth_k=Tru
 
 def masked_prologue_mismatches(qq, q, k, v, km, **kw) -> Dict[str, int]:
     """prologue_mismatches against quant.quantize_qkv_torch(live=...) of the same mask (CPU)."""
-    ref = quant.quantize_qkv_torch(q.cpu(), k.cpu(), v.cpu(), live=km.live.cpu(), **kw)
-    bad = {}
-    for name in QQ_FIELDS:
-        a, b = getattr(qq, name), getattr(ref, name)
-        if a is None or b is None:
-            if (a is None) != (b is None):
-                bad[name] = -1
-            continue
-        a = a.cpu()
-        n = -1 if a.shape != b.shape or a.dtype != b.dtype else _differing(a, b)
-        if n:
-            bad[name] = n
-    return bad
+    return field_mismatches(qq, quant.quantize_qkv_torch(q.cpu(), k.cpu(), v.cpu(), live=km.live.cpu(), **kw))
 
 
 def masked_attention(run: Callable, qq, km, *, pv, is_causal, out_dtype, return_lse=False, q=None, sm_scale=1.0):
