@@ -27,6 +27,7 @@ from .self_check import (
     Variant,
     backend_attention,
     case_call,
+    checks_fingerprint,
     out_of_memory,
     run_self_check,
 )
@@ -111,7 +112,8 @@ class Verdicts:
                 return self.recorded[key]
             device = torch.device(device_type, index) if index is not None else torch.device(device_type)
             options = variant.describe() if variant else "default options"
-            cache_key = self.cache.key(backend.name, variant, device, self.cases) if device.type == "cuda" else None
+            cache_key = (self.cache.key(backend.name, variant, device, checks_fingerprint(self.cases))
+                         if device.type == "cuda" else None)
             if cache_key and self.cache.has_pass(cache_key, backend.name):
                 log.info("%s (%s): self-check passed earlier on this GPU, driver and code (cached)", backend.name,
                          options)

@@ -8,7 +8,6 @@ import torch
 from . import settings
 from .cache_identity import code_digest, gpu_identity, pack_version  # the keys; tests patch them here
 from .disk_cache import SELF_CHECK_PASSES, EntryStore, cache_key
-from .self_check import BOUNDS, DEFAULT_CASES, SelfCheckResult
 
 
 class PassCache:
@@ -29,9 +28,10 @@ class PassCache:
             self._store = EntryStore(SELF_CHECK_PASSES, self._root)
         return self._store
 
-    def key(self, backend: str, variant, device: Optional[torch.device], cases=DEFAULT_CASES,
+    def key(self, backend: str, variant, device: Optional[torch.device], checks: str,
             identity: Optional[dict] = None) -> Optional[str]:
-        """The entry's key, or None (nothing cached) when disabled or when the GPU or driver cannot be told."""
+        """The entry's key, or None (nothing cached) when disabled or when the GPU or driver cannot be told.
+        `checks`: what the check ran (self_check.checks_fingerprint: its cases and bounds), from the caller."""
         if not self.enabled:
             return None
         try:
@@ -39,7 +39,7 @@ class PassCache:
             if identity is None:
                 return None
             return cache_key(kind="self-check pass", backend=backend, variant=list(variant or ()),
-                             code=code_digest(), cases=[repr(c) for c in cases], bounds=repr(BOUNDS),
+                             code=code_digest(), checks=checks,
                              pack=pack_version(), **identity)
         except Exception:
             return None
@@ -51,7 +51,8 @@ class PassCache:
             return False
         return isinstance(entry, dict) and entry.get("verdict") == self.PASS
 
-    def store_pass(self, key: str, backend: str, result: Optional[SelfCheckResult] = None) -> Optional[str]:
+    def store_pass(self, key: str, backend: str, result=None) -> Optional[str]:
+        """`result` (self_check.SelfCheckResult): what the pass measured, written beside it."""
         entry = {"verdict": self.PASS, "backend": backend}
         if result is not None:  # what the pass measured, for whoever reads the file
             entry.update(seconds=round(result.seconds, 3),

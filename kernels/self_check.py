@@ -210,6 +210,12 @@ PADDING_SCALE = 1000.0
 PADDED_KEYS = (180, 357)  # masked keys at the end of batch 0, 1
 
 
+def checks_fingerprint(cases: Sequence[Case] = DEFAULT_CASES) -> str:
+    """What a remembered pass was checked against: the cases and every bound (the pass cache keys by it, so a
+    change of either runs the check again)."""
+    return repr([repr(c) for c in cases]) + repr(BOUNDS)
+
+
 def default_accepts(case: Case) -> bool:
     """A plain `attention(q, k, v, is_causal=False)` is assumed to take GQA and causal, not to return LSE nor to
     take a `scale` or a mask."""

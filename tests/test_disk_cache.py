@@ -322,7 +322,7 @@ def test_a_planted_pass_in_a_shared_temp_folder_is_no_pass(tmp_path, monkeypatch
     """End to end through the pass cache: a pass another user could have written never skips a self-check."""
     unusable_cache(tmp_path, monkeypatch)
     cache = PassCache(enabled=True)
-    key = cache.key("hip_int8_fp8", None, None, identity={"gpu": "AMD Radeon RX 9070 XT", "arch": "gfx1201"})
+    key = cache.key("hip_int8_fp8", None, None, "checks", identity={"gpu": "AMD Radeon RX 9070 XT", "arch": "gfx1201"})
     folder = disk_cache.fallback_folder(disk_cache.SELF_CHECK_PASSES)
     os.makedirs(folder)
     disk_cache.EntryStore(disk_cache.SELF_CHECK_PASSES, folder).store_json(

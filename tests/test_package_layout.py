@@ -216,6 +216,8 @@ def test_the_selection_modules_import_downward_only(graph):
     # and the one module that takes the steps is the only one that imports both the gate and the tuner
     both = [m for m, deps in graph.items() if {f"{k}.gating", f"{k}.tuner"} <= deps and "tests" not in m]
     assert both == [f"{k}.dispatch"]
+    # The pass cache and the numeric check sit side by side: the cache keys by the fingerprint gating hands it.
+    assert f"{k}.self_check" not in graph[f"{k}.pass_cache"] and f"{k}.pass_cache" not in graph[f"{k}.self_check"]
 
 
 def _dynamic_imports(path: Path) -> List[str]:

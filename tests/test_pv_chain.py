@@ -13,6 +13,7 @@ import torch
 from comfyui_sage_rdna4.kernels import settings
 from comfyui_sage_rdna4.kernels.backends.hip import backend as hip_backend
 from comfyui_sage_rdna4.kernels.backends.hip import kernel_abi, probes, pv_chain
+from comfyui_sage_rdna4.kernels.self_check import checks_fingerprint
 from comfyui_sage_rdna4.kernels.verify import hip_checks, host_sim
 
 CPU = torch.device("cpu")
@@ -107,9 +108,9 @@ def test_a_self_check_pass_is_kept_per_chain(tmp_path):
     identity = {"gpu": "test", "arch": "gfx1201", "driver": "1"}
     variant = backend.variant(hip_backend_call())
     dev = torch.device("cuda", 0)
-    before = cache.key(backend.name, variant, dev, identity=identity)
+    before = cache.key(backend.name, variant, dev, checks_fingerprint(), identity=identity)
     pv_chain.choose("fp16", "cuda", 0, FULL, passes)
-    after = cache.key(backend.name, variant, dev, identity=identity)
+    after = cache.key(backend.name, variant, dev, checks_fingerprint(), identity=identity)
     assert before and after and before != after
 
 

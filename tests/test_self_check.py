@@ -461,6 +461,7 @@ def test_variant_is_named():
 
 # -- passes cached on disk ----------------------------------------------------------------------------
 
+CHECKS = sc.checks_fingerprint()
 IDENTITY = {"gpu": "AMD Radeon RX 9070 XT", "arch": "gfx1201", "driver": "hip-60443", "torch": "2.9",
             "hip": "6.4", "cuda": None, "triton": "3.4"}
 
@@ -468,27 +469,31 @@ IDENTITY = {"gpu": "AMD Radeon RX 9070 XT", "arch": "gfx1201", "driver": "hip-60
 def test_pass_cache_roundtrip_and_key_parts(tmp_path):
     cache = pass_cache.PassCache(str(tmp_path), enabled=True)
     variant = variant_of(_call(prologue="hip"))
-    key = cache.key("hip_int8_fp8", variant, torch.device("cuda", 0), identity=IDENTITY)
+    key = cache.key("hip_int8_fp8", variant, torch.device("cuda", 0), CHECKS, identity=IDENTITY)
     assert key and not cache.has_pass(key, "hip_int8_fp8")
     assert cache.store_pass(key, "hip_int8_fp8") and os.listdir(tmp_path)
     assert pass_cache.PassCache(str(tmp_path), enabled=True).has_pass(key, "hip_int8_fp8")  # a new process reads it
     for part, other in (("gpu", "AMD Radeon RX 9070"), ("arch", "gfx1200"), ("driver", "hip-70000"),
                         ("triton", "3.5")):
-        assert cache.key("hip_int8_fp8", variant, None, identity={**IDENTITY, part: other}) != key
-    assert cache.key("hip_int8_fp16", variant, None, identity=IDENTITY) != key
-    assert cache.key("hip_int8_fp8", variant_of(_call(prologue="triton")), None, identity=IDENTITY) != key
-    assert cache.key("hip_int8_fp8", variant, None, cases=sc.DEFAULT_CASES[:2], identity=IDENTITY) != key
+        assert cache.key("hip_int8_fp8", variant, None, CHECKS, identity={**IDENTITY, part: other}) != key
+    assert cache.key("hip_int8_fp16", variant, None, CHECKS, identity=IDENTITY) != key
+    assert cache.key("hip_int8_fp8", variant_of(_call(prologue="triton")), None, CHECKS, identity=IDENTITY) != key
+    fewer_cases = sc.checks_fingerprint(sc.DEFAULT_CASES[:2])
+    assert cache.key("hip_int8_fp8", variant, None, fewer_cases, identity=IDENTITY) != key
+    with pytest.MonkeyPatch.context() as mp:  # a bound changed: the pass no longer says the check passed
+        mp.setattr(sc, "BOUNDS", {**sc.BOUNDS, "planted": sc.BOUNDS[next(iter(sc.BOUNDS))]})
+        assert cache.key("hip_int8_fp8", variant, None, sc.checks_fingerprint(), identity=IDENTITY) != key
     off = pass_cache.PassCache(str(tmp_path), enabled=False)
-    assert off.key("hip_int8_fp8", variant, None, identity=IDENTITY) is None
+    assert off.key("hip_int8_fp8", variant, None, CHECKS, identity=IDENTITY) is None
 
 
 def test_pass_cache_key_follows_the_code_and_pack_version(tmp_path, monkeypatch):
     cache = pass_cache.PassCache(str(tmp_path), enabled=True)
-    key = cache.key("x", None, None, identity=IDENTITY)
+    key = cache.key("x", None, None, CHECKS, identity=IDENTITY)
     monkeypatch.setattr(pass_cache, "code_digest", lambda: "0" * 64)
-    assert cache.key("x", None, None, identity=IDENTITY) != key
+    assert cache.key("x", None, None, CHECKS, identity=IDENTITY) != key
     monkeypatch.setattr(pass_cache, "pack_version", lambda: "9.9.9")
-    assert cache.key("x", None, None, identity=IDENTITY) not in (key,)
+    assert cache.key("x", None, None, CHECKS, identity=IDENTITY) not in (key,)
 
 
 def test_a_pass_is_a_json_entry_in_the_cache_folders_self_check_passes(tmp_path, monkeypatch):
@@ -496,7 +501,7 @@ def test_a_pass_is_a_json_entry_in_the_cache_folders_self_check_passes(tmp_path,
     monkeypatch.delenv(settings.SELF_CHECK_CACHE.name, raising=False)
     cache = pass_cache.PassCache()
     assert cache.enabled
-    key = cache.key("hip_int8_fp8", None, None, identity=IDENTITY)
+    key = cache.key("hip_int8_fp8", None, None, CHECKS, identity=IDENTITY)
     result = sc.SelfCheckResult(None, [sc.CaseResult(sc.DEFAULT_CASES[0], None, 0.01, 0.9999)], seconds=1.23456)
     path = cache.store_pass(key, "hip_int8_fp8", result)
     assert os.path.dirname(path) == str(tmp_path / disk_cache.SELF_CHECK_PASSES)

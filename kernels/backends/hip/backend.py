@@ -203,11 +203,11 @@ class HipBackend(Backend):
         """The self-check's cases that see lost P.V mass (the precision probe: 16400 diffuse keys with a V offset;
         the long tail) on this backend's kernel with the given P.V chain: None when both pass, else the reason.
         A pass is kept on disk with the self-check's passes (same GPU, driver and code: not run again)."""
-        from ...self_check import DEFAULT_CASES, run_self_check
+        from ...self_check import DEFAULT_CASES, checks_fingerprint, run_self_check
         cases = [c for c in DEFAULT_CASES if c.kind in ACCUMULATION_CASE_KINDS]
         device = torch.device(device_type, index)
         store = getattr(self.verdicts.cache, "inner", self.verdicts.cache)
-        key = store.key(f"{self.name} ({chain} P.V, accumulation cases)", None, device, cases)
+        key = store.key(f"{self.name} ({chain} P.V, accumulation cases)", None, device, checks_fingerprint(cases))
         if key and store.has_pass(key, self.name):
             return None
         result = run_self_check(self.chain_attention(chain), device, cases, lambda c: True)
