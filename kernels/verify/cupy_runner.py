@@ -4,6 +4,7 @@ twin (kernels/verify/cuda_twin.py); the product path is the ctypes loader (kerne
 compiler.py) on ROCm."""
 from __future__ import annotations
 
+import re
 import threading
 import warnings
 from typing import Iterable
@@ -27,16 +28,52 @@ def _key(options) -> tuple:
     return tuple(sorted((k, int(v)) for k, v in options.items() if int(v)))
 
 
-def module(device_index: int = 0, **options):
-    """The nvrtc build of the kernels for `device_index`; `options` are kernel_abi.VERIFY_OPTIONS
-    (acc_trunc_bits=13: the emulated fp8 WMMA models a 13-bit truncating accumulator), one module each; the
-    environment's options (kernels/verify/emulation_env.py) apply where `options` does not say."""
+# Each test compiles only the part of the sources its launches need: nvrtc compiles every extern kernel of a
+# module, and the 28 attention kernels are most of a whole module's compile, paid again for each option set.
+PARTS = ("probes", "prologue", "attention")
+_INSTANTIATION = re.compile(r"^SG_(ATTN|ATTN_KMASK|QK_SCORES)\(.*$", re.MULTILINE)
+
+
+def _probe_kernels() -> frozenset:
+    text = (kernel_abi.SRC_DIR / "sage_probes.hip").read_text()
+    return frozenset(re.findall(r'extern "C" __global__.*?\bvoid\s+(\w+)\s*\(', text))
+
+
+PROBE_KERNELS = _probe_kernels()
+
+
+def part_of(kernel: str) -> str:
+    """Which part of the sources defines `kernel`."""
+    if kernel in PROBE_KERNELS:
+        return "probes"
+    return "attention" if kernel.startswith(("sage_attn_", "sage_qk_scores_")) else "prologue"
+
+
+def part_source(part: str, **options) -> str:
+    """The CUDA translation unit of one part: the prelude and its file; the probes also need the attention
+    file's device functions, without its kernel instantiations."""
+    read = lambda name: (kernel_abi.SRC_DIR / name).read_text()  # noqa: E731
+    if part == "all":
+        return kernel_abi.module_source("cuda", **options)
+    if part not in PARTS:
+        raise ValueError(f"unknown part {part!r} (parts {PARTS})")
+    files = {"probes": [_INSTANTIATION.sub("", read("sage_attention.hip")),
+                        read("sage_probes.hip")],
+             "prologue": [read("sage_prologue.hip")], "attention": [read("sage_attention.hip")]}[part]
+    return kernel_abi.option_defines(**options) + "\n".join([read("gfx12_prelude.h")] + files)
+
+
+def module(device_index: int = 0, part: str = "all", **options):
+    """The nvrtc build of the kernels (`part`: one of PARTS, or "all") for `device_index`; `options` are
+    kernel_abi.VERIFY_OPTIONS (acc_trunc_bits=13: the emulated fp8 WMMA models a 13-bit truncating accumulator),
+    one module each; the environment's options (kernels/verify/emulation_env.py) apply where `options` does not
+    say."""
     import cupy as cp
-    key = (device_index, _key(with_env(options)))
+    key = (device_index, part, _key(with_env(options)))
     with _LOCK:
         if key not in _MODULES:
             with cp.cuda.Device(device_index):
-                mod = cp.RawModule(code=kernel_abi.module_source("cuda", **dict(key[1])), backend="nvrtc",
+                mod = cp.RawModule(code=part_source(part, **dict(key[2])), backend="nvrtc",
                                    options=("-std=c++17",))
                 mod.compile()
             _MODULES[key] = mod
@@ -59,11 +96,10 @@ def run(launches: Iterable[kernel_abi.Launch], device_index: int = 0, **options)
     import torch
 
     conv = {"ptr": np.uint64, "i32": np.int32, "i64": np.int64, "f32": np.float32}
-    mod = module(device_index, **options)
     with warnings.catch_warnings():  # ExternalStream is deprecated in CuPy 14 but still the simple way
         warnings.simplefilter("ignore", DeprecationWarning)
         stream = cp.cuda.ExternalStream(torch.cuda.current_stream(device_index).cuda_stream, device_index)
     with cp.cuda.Device(device_index), stream:
         for ln in launches:
-            fn = mod.get_function(ln.kernel)
+            fn = module(device_index, part_of(ln.kernel), **options).get_function(ln.kernel)
             fn(ln.grid, ln.block, tuple(conv[t](v) for t, v in ln.args), shared_mem=ln.shared_bytes)
