@@ -48,20 +48,20 @@ def hip_prologue_refusal(call: AttentionCall) -> Optional[str]:
 
 def hip_quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float, smooth_k: bool = True,
                      pv: str = "fp8", qk_group: str = "token", smooth_v: bool = False,
-                     live: Optional[torch.Tensor] = None) -> quant.QuantizedQKV:
+                     live=None) -> quant.QuantizedQKV:
     """Quantize HND views (any strides) on their GPU with the HIP prologue, on PyTorch's current stream.
 
     smooth_v: V's channel mean is taken out before its quantization and returned as `v_mean` (B, Hkv, Dv)
     fp32, which both the HIP and the Triton attention add back to their output. `live` (bool (1 or B, 1 or Hkv,
-    Nk), `quant.live_keys` of a key-only mask): only live keys enter the means and scales, as
-    `quant.quantize_qkv_torch(live=...)`."""
+    Nk), `quant.live_keys` of a key-only mask, or operands already in kernel_abi.LiveKeys' form, as the Triton
+    mask preparation makes them): only live keys enter the means and scales, as `quant.quantize_qkv_torch(live=...)`."""
     from ...call_spec import describe_call
     call = describe_call(q, k, v, smooth_k=smooth_k, prologue="hip", qk_group=qk_group, smooth_v=smooth_v)
     reason = hip_prologue_refusal(call)
     if reason:
         raise KernelRefused("prologue=hip", reason)
     abi = _abi()
-    if live is not None:
+    if isinstance(live, torch.Tensor):
         b, hkv, nk = k.shape[:3]
         if live.dim() != 3 or live.dtype != torch.bool or live.shape[0] not in (1, b) or \
                 live.shape[1] not in (1, hkv) or live.shape[2] != nk:

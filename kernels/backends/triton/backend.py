@@ -125,9 +125,6 @@ class TritonBackend(Backend):
         if reason:
             return reason
         if call.prologue == "hip":
-            if call.mask != "none":
-                return ("the HIP prologue keeps a mask's dead keys in the K/V statistics: masked calls take the "
-                        "Triton prologue (prologue 'auto' or 'triton')")
             hip = _hip_prologue()
             if isinstance(hip, str):
                 return hip
@@ -149,7 +146,7 @@ class TritonBackend(Backend):
                                                                    call.kv_heads, call.kv_len)
         if call.prologue == "hip":
             qq = _hip_prologue()[1](q, k, v, sm_scale=sm_scale, smooth_k=call.smooth_k, pv=self.pv,
-                                    qk_group=call.qk_group, smooth_v=call.smooth_v)
+                                    qk_group=call.qk_group, smooth_v=call.smooth_v, live=live)
         else:
             qq = prologue.triton_quantize_qkv(q, k, v, sm_scale=sm_scale, smooth_k=call.smooth_k, pv=self.pv,
                                               qk_group=call.qk_group, v_transposed=cfg.v_transposed,
