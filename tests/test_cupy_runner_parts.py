@@ -42,3 +42,21 @@ def test_each_part_compiles_alone_into_its_kernels(tmp_path, part):
     defined = {s for s in symbols if s.startswith("sage_")}
     want = {n for n in kernel_abi.all_kernel_names() if cupy_runner.part_of(n) == part}
     assert defined == want
+
+
+def test_the_harness_keeps_fp32_subnormals_by_its_own_flags():
+    """CuPy's compile path appends -ftz=true; the harness builds through the loader's nvrtc binding with -ftz=false
+    and nothing from CuPy, so a K scale of FP32 tiny / 127 (a dead key's) stays the subnormal gfx12 computes."""
+    assert cupy_runner.harness_options("sm_90") == ["--gpu-architecture=sm_90", "-std=c++17", "-ftz=false"]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs a CUDA toolkit (its nvrtc)")
+def test_the_harness_compiles_a_part_without_a_gpu():
+    from comfyui_sage_rdna4.kernels.backends.hip.compiler import CompilerUnavailable
+    try:
+        compiler = cupy_runner.harness_compiler()
+        assert compiler.options("sm_90", cupy_runner.HARNESS_FLAGS) == cupy_runner.harness_options("sm_90")
+        code = cupy_runner.compile_part(compiler, "probes", "sm_90", acc_trunc_bits=13)
+    except CompilerUnavailable as exc:
+        pytest.skip(f"nvrtc not found: {exc}")
+    assert code[:4] == b"\x7fELF" and b"sage_acc_probe" in code

@@ -1,12 +1,14 @@
-"""Stand-alone GPU harness: compile the kernel sources as CUDA (gfx12 WMMA emulation) with CuPy's
-nvrtc and launch kernel_abi plans on torch CUDA tensors. Verification only, like the loader's own CUDA
+"""Stand-alone GPU harness: compile the kernel sources as CUDA (gfx12 WMMA emulation) with nvrtc and launch
+kernel_abi plans on torch CUDA tensors through CuPy. Verification only, like the loader's own CUDA
 twin (kernels/verify/cuda_twin.py); the product path is the ctypes loader (kernels/backends/hip/runtime.py,
 compiler.py) on ROCm."""
 from __future__ import annotations
 
 import re
+import tempfile
 import threading
 import warnings
+from pathlib import Path
 from typing import Iterable
 
 from ..backends.hip import kernel_abi
@@ -64,7 +66,7 @@ def part_source(part: str, **options) -> str:
 
 
 def module(device_index: int = 0, part: str = "all", **options):
-    """The nvrtc build of the kernels (`part`: one of PARTS, or "all") for `device_index`; `options` are
+    """The build of the kernels (`part`: one of PARTS, or "all") for `device_index`; `options` are
     kernel_abi.VERIFY_OPTIONS (acc_trunc_bits=13: the emulated fp8 WMMA models a 13-bit truncating accumulator),
     one module each; the environment's options (kernels/verify/emulation_env.py) apply where `options` does not
     say."""
@@ -72,12 +74,49 @@ def module(device_index: int = 0, part: str = "all", **options):
     key = (device_index, part, _key(with_env(options)))
     with _LOCK:
         if key not in _MODULES:
+            compiler = harness_compiler()
+            code = compile_part(compiler, part, compiler.target_for_device(device_index), **dict(key[2]))
+            path = _build_dir() / f"{part}-{len(_MODULES)}.bin"
+            path.write_bytes(code)
             with cp.cuda.Device(device_index):
-                mod = cp.RawModule(code=part_source(part, **dict(key[2])), backend="nvrtc",
-                                   options=("-std=c++17",))
-                mod.compile()
-            _MODULES[key] = mod
+                _MODULES[key] = cp.RawModule(path=str(path))
         return _MODULES[key]
+
+
+# nvrtc's own default, stated: FP32 subnormals are kept, as on gfx12 (HIP flushes none unless asked). CuPy's compile
+# path appends -ftz=true to every build, which turned a dead key's K scale (FP32 tiny / 127) into 0.
+HARNESS_FLAGS = ("-ftz=false",)
+
+
+def harness_compiler():
+    """The loader's nvrtc binding (cuda_twin.py), taking a part's options from its text rather than the environment
+    (module() has folded the environment's in already)."""
+    from .cuda_twin import NvrtcCompiler
+
+    class HarnessNvrtc(NvrtcCompiler):
+        def options(self, target, extra_flags):
+            return harness_options(target, extra_flags)
+    return HarnessNvrtc()
+
+
+def harness_options(target: str, extra_flags=HARNESS_FLAGS):
+    return [f"--gpu-architecture={target}", "-std=c++17", *extra_flags]
+
+
+def compile_part(compiler, part: str, target: str, **options) -> bytes:
+    """The part's code (cubin for sm_XX, PTX for compute_XX) with HARNESS_FLAGS."""
+    from ..backends.hip.compiler import SourceBundle
+    return compiler.compile(SourceBundle(f"sage_{part}.cu", part_source(part, **options)), target, HARNESS_FLAGS)
+
+
+_BUILD_DIR = []
+
+
+def _build_dir() -> Path:
+    """A folder for this process's builds, removed at exit."""
+    if not _BUILD_DIR:
+        _BUILD_DIR.append(tempfile.TemporaryDirectory(prefix="sage-cupy-harness-"))
+    return Path(_BUILD_DIR[0].name)
 
 
 def runner(device_index: int = 0, **options):
