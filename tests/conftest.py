@@ -131,14 +131,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 def hip_emulated_run():
     """Launch kernel_abi plans through the CUDA build of the HIP sources (gfx12 WMMA emulated), synchronously.
 
-    Skips on ROCm (the emulation is for NVIDIA) and without CuPy; compiles the module once (nvrtc)."""
+    Skips on ROCm (the emulation is for NVIDIA) and without CuPy or nvrtc; compiles each part of the sources
+    as its launches need it (kernels/verify/cupy_runner.py)."""
     import torch
 
     from comfyui_sage_rdna4.kernels.verify import cupy_runner
 
     if getattr(torch.version, "hip", None):
         pytest.skip("the CUDA emulation harness runs on NVIDIA GPUs")
-    reason = cupy_runner.cupy_missing()
+    reason = cupy_runner.harness_missing()
     if reason:
         pytest.skip(reason)
     cupy_runner.module(torch.cuda.current_device(), part="probes")  # nvrtc works; parts compile as used

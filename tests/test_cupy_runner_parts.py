@@ -60,3 +60,8 @@ def test_the_harness_compiles_a_part_without_a_gpu():
     except CompilerUnavailable as exc:
         pytest.skip(f"nvrtc not found: {exc}")
     assert code[:4] == b"\x7fELF" and b"sage_acc_probe" in code
+
+
+def test_the_harness_says_why_it_cannot_run():
+    reason = cupy_runner.harness_missing()
+    assert reason is None or reason.startswith(("cupy unavailable", "nvrtc unavailable"))

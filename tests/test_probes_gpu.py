@@ -83,7 +83,7 @@ def test_planted_emulation_faults_on_the_gpu(option, differ):
     from comfyui_sage_rdna4.kernels.verify import cupy_runner
     if getattr(torch.version, "hip", None):
         pytest.skip("the CUDA emulation harness runs on NVIDIA GPUs")
-    reason = cupy_runner.cupy_missing()
+    reason = cupy_runner.harness_missing()
     if reason:
         pytest.skip(reason)
     launch = cupy_runner.runner(torch.cuda.current_device(), **{option: 1})

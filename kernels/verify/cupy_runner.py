@@ -18,11 +18,17 @@ _MODULES = {}
 _LOCK = threading.Lock()
 
 
-def cupy_missing():
+def harness_missing():
+    """Why the harness cannot run here (CuPy to launch, nvrtc to compile), or None."""
     try:
         import cupy  # noqa: F401
     except Exception as exc:  # ImportError, or a CUDA mismatch raised at import
         return f"cupy unavailable: {type(exc).__name__}: {exc}"
+    from ..backends.hip.compiler import CompilerUnavailable
+    try:
+        harness_compiler()
+    except CompilerUnavailable as exc:
+        return f"nvrtc unavailable: {exc}"
     return None
 
 
