@@ -116,7 +116,7 @@ def profile_step(m, positive, negative, latent, cfg, steps) -> dict:
     gpu = sorted((e for e in events if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
     ours = [e for e in events if e.key.startswith("sage_rdna4::")]
     return {"step_wall_ms": times[1] * 1e3, "gpu_total_ms": sum(e.self_device_time_total for e in events) / 1e3,
-            "top_gpu": [(e.key[:90], e.count, round(e.self_device_time_total / 1e3, 3)) for e in gpu[:12]],
+            "top_gpu": [(e.key[:90], e.count, round(e.self_device_time_total / 1e3, 3)) for e in gpu[:30]],
             "op_host_ms": [(e.key, e.count, round(e.cpu_time_total / 1e3, 3)) for e in ours]}
 
 
