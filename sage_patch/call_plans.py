@@ -2,9 +2,8 @@
 
 A Flux step makes ~57 attention calls of a handful of signatures; describing each call and asking every
 backend's rule again (arch, availability, shape limits, the self-check verdict) cost more host time than
-some of those calls take on the GPU. A signature is everything those decisions read: shapes, strides,
-dtypes and devices of q, k, v and the mask (its strides tell a key-only expand from a per-row mask), `heads`,
-`skip_reshape` and whether the call needs a gradient; the patch's config is fixed per cache. A plan keeps the
+some of those calls take on the GPU. A signature (`layouts.AttentionArgs.signature`) is everything those
+decisions read; the patch's config is fixed per cache. A plan keeps the
 final `routing.Route` of its calls and is trusted only while `registry.decision_generation()` is the one it was
 made under, so a backend that its self-check (or anything else) disables is never served from here.
 
@@ -15,9 +14,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Union
-
-import torch
+from typing import Dict, Optional, Union
 
 from ..kernels.call_spec import AttentionCall, describe_call
 from ..kernels.dispatch import settled_route
@@ -59,25 +56,6 @@ def make_plan(q, k, v, mask, view_shapes: Optional[tuple], scale, config: PatchC
                           tensors=None if call.requires_grad else (q, k, v),
                           sm_scale=float(scale) if scale is not None else default_scale, attn_mask=mask, in_step=True)
     return CallPlan(view_shapes, call, route, default_scale, generation, strided)
-
-
-def call_signature(bound: Dict[str, Any]) -> Optional[tuple]:
-    """The key of a bound attention call (override.bind_attention_args), or None when its parts are not
-    tensors (such a call takes the uncached path, which reports it). The tensors' classes are part of it: a
-    plan's strided views (layouts.strided_layout) are made for plain tensors only."""
-    q, k, v, mask = bound["q"], bound["k"], bound["v"], bound["mask"]
-    try:
-        # Whether the call needs a gradient: the kernels refuse autograd calls (call_spec.AUTOGRAD_REFUSAL), so a
-        # plan made for one must not serve an inference call of the same shapes, nor the other way round.
-        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                            or (mask is not None and mask.requires_grad))
-        return (bound["heads"], bool(bound["skip_reshape"]), grad,
-                q.__class__, q.shape, q.stride(), q.dtype, q.device,
-                k.__class__, k.shape, k.stride(), k.dtype, k.device,
-                v.__class__, v.shape, v.stride(), v.dtype, v.device,
-                None if mask is None else (mask.shape, mask.stride(), mask.dtype, mask.device))
-    except (AttributeError, TypeError, RuntimeError):
-        return None
 
 
 class PlanCache:
