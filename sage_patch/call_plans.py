@@ -22,7 +22,6 @@ from ..kernels.quant import default_sm_scale
 from ..kernels.registry import decision_generation
 from ..kernels.routing import Route
 from .config import PatchConfig
-from .layouts import strided_layout
 
 MAX_PLANS = 256  # distinct signatures kept per patch; a long session of changing sizes evicts the oldest
 
@@ -37,11 +36,11 @@ class CallPlan:
     strided: Optional[tuple] = None   # layouts.strided_layout of the HND views, None: take view_shapes' path
 
 
-def make_plan(q, k, v, mask, view_shapes: Optional[tuple], scale, config: PatchConfig, tuner) -> Union[CallPlan, str]:
-    """The plan of a call whose signature has none yet: the call described (HND q, k, v and its broadcast mask) and
-    its final route (dispatch.settled_route, which takes the first-use checks and auto's measuring it asks for).
-    A str is the reason the call is malformed."""
-    strided = strided_layout(q, k, v) if view_shapes is not None else None
+def make_plan(q, k, v, mask, view_shapes: Optional[tuple], strided: Optional[tuple], scale, config: PatchConfig,
+              tuner) -> Union[CallPlan, str]:
+    """The plan of a call whose signature has none yet (its HND q, k, v, broadcast mask and their layout, as
+    layouts.hnd_inputs gives them): the call described, and its final route (dispatch.settled_route, which takes
+    the first-use checks and auto's measuring it asks for). A str is the reason the call is malformed."""
     try:
         call = describe_call(q, k, v, attn_mask=mask, smooth_k=config.smooth_k, prologue=config.prologue,
                              qk_group=config.qk_group, smooth_v=config.smooth_v)

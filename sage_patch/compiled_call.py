@@ -110,7 +110,7 @@ def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.
 def _fake(q, k, v, mask, sigmas, sample_sigmas, override_id, site, heads, skip_reshape, skip_output_reshape,
           attn_precision, scale, enable_gqa, low_precision, block_index, total_blocks):
     """The output's shape, dtype and device without running anything (layouts' own rules)."""
-    qh, _, vh, _, _ = hnd_inputs(AttentionArgs(q, k, v, heads, skip_reshape=skip_reshape))
+    qh, _, vh, _, _, _ = hnd_inputs(AttentionArgs(q, k, v, heads, skip_reshape=skip_reshape))
     shape = from_hnd(qh.new_empty(*qh.shape[:3], vh.shape[-1]), skip_output_reshape).shape
     return q.new_empty(shape)
 

@@ -149,17 +149,19 @@ MALFORMED = (RuntimeError, ValueError, TypeError, AttributeError, IndexError, Ze
 
 
 def hnd_inputs(bound: AttentionArgs, plan=None):
-    """(q, k, v, mask, view shapes) of a bound ComfyUI call as HND views, and its mask as ComfyUI's attention
-    broadcasts it. `plan` (call_plans.CallPlan) is the one kept for the call's signature: its views are remade from
-    its strides. The view shapes are None when the call came HND."""
+    """(q, k, v, mask, view shapes, strided layout) of a bound ComfyUI call: q, k, v as HND views, its mask as
+    ComfyUI's attention broadcasts it. `plan` (call_plans.CallPlan) is the one kept for the call's signature: its
+    views are remade from its strides. The view shapes are None when the call came HND; the strided layout
+    (`strided_layout`) is what a new plan keeps for its later calls."""
     q, k, v = bound.q, bound.k, bound.v
-    if plan is not None and plan.strided is not None:
-        q, k, v = strided_hnd(q, k, v, plan.strided)  # the miss's views: cannot fail
-        view_shapes = plan.view_shapes
-    else:
-        if plan is not None:
-            view_shapes = plan.view_shapes
+    if plan is not None:
+        view_shapes, strided = plan.view_shapes, plan.strided
+        if strided is not None:
+            q, k, v = strided_hnd(q, k, v, strided)  # the miss's views: cannot fail
         else:
-            view_shapes = None if bound.skip_reshape else head_split_shapes(q, k, v, bound.heads)
+            q, k, v = hnd_views(q, k, v, view_shapes)
+    else:
+        view_shapes = None if bound.skip_reshape else head_split_shapes(q, k, v, bound.heads)
         q, k, v = hnd_views(q, k, v, view_shapes)
-    return q, k, v, expand_mask(bound.mask), view_shapes
+        strided = strided_layout(q, k, v) if view_shapes is not None else None
+    return q, k, v, expand_mask(bound.mask), view_shapes, strided

@@ -58,6 +58,7 @@ class Turn(NamedTuple):
 
 
 BASELINE_TURN = Turn(Outcome(RAN, BASELINE_CALLS))
+TRACED_TURN = Turn(Outcome(RAN, "sage_rdna4::attention"))  # the op's body counts the call when it runs
 
 
 class SageAttentionOverride:
@@ -96,9 +97,10 @@ class SageAttentionOverride:
                 log.warning("[sage_rdna4] auto's in-step measurement failed: %s: %s", type(exc).__name__, exc)
 
     def __call__(self, func, *args, **kwargs):
-        if TRACEABLE and torch.compiler.is_compiling():  # inside a torch.compile trace: one opaque op
+        """Who takes this call (`_turn`), that call, and its outcome counted once (`PatchStats.record`)."""
+        turn = self._turn(args, kwargs)
+        if turn is TRACED_TURN:  # inside a torch.compile trace: one opaque op
             return traced_call(self.op_id, func, args, kwargs, self.policies.uses_steps)
-        turn = BASELINE_TURN if self.baseline else self._turn(args, kwargs)
         outcome, trial, timer = turn.outcome, turn.trial, self.attention_timer
         backend, out = turn.backend, None
         if backend is not None:  # our kernel: the plan holds its answer, so it launches without asking again
@@ -141,8 +143,13 @@ class SageAttentionOverride:
         return out
 
     def _turn(self, args, kwargs) -> Turn:
-        """Who takes this call: the call site's attention (unreadable, refused, or kept exact on purpose), or our
-        kernel as the call's plan says (`auto`'s trial or watch may hand it to another candidate, or to SDPA)."""
+        """Who takes this call: the traced op (under torch.compile), the call site's attention (the A/B baseline; a
+        call unreadable, refused, or kept exact on purpose), or our kernel as the plan of its signature says
+        (`auto`'s trial or watch may hand it to another candidate, or to SDPA)."""
+        if TRACEABLE and torch.compiler.is_compiling():
+            return TRACED_TURN
+        if self.baseline:
+            return BASELINE_TURN
         kernel = self.config.kernel
         try:
             bound = bind_attention_args(args, kwargs)
@@ -155,7 +162,7 @@ class SageAttentionOverride:
         key = bound.signature()
         plan = self.plans.get(key)
         try:
-            q, k, v, mask, view_shapes = hnd_inputs(bound, plan)
+            q, k, v, mask, view_shapes, strided = hnd_inputs(bound, plan)
         except MALFORMED as exc:
             # A call we cannot read (heads not dividing the width, a batch of 0, not tensors) is handed to the
             # call site unchanged: it is ComfyUI's to accept or reject, never ours to crash on.
@@ -175,7 +182,7 @@ class SageAttentionOverride:
                 return Turn(Outcome(ROUTED, policy))
         choice = None
         if plan is None:  # a signature not seen before (or a stale plan): one planner decides, the cache keeps it
-            plan = make_plan(q, k, v, mask, view_shapes, kwargs.get("scale"), self.config, self.tuner)
+            plan = make_plan(q, k, v, mask, view_shapes, strided, kwargs.get("scale"), self.config, self.tuner)
             if isinstance(plan, str):
                 return Turn(Outcome(FELL_BACK, plan), kernel=kernel)
             self.plans.store(key, plan)
