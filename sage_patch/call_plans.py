@@ -3,9 +3,9 @@
 A Flux step makes ~57 attention calls of a handful of signatures; describing each call and asking every
 backend's rule again (arch, availability, shape limits, the self-check verdict) cost more host time than
 some of those calls take on the GPU. A signature (`layouts.AttentionArgs.signature`) is everything those
-decisions read; the patch's config is fixed per cache. A plan keeps the
-final `routing.Route` of its calls and is trusted only while `registry.decision_generation()` is the one it was
-made under, so a backend that its self-check (or anything else) disables is never served from here.
+decisions read; the patch's config is fixed per cache. A plan keeps the final `routing.Route` of its calls and is
+trusted only while `registry.decision_generation()` is the one it was made under, so a backend that its
+self-check (or anything else) disables is never served from here.
 
 What depends on the call itself and not on its signature (transformer_options: step, block_index;
 `scale`, `enable_gqa`, `low_precision_attention`) is not in a plan: the override reads it on every call.
