@@ -517,9 +517,8 @@ def run_self_check(attention: Callable, device, cases: Sequence[Case] = DEFAULT_
                    accepts: Optional[Callable[[Case], bool]] = None, stop_at_first: bool = True,
                    variant: Optional["Variant"] = None) -> SelfCheckResult:
     """Run every case `accepts` takes (default: the `accepts` that `attention` carries, else `default_accepts`); the
-    first failure is the verdict. The bounds
-    are `variant`'s (`bounds_for`); without one, those of the variant `attention` carries (`backend_attention`
-    sets it), else the accurate options'.
+    first failure is the verdict. The bounds are `variant`'s (`bounds_for`); without one, those of the variant
+    `attention` carries (`backend_attention` sets it), else the accurate options'.
 
     A GQA case the callable declines runs with as many kv heads as q heads instead. Running out of memory
     (`out_of_memory`) is no verdict: it is raised."""

@@ -64,11 +64,11 @@ def traced_call(override_id: int, func, args, kwargs, uses_steps: bool) -> torch
     the call site's own attention inside the graph. The sigmas cross only when a step policy reads them: the
     schedule's length is part of the graph's guards, so carrying it always would recompile the model whenever the
     user changes the number of steps."""
-    site = _site_name(func)
     try:
         bound = bind_attention_args(args, kwargs)
-    except TypeError:
-        site = None
+    except TypeError:  # not ComfyUI's calling convention: the call site's attention judges it
+        return func(*args, **kwargs)
+    site = _site_name(func)
     if site is None or not CARRIED.issuperset(kwargs):
         return func(*args, **kwargs)
     to = kwargs.get("transformer_options") or {}
