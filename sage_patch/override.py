@@ -26,8 +26,9 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from ..kernels.registry import KernelRefused
+from ..kernels.registry import Backend, KernelRefused
 from ..kernels.routing import EXACT, MEASURE, RUN
+from ..kernels.step_trials import Measurement
 from ..kernels.tuner import Tuner, default_tuner
 from .call_plans import CallPlan, PlanCache, make_plan
 from .compiled_call import TRACEABLE, traced_call
@@ -49,11 +50,11 @@ class Turn(NamedTuple):
     `plan` says, and `outcome` is what the stats count if it succeeds. `trial`: auto's trial or watch that times
     this call with device events. `kernel`: what a raised refusal names (config on_unsupported="raise")."""
     outcome: Outcome
-    backend: object = None
+    backend: Optional[Backend] = None
     plan: Optional[CallPlan] = None
     inputs: Tuple = ()
     skip_output_reshape: bool = False
-    trial: object = None
+    trial: Optional[Measurement] = None
     kernel: str = ""
 
 
