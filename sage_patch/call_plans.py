@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Dict, Optional, Union
 
 from ..kernels.call_spec import AttentionCall, describe_call
 from ..kernels.dispatch import settled_route
 from ..kernels.quant import default_sm_scale
 from ..kernels.registry import decision_generation
-from ..kernels.routing import Route
+from ..kernels.routing import EXACT, MEASURE, RUN, Route
 from .config import PatchConfig
+from .stats import FELL_BACK, RAN, ROUTED, Outcome
 
 MAX_PLANS = 256  # distinct signatures kept per patch; a long session of changing sizes evicts the oldest
 
@@ -34,6 +36,19 @@ class CallPlan:
     default_scale: float              # 1/sqrt(head_dim), for calls without `scale`
     generation: int                   # registry.decision_generation() before the route was asked for
     strided: Optional[tuple] = None   # layouts.strided_layout of the HND views, None: take view_shapes' path
+
+    @cached_property
+    def outcome(self) -> Outcome:
+        """What the stats count for a call that goes as the route says, no trial's turn taken: RUN's backend, exact
+        attention by auto's choice (EXACT) or while it measures (MEASURE's untimed calls), or REFUSE's reason."""
+        route = self.route
+        if route.kind == RUN:
+            return Outcome(RAN, route.backend.name, route.passed_over)
+        if route.kind == EXACT:
+            return Outcome(ROUTED, route.reason, route.passed_over)
+        if route.kind == MEASURE:
+            return Outcome(ROUTED, route.measurement.SDPA_TURN, route.passed_over)
+        return Outcome(FELL_BACK, route.message, route.passed_over)
 
 
 def make_plan(q, k, v, mask, view_shapes: Optional[tuple], strided: Optional[tuple], scale, config: PatchConfig,

@@ -45,13 +45,17 @@ class AttentionArgs(NamedTuple):
             return None
 
 
+_new_tuple = tuple.__new__
+
+
 def bind_attention_args(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> AttentionArgs:
     """Name ComfyUI's attention arguments whether they came by position or keyword; TypeError for a call that
     does not follow the convention."""
     if len(args) == 4:  # ComfyUI's own calls: q, k, v, heads by position, the rest by keyword (the hit path)
         get = kwargs.get
-        return AttentionArgs(*args, get("mask"), get("attn_precision"), get("skip_reshape", False),
-                             get("skip_output_reshape", False))
+        # tuple.__new__ skips the NamedTuple's Python-level __new__: every attention call comes through here
+        return _new_tuple(AttentionArgs, (*args, get("mask"), get("attn_precision"), get("skip_reshape", False),
+                                          get("skip_output_reshape", False)))
     if len(args) > len(_POSITIONAL):
         raise TypeError(f"attention called with {len(args)} positional arguments")
     bound = dict(_DEFAULTS)

@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from ..kernels.registry import Backend, KernelRefused
-from ..kernels.routing import EXACT, MEASURE, RUN
+from ..kernels.routing import RUN
 from ..kernels.step_trials import Measurement
 from ..kernels.tuner import Tuner, default_tuner
 from .call_plans import CallPlan, PlanCache, make_plan
@@ -102,10 +102,10 @@ class SageAttentionOverride:
         turn = self._turn(args, kwargs)
         if turn is TRACED_TURN:  # inside a torch.compile trace: one opaque op
             return traced_call(self.op_id, func, args, kwargs, self.policies.uses_steps)
-        outcome, trial, timer = turn.outcome, turn.trial, self.attention_timer
-        backend, out = turn.backend, None
+        outcome, backend, plan, inputs, skip_output_reshape, trial, kernel = turn
+        timer, out = self.attention_timer, None
         if backend is not None:  # our kernel: the plan holds its answer, so it launches without asking again
-            plan, (q, k, v, mask) = turn.plan, turn.inputs
+            q, k, v, mask = inputs
             scale = kwargs.get("scale")
             sm_scale = float(scale) if scale is not None else plan.default_scale
             start = trial.begin() if trial is not None else None  # a trial's (or watch's) call, between events
@@ -115,7 +115,7 @@ class SageAttentionOverride:
                 else:
                     with timer.measure():
                         out = backend.launch(q, k, v, plan.call, sm_scale, mask)[0]
-                out = from_hnd(out, turn.skip_output_reshape)
+                out = from_hnd(out, skip_output_reshape)
             except torch.cuda.OutOfMemoryError:
                 raise  # the call site's attention would run out of memory too; let ComfyUI handle it
             except Exception as exc:  # a kernel failure must not take the ComfyUI process down
@@ -128,7 +128,7 @@ class SageAttentionOverride:
                 if trial is not None:
                     trial.record(backend.name, start)
         if out is None and outcome.kind == FELL_BACK and self.config.on_unsupported == "raise":
-            raise KernelRefused(backend.name if backend is not None else turn.kernel, outcome.label)
+            raise KernelRefused(backend.name if backend is not None else kernel, outcome.label)
         self.stats.record(outcome)  # counted before a call site's attention that may raise
         if out is not None:
             return out
@@ -188,7 +188,9 @@ class SageAttentionOverride:
                 return Turn(Outcome(FELL_BACK, plan), kernel=kernel)
             self.plans.store(key, plan)
             choice = plan.route.decision  # new, or changed (a watch reverted it): the stats show and log it
-        route = plan.route
+        route, outcome = plan.route, plan.outcome
+        if choice is not None:
+            outcome = outcome._replace(choice=choice)
         inputs, reshape = (q, k, v, mask), bound.skip_output_reshape
         trial = route.measurement  # auto measuring this kind of call in the step, or watching its choice
         name = trial.pick() if trial is not None else None
@@ -198,10 +200,6 @@ class SageAttentionOverride:
             return Turn(Outcome(RAN, name, route.passed_over, None, choice), trial.backend(name), plan, inputs,
                         reshape, trial)
         if route.kind == RUN:
-            return Turn(Outcome(RAN, route.backend.name, route.passed_over, None, choice), route.backend, plan,
-                        inputs, reshape)
-        if route.kind != EXACT and route.kind != MEASURE:
-            return Turn(Outcome(FELL_BACK, route.message, route.passed_over, None, choice), kernel=route.kernel)
-        # Exact attention by auto's choice, or its untimed turn while it measures.
-        reason = route.reason if route.kind == EXACT else trial.SDPA_TURN
-        return Turn(Outcome(ROUTED, reason, route.passed_over, None, choice))
+            return Turn(outcome, route.backend, plan, inputs, reshape)
+        # Exact attention by auto's choice, or its untimed turn while it measures; a refusal names what was asked.
+        return Turn(outcome, kernel=route.kernel)

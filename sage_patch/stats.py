@@ -108,14 +108,15 @@ class PatchStats:
 
     def record(self, outcome: Outcome) -> None:
         """One call's outcome, counted once, with the backends auto passed over to reach it."""
-        if outcome.choice is not None:
-            self.record_choice(outcome.choice)
-        if outcome.kind == RAN:
-            self.record_call(outcome.label, outcome.passed_over)
-        elif outcome.kind == ROUTED:
-            self.record_routed(outcome.label, outcome.passed_over, outcome.ran)
+        kind, label, passed_over, ran, choice = outcome
+        if choice is not None:
+            self.record_choice(choice)
+        if kind == RAN:
+            self.record_call(label, passed_over)
+        elif kind == ROUTED:
+            self.record_routed(label, passed_over, ran)
         else:
-            self.record_fallback(outcome.label, outcome.passed_over, outcome.ran)
+            self.record_fallback(label, passed_over, ran)
 
     def record_call(self, backend: str, passed_over: Optional[Dict[str, str]] = None) -> None:
         """One call `backend` ran; `passed_over`: the backends auto passed over to reach it (record_passed_over)."""
