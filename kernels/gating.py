@@ -26,7 +26,6 @@ from .self_check import (
     SelfCheckResult,
     Variant,
     backend_attention,
-    case_call,
     checks_fingerprint,
     out_of_memory,
     run_self_check,
@@ -92,16 +91,13 @@ class Verdicts:
                         call.device_type, call.device_index, f"{settings.SELF_CHECK.name}=0")
             self.recorded[key] = None
             return None
-
-        def accepts(case: Case) -> bool:
-            return backend.refuse(case_call(case, call, variant)) is None
-
-        return self.ensure(backend, call.device_type, call.device_index, backend_attention(backend, variant),
-                           accepts, variant)
+        return self.ensure(backend, call.device_type, call.device_index, backend_attention(backend, variant, call),
+                           variant=variant)
 
     def ensure(self, backend, device_type: str, index: Optional[int], attention: Callable,
                accepts: Optional[Callable[[Case], bool]] = None, variant: Optional[Variant] = None) -> Optional[str]:
-        """Run the check on first use of (device, variant); a failure disables `backend` there. Returns the reason."""
+        """Run the check on first use of (device, variant); a failure disables `backend` there. Returns the reason.
+        `accepts`: the cases to run (default: those `attention` accepts, `self_check.run_self_check`)."""
         key = (device_type, index, variant)
         if key in self.recorded:
             return self.recorded[key]
@@ -114,20 +110,22 @@ class Verdicts:
             options = variant.describe() if variant else "default options"
             cache_key = (self.cache.key(backend.name, variant, device, checks_fingerprint(self.cases))
                          if device.type == "cuda" else None)
-            if cache_key and self.cache.has_pass(cache_key, backend.name):
-                log.info("%s (%s): self-check passed earlier on this GPU, driver and code (cached)", backend.name,
-                         options)
-                self.recorded[key] = None
-                return None
             started = time.perf_counter()
-            try:
-                result = run_self_check(attention, device, self.cases, accepts)
-                self.last_result = result
-                reason = result.reason
+            try:  # a pass kept on disk, or the check run now (a pass is kept)
+                result = self.cache.checked(cache_key, backend.name,
+                                            lambda: run_self_check(attention, device, self.cases, accepts))
             except Exception as exc:
                 if out_of_memory(exc):  # this moment's memory, not the kernel: no verdict, tried again later
                     return self._not_checked(backend, device, options, exc)
                 reason, result = f"self-check crashed: {type(exc).__name__}: {exc}", None
+            else:
+                if result is None:
+                    log.info("%s (%s): self-check passed earlier on this GPU, driver and code (cached)",
+                             backend.name, options)
+                    self.recorded[key] = None
+                    return None
+                self.last_result = result
+                reason = result.reason
             first_use_costs.record(f"self-check {backend.name} ({options}) on {device}",
                                    time.perf_counter() - started)
             if reason:
@@ -141,8 +139,6 @@ class Verdicts:
             else:
                 log.info("%s (%s) passed its self-check on %s: %d cases in %.2f s", backend.name, options, device,
                          len(result.results), result.seconds)
-                if cache_key:
-                    self.cache.store_pass(cache_key, backend.name, result)
             self.recorded[key] = reason
             if reason:
                 invalidate_decisions()  # calls with this variant are refused from now on

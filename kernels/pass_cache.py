@@ -1,7 +1,7 @@
 """Self-check passes kept on disk, so a later process on the same GPU, driver and code skips the check."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -43,6 +43,16 @@ class PassCache:
                              pack=pack_version(), **identity)
         except Exception:
             return None
+
+    def checked(self, key: Optional[str], backend: str, run: Callable[[], object]):
+        """`run()`'s self-check result (self_check.SelfCheckResult), kept under `key` when it passed; None when a
+        pass of `key` is on disk already, and nothing runs. Without a key nothing is recalled or kept."""
+        if key and self.has_pass(key, backend):
+            return None
+        result = run()
+        if key and result.reason is None:
+            self.store_pass(key, backend, result)
+        return result
 
     def has_pass(self, key: str, backend: str) -> bool:
         try:

@@ -516,14 +516,14 @@ def check_case(attention: Callable, case: Case, device, bounds: Optional["CaseBo
 def run_self_check(attention: Callable, device, cases: Sequence[Case] = DEFAULT_CASES,
                    accepts: Optional[Callable[[Case], bool]] = None, stop_at_first: bool = True,
                    variant: Optional["Variant"] = None) -> SelfCheckResult:
-    """Run every case `accepts` takes (default: `default_accepts`); the first failure is the verdict. The bounds
-    are `variant`'s (`bounds_for`); without one, those of the variant `attention` carries (`backend_attention`
-    sets it), else the accurate options'.
+    """Run every case `accepts` takes (default: the `accepts` that `attention` carries, else `default_accepts`); the
+    first failure is the verdict. The bounds are `variant`'s (`bounds_for`); without one, those of the variant
+    `attention` carries (`backend_attention` sets it), else the accurate options'.
 
     A GQA case the callable declines runs with as many kv heads as q heads instead. Running out of memory
     (`out_of_memory`) is no verdict: it is raised."""
     device = torch.device(device)
-    accepts = accepts or default_accepts
+    accepts = accepts or getattr(attention, "accepts", None) or default_accepts
     bounds = bounds_for(variant if variant is not None else getattr(attention, "variant", None))
     t0 = time.perf_counter()
     result = SelfCheckResult(None)
@@ -597,11 +597,15 @@ def case_call(case: Case, like_call, variant):
                    arch=like_call.arch, rocm=like_call.rocm)
 
 
-def backend_attention(backend, variant: Variant) -> Callable:
+def backend_attention(backend, variant: Variant, like_call=None) -> Callable:
     """`attention(q, k, v, is_causal=False, return_lse=False, scale=None)` through `backend.launch` with the variant's
-    options (scale None: 1/sqrt(head_dim))."""
+    options (scale None: 1/sqrt(head_dim)). With `like_call` (a call on the device checked) it carries `accepts`:
+    the cases the backend takes there, by its own `refuse`, which `run_self_check` runs."""
     from .call_spec import describe_call
     from .refusal import KernelRefused
+
+    def accepts(case: Case) -> bool:
+        return backend.refuse(case_call(case, like_call, variant)) is None
 
     def attention(q, k, v, is_causal=False, return_lse=False, scale=None, attn_mask=None):
         call = describe_call(q, k, v, attn_mask=attn_mask, is_causal=is_causal, return_lse=return_lse,
@@ -614,6 +618,8 @@ def backend_attention(backend, variant: Variant) -> Callable:
                                   attn_mask)
         return (out, lse) if return_lse else out
     attention.variant = variant  # run_self_check judges it by this variant's bounds
+    if like_call is not None:
+        attention.accepts = accepts
     if hasattr(backend, "warm_up"):  # run_self_check lets it compile the cases' kernels first (Triton)
         attention.warm_up = backend.warm_up
     return attention

@@ -116,44 +116,41 @@ class Tuner:
     # -- measuring in the step ------------------------------------------------------------------
     def begin_in_step(self, route, call, device) -> None:
         """The measuring step of a route that asks for it (routing.MEASURE without a measurement): the decision
-        stored for this kind of call, or a new trial among `route.candidates`."""
+        stored for this kind of call, rechecked in the step, or a new trial among `route.candidates`."""
         key = DecisionBook.key(IN_STEP, call)
         names = tuple(b.name for b in route.candidates)
         with self._lock:
             if self.book.get(key) is not NOT_DECIDED or key in self._measuring:  # another thread got here first
                 return
             decision = self.store.load(device, key[3], names, IN_STEP)
-            if decision is None:
-                self._start_trial(key, device, route.candidates, route.passed_over)
-                return
-            decision.passed_over, decision.candidates = dict(route.passed_over), names
-            self.book.put(key, decision)
-            self._recheck(key, decision, device, route.candidates)
-        log.info("%s", decision.summary)
+            if decision is not None:
+                decision.passed_over, decision.candidates = dict(route.passed_over), names
+            self._measure(key, device, route.candidates, decision, route.passed_over, recalled=True)
+        if decision is not None:
+            log.info("%s", decision.summary)
 
-    def _start_trial(self, key, device, candidates, passed_over) -> None:
-        """A trial measuring this kind of call among `candidates` (under the lock)."""
-        self._measuring[key] = StepTrial(key[3], device, candidates, passed_over, self.events,
-                                         partial(self._decided, key, device, candidates))
-
-    def _recheck(self, key, decision: Decision, device, candidates) -> None:
-        """A decision recalled from disk is checked against this step's own timings before it is trusted (under
-        the lock): kept when they agree, measured again when not (Recheck)."""
-        best = decision.best_quantized[0] if decision.best_quantized else None
-        name = decision.chosen if decision.chosen != SDPA else best
-        backend = next((b for b in candidates if b.name == name), None)
-        if backend is None:  # nothing quantized to time against SDPA: the decision stands
-            self._keep(key, decision, device, candidates)
+    def _measure(self, key, device, candidates, decision: Optional[Decision], passed_over=None,
+                 recalled: bool = False) -> None:
+        """What measures this kind of call from now on (under the lock). Without a decision, a trial among
+        `candidates`. A decision is kept in memory; one `recalled` from disk is first checked against this step's
+        own timings (Recheck: kept when they agree, measured again when not); a quantized choice is then watched."""
+        if decision is None:
+            self._measuring[key] = StepTrial(key[3], device, candidates, passed_over, self.events,
+                                             partial(self._decided, key, device, candidates))
             return
-        self._measuring[key] = Recheck(decision, backend, device, self.events,
-                                       partial(self._rechecked, key, device, candidates, backend.name))
-
-    def _keep(self, key, decision: Decision, device, candidates) -> None:
-        """Record a decision (under the lock); a quantized choice is watched from now on."""
         self.book.put(key, decision)
-        self._measuring.pop(key, None)
+        if recalled:
+            best = decision.best_quantized[0] if decision.best_quantized else None
+            name = decision.chosen if decision.chosen != SDPA else best
+            backend = next((b for b in candidates if b.name == name), None)
+            if backend is not None:  # else nothing quantized to time against SDPA: the decision stands
+                self._measuring[key] = Recheck(decision, backend, device, self.events,
+                                               partial(self._rechecked, key, device, candidates, backend.name))
+                return
         chosen = next((b for b in candidates if b.name == decision.chosen), None)
-        if chosen is not None:
+        if chosen is None:
+            self._measuring.pop(key, None)
+        else:
             self._measuring[key] = Watch(decision, chosen, device, self.events,
                                          partial(self._decided, key, device, candidates))
 
@@ -163,10 +160,10 @@ class Tuner:
         with self._lock:
             decision = self.book.get(key)
             if agrees:
-                self._keep(key, decision, device, candidates)
+                self._measure(key, device, candidates, decision)
             else:  # the stored timings no longer hold here: this kind of call is measured again
                 self.book.forget(key)
-                self._start_trial(key, device, candidates, decision.passed_over)
+                self._measure(key, device, candidates, None, decision.passed_over)
         if not agrees:
             now = f"{ratio:.2f}x SDPA" if ratio is not None else "a failure"
             log.warning("auto's remembered choice for (%s) is measured again: %s gave %s in this step, %.2fx "
@@ -176,7 +173,7 @@ class Tuner:
     def _decided(self, key, device, candidates, decision: Decision, keep: bool) -> None:
         """A trial decided, or a watch reverted: kept in memory and (with `keep`) on disk; plans are remade."""
         with self._lock:
-            self._keep(key, decision, device, candidates)
+            self._measure(key, device, candidates, decision)
         if keep:
             self.store.save(device, decision, decision.candidates)
         log.log(logging.WARNING if decision.reverted else logging.INFO, "%s", decision.summary)

@@ -27,8 +27,7 @@ from ..kernels.reference import exact_attention
 from ..kernels.self_check import BOUNDS
 from .config import PatchConfig
 from .install import OVERRIDE_KEY, find_override, patch_model
-from .layouts import expand_mask, to_hnd
-from .override import bind_attention_args
+from .layouts import bind_attention_args, expand_mask, to_hnd
 from .report import baseline_label, format_report_text, plot_step_times, report_json, summarize_steps, timing_caveat
 from .stats import PatchStats
 from .timing import step_timer_of
@@ -106,15 +105,15 @@ def _who_ran(before: dict, after: dict) -> str:
 
 def _capture(args, kwargs, out, step: int, call: int, backend: str) -> dict:
     a = bind_attention_args(args, kwargs)
-    q, k, v = to_hnd(a["q"], a["k"], a["v"], a["heads"], a["skip_reshape"])
-    if a["skip_output_reshape"]:
+    q, k, v = to_hnd(a.q, a.k, a.v, a.heads, a.skip_reshape)
+    if a.skip_output_reshape:
         o = out
     else:
         b, n = out.shape[0], out.shape[1]
         o = out.view(b, n, q.shape[1], -1).transpose(1, 2)
     scale = kwargs.get("scale")
     return {"step": step, "call": call, "backend": backend, "q": q.detach().clone(), "k": k.detach().clone(),
-            "v": v.detach().clone(), "out": o.detach().clone(), "mask": expand_mask(a["mask"]),
+            "v": v.detach().clone(), "out": o.detach().clone(), "mask": expand_mask(a.mask),
             "sm_scale": float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])}
 
 

@@ -2,11 +2,10 @@
 
 A Flux step makes ~57 attention calls of a handful of signatures; describing each call and asking every
 backend's rule again (arch, availability, shape limits, the self-check verdict) cost more host time than
-some of those calls take on the GPU. A signature is everything those decisions read: shapes, strides,
-dtypes and devices of q, k, v and the mask (its strides tell a key-only expand from a per-row mask), `heads`,
-`skip_reshape` and whether the call needs a gradient; the patch's config is fixed per cache. A plan keeps the
-final `routing.Route` of its calls and is trusted only while `registry.decision_generation()` is the one it was
-made under, so a backend that its self-check (or anything else) disables is never served from here.
+some of those calls take on the GPU. A signature (`layouts.AttentionArgs.signature`) is everything those
+decisions read; the patch's config is fixed per cache. A plan keeps the final `routing.Route` of its calls and is
+trusted only while `registry.decision_generation()` is the one it was made under, so a backend that its
+self-check (or anything else) disables is never served from here.
 
 What depends on the call itself and not on its signature (transformer_options: step, block_index;
 `scale`, `enable_gqa`, `low_precision_attention`) is not in a plan: the override reads it on every call.
@@ -15,17 +14,16 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Union
-
-import torch
+from functools import cached_property
+from typing import Dict, Optional, Union
 
 from ..kernels.call_spec import AttentionCall, describe_call
 from ..kernels.dispatch import settled_route
 from ..kernels.quant import default_sm_scale
 from ..kernels.registry import decision_generation
-from ..kernels.routing import Route
+from ..kernels.routing import EXACT, MEASURE, RUN, Route
 from .config import PatchConfig
-from .layouts import strided_layout
+from .stats import FELL_BACK, RAN, ROUTED, Outcome
 
 MAX_PLANS = 256  # distinct signatures kept per patch; a long session of changing sizes evicts the oldest
 
@@ -39,12 +37,25 @@ class CallPlan:
     generation: int                   # registry.decision_generation() before the route was asked for
     strided: Optional[tuple] = None   # layouts.strided_layout of the HND views, None: take view_shapes' path
 
+    @cached_property
+    def outcome(self) -> Outcome:
+        """What the stats count for a call that goes as the route says, no trial's turn taken: RUN's backend, exact
+        attention by auto's choice (EXACT) or while it measures (MEASURE's untimed calls), or REFUSE's reason."""
+        route = self.route
+        if route.kind == RUN:
+            return Outcome(RAN, route.backend.name, route.passed_over)
+        if route.kind == EXACT:
+            return Outcome(ROUTED, route.reason, route.passed_over)
+        if route.kind == MEASURE:
+            return Outcome(ROUTED, route.measurement.SDPA_TURN, route.passed_over)
+        return Outcome(FELL_BACK, route.message, route.passed_over)
 
-def make_plan(q, k, v, mask, view_shapes: Optional[tuple], scale, config: PatchConfig, tuner) -> Union[CallPlan, str]:
-    """The plan of a call whose signature has none yet: the call described (HND q, k, v and its broadcast mask) and
-    its final route (dispatch.settled_route, which takes the first-use checks and auto's measuring it asks for).
-    A str is the reason the call is malformed."""
-    strided = strided_layout(q, k, v) if view_shapes is not None else None
+
+def make_plan(q, k, v, mask, view_shapes: Optional[tuple], strided: Optional[tuple], scale, config: PatchConfig,
+              tuner) -> Union[CallPlan, str]:
+    """The plan of a call whose signature has none yet (its HND q, k, v, broadcast mask and their layout, as
+    layouts.hnd_inputs gives them): the call described, and its final route (dispatch.settled_route, which takes
+    the first-use checks and auto's measuring it asks for). A str is the reason the call is malformed."""
     try:
         call = describe_call(q, k, v, attn_mask=mask, smooth_k=config.smooth_k, prologue=config.prologue,
                              qk_group=config.qk_group, smooth_v=config.smooth_v)
@@ -59,25 +70,6 @@ def make_plan(q, k, v, mask, view_shapes: Optional[tuple], scale, config: PatchC
                           tensors=None if call.requires_grad else (q, k, v),
                           sm_scale=float(scale) if scale is not None else default_scale, attn_mask=mask, in_step=True)
     return CallPlan(view_shapes, call, route, default_scale, generation, strided)
-
-
-def call_signature(bound: Dict[str, Any]) -> Optional[tuple]:
-    """The key of a bound attention call (override.bind_attention_args), or None when its parts are not
-    tensors (such a call takes the uncached path, which reports it). The tensors' classes are part of it: a
-    plan's strided views (layouts.strided_layout) are made for plain tensors only."""
-    q, k, v, mask = bound["q"], bound["k"], bound["v"], bound["mask"]
-    try:
-        # Whether the call needs a gradient: the kernels refuse autograd calls (call_spec.AUTOGRAD_REFUSAL), so a
-        # plan made for one must not serve an inference call of the same shapes, nor the other way round.
-        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                            or (mask is not None and mask.requires_grad))
-        return (bound["heads"], bool(bound["skip_reshape"]), grad,
-                q.__class__, q.shape, q.stride(), q.dtype, q.device,
-                k.__class__, k.shape, k.stride(), k.dtype, k.device,
-                v.__class__, v.shape, v.stride(), v.dtype, v.device,
-                None if mask is None else (mask.shape, mask.stride(), mask.dtype, mask.device))
-    except (AttributeError, TypeError, RuntimeError):
-        return None
 
 
 class PlanCache:

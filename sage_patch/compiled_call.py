@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from ..kernels.opaque_op import op_name, own_output, try_define
-from .layouts import from_hnd, hnd_inputs
+from .layouts import AttentionArgs, bind_attention_args, from_hnd, hnd_inputs
 
 # ComfyUI's attention keywords the op carries; a call with any other keyword is not ours under compile.
 CARRIED = frozenset({"q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape",
@@ -59,20 +59,25 @@ def _site(site: str):
     return found
 
 
-def traced_call(override_id: int, func, args, kwargs, bound, uses_steps: bool) -> Optional[torch.Tensor]:
-    """At trace time: the call as one `sage_rdna4::attention` op; None when it cannot cross (see the module).
-    The sigmas cross only when a step policy reads them: the schedule's length is part of the graph's guards, so
-    carrying it always would recompile the model whenever the user changes the number of steps."""
+def traced_call(override_id: int, func, args, kwargs, uses_steps: bool) -> torch.Tensor:
+    """At trace time: the call as one `sage_rdna4::attention` op; a call that cannot cross (see the module) runs
+    the call site's own attention inside the graph. The sigmas cross only when a step policy reads them: the
+    schedule's length is part of the graph's guards, so carrying it always would recompile the model whenever the
+    user changes the number of steps."""
+    try:
+        bound = bind_attention_args(args, kwargs)
+    except TypeError:  # not ComfyUI's calling convention: the call site's attention judges it
+        return func(*args, **kwargs)
     site = _site_name(func)
     if site is None or not CARRIED.issuperset(kwargs):
-        return None
+        return func(*args, **kwargs)
     to = kwargs.get("transformer_options") or {}
     block, total = to.get("block_index"), to.get("total_blocks")
     sigmas, schedule = (to.get("sigmas"), to.get("sample_sigmas")) if uses_steps else (None, None)
     return attention_op(
-        bound["q"], bound["k"], bound["v"], bound["mask"], sigmas, schedule, override_id,
-        site, int(bound["heads"]), bool(bound["skip_reshape"]), bool(bound["skip_output_reshape"]),
-        bound["attn_precision"], kwargs.get("scale"), bool(kwargs.get("enable_gqa", False)),
+        bound.q, bound.k, bound.v, bound.mask, sigmas, schedule, override_id,
+        site, int(bound.heads), bool(bound.skip_reshape), bool(bound.skip_output_reshape),
+        bound.attn_precision, kwargs.get("scale"), bool(kwargs.get("enable_gqa", False)),
         kwargs.get("low_precision_attention", True) is not False,
         NO_BLOCK if block is None else int(block), NO_BLOCK if total is None else int(total))
 
@@ -105,8 +110,7 @@ def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.
 def _fake(q, k, v, mask, sigmas, sample_sigmas, override_id, site, heads, skip_reshape, skip_output_reshape,
           attn_precision, scale, enable_gqa, low_precision, block_index, total_blocks):
     """The output's shape, dtype and device without running anything (layouts' own rules)."""
-    qh, _, vh, _, _ = hnd_inputs({"q": q, "k": k, "v": v, "heads": heads, "skip_reshape": skip_reshape,
-                                  "mask": None})
+    qh, _, vh, _, _, _ = hnd_inputs(AttentionArgs(q, k, v, heads, skip_reshape=skip_reshape))
     shape = from_hnd(qh.new_empty(*qh.shape[:3], vh.shape[-1]), skip_output_reshape).shape
     return q.new_empty(shape)
 

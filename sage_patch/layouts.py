@@ -1,10 +1,72 @@
-"""ComfyUI's attention calling convention <-> the kernels' HND layout, both ways."""
+"""ComfyUI's attention calling convention <-> the kernels' HND layout, both ways: the call's arguments bound once
+(`AttentionArgs`), their HND views, and the output in the call site's layout."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
+
+_POSITIONAL = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
+_DEFAULTS = {"mask": None, "attn_precision": None, "skip_reshape": False, "skip_output_reshape": False}
+_REQUIRED = ("q", "k", "v", "heads")
+
+
+class AttentionArgs(NamedTuple):
+    """ComfyUI's attention arguments, named once whether they came by position or keyword
+    (`f(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kwargs)`)."""
+    q: Any
+    k: Any
+    v: Any
+    heads: Any
+    mask: Any = None
+    attn_precision: Any = None
+    skip_reshape: bool = False
+    skip_output_reshape: bool = False
+
+    def signature(self) -> Optional[tuple]:
+        """The key of the call's plan (sage_patch/call_plans.py), or None when its parts are not tensors (such a
+        call takes the uncached path, which reports it). Everything a plan's decisions read: shapes, strides, dtypes
+        and devices (a mask's strides tell a key-only expand from a per-row mask), `heads`, `skip_reshape`, and
+        whether the call needs a gradient. The tensors' classes are part of it: a plan's strided views
+        (`strided_layout`) are made for plain tensors only."""
+        q, k, v, mask = self.q, self.k, self.v, self.mask
+        try:
+            # The kernels refuse autograd calls (call_spec.AUTOGRAD_REFUSAL): a plan made for one must not serve an
+            # inference call of the same shapes, nor the other way round.
+            grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                                or (mask is not None and mask.requires_grad))
+            return (self.heads, bool(self.skip_reshape), grad,
+                    q.__class__, q.shape, q.stride(), q.dtype, q.device,
+                    k.__class__, k.shape, k.stride(), k.dtype, k.device,
+                    v.__class__, v.shape, v.stride(), v.dtype, v.device,
+                    None if mask is None else (mask.shape, mask.stride(), mask.dtype, mask.device))
+        except (AttributeError, TypeError, RuntimeError):
+            return None
+
+
+_new_tuple = tuple.__new__
+
+
+def bind_attention_args(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> AttentionArgs:
+    """Name ComfyUI's attention arguments whether they came by position or keyword; TypeError for a call that
+    does not follow the convention."""
+    if len(args) == 4:  # ComfyUI's own calls: q, k, v, heads by position, the rest by keyword (the hit path)
+        get = kwargs.get
+        # tuple.__new__ skips the NamedTuple's Python-level __new__: every attention call comes through here
+        return _new_tuple(AttentionArgs, (*args, get("mask"), get("attn_precision"), get("skip_reshape", False),
+                                          get("skip_output_reshape", False)))
+    if len(args) > len(_POSITIONAL):
+        raise TypeError(f"attention called with {len(args)} positional arguments")
+    bound = dict(_DEFAULTS)
+    bound.update(zip(_POSITIONAL, args))
+    for name in _POSITIONAL[len(args):]:
+        if name in kwargs:
+            bound[name] = kwargs[name]
+    missing = [n for n in _REQUIRED if n not in bound]
+    if missing:
+        raise TypeError(f"attention called without {', '.join(missing)}")
+    return AttentionArgs(**bound)
 
 
 def to_hnd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, skip_reshape: bool):
@@ -90,18 +152,20 @@ def expand_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 MALFORMED = (RuntimeError, ValueError, TypeError, AttributeError, IndexError, ZeroDivisionError)
 
 
-def hnd_inputs(bound: dict, plan=None):
-    """(q, k, v, mask, view shapes) of a bound ComfyUI call (override.bind_attention_args) as HND views, and its
-    mask as ComfyUI's attention broadcasts it. `plan` (call_plans.CallPlan) is the one kept for the call's
-    signature: its views are remade from its strides. The view shapes are None when the call came HND."""
-    q, k, v = bound["q"], bound["k"], bound["v"]
-    if plan is not None and plan.strided is not None:
-        q, k, v = strided_hnd(q, k, v, plan.strided)  # the miss's views: cannot fail
-        view_shapes = plan.view_shapes
-    else:
-        if plan is not None:
-            view_shapes = plan.view_shapes
+def hnd_inputs(bound: AttentionArgs, plan=None):
+    """(q, k, v, mask, view shapes, strided layout) of a bound ComfyUI call: q, k, v as HND views, its mask as
+    ComfyUI's attention broadcasts it. `plan` (call_plans.CallPlan) is the one kept for the call's signature: its
+    views are remade from its strides. The view shapes are None when the call came HND; the strided layout
+    (`strided_layout`) is what a new plan keeps for its later calls."""
+    q, k, v = bound.q, bound.k, bound.v
+    if plan is not None:
+        view_shapes, strided = plan.view_shapes, plan.strided
+        if strided is not None:
+            q, k, v = strided_hnd(q, k, v, strided)  # the miss's views: cannot fail
         else:
-            view_shapes = None if bound["skip_reshape"] else head_split_shapes(q, k, v, bound["heads"])
+            q, k, v = hnd_views(q, k, v, view_shapes)
+    else:
+        view_shapes = None if bound.skip_reshape else head_split_shapes(q, k, v, bound.heads)
         q, k, v = hnd_views(q, k, v, view_shapes)
-    return q, k, v, expand_mask(bound["mask"]), view_shapes
+        strided = strided_layout(q, k, v) if view_shapes is not None else None
+    return q, k, v, expand_mask(bound.mask), view_shapes, strided

@@ -22,50 +22,44 @@ What newer ComfyUI versions add, read from their source (2026, up to 0.38):
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from ..kernels.registry import KernelRefused
-from ..kernels.routing import EXACT, MEASURE, RUN
+from ..kernels.registry import Backend, KernelRefused
+from ..kernels.routing import RUN
+from ..kernels.step_trials import Measurement
 from ..kernels.tuner import Tuner, default_tuner
-from .call_plans import CallPlan, PlanCache, call_signature, make_plan
+from .call_plans import CallPlan, PlanCache, make_plan
 from .compiled_call import TRACEABLE, traced_call
 from .compiled_call import register as register_for_traces
 from .config import PatchConfig
-from .layouts import MALFORMED, from_hnd, hnd_inputs
+from .layouts import MALFORMED, bind_attention_args, from_hnd, hnd_inputs
 from .policies import CallPolicies
-from .stats import PatchStats
+from .stats import FELL_BACK, RAN, ROUTED, Outcome, PatchStats
 
 log = logging.getLogger("sage_rdna4")
-_POSITIONAL = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
-_DEFAULTS = {"mask": None, "attn_precision": None, "skip_reshape": False, "skip_output_reshape": False}
-_REQUIRED = ("q", "k", "v", "heads")
-
-
-def bind_attention_args(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """Name ComfyUI's attention arguments whether they came by position or keyword."""
-    if len(args) == 4:  # ComfyUI's own calls: q, k, v, heads by position, the rest by keyword (the hit path)
-        q, k, v, heads = args
-        get = kwargs.get
-        return {"q": q, "k": k, "v": v, "heads": heads, "mask": get("mask"), "attn_precision": get("attn_precision"),
-                "skip_reshape": get("skip_reshape", False), "skip_output_reshape": get("skip_output_reshape", False)}
-    if len(args) > len(_POSITIONAL):
-        raise TypeError(f"attention called with {len(args)} positional arguments")
-    bound = dict(_DEFAULTS)
-    bound.update(zip(_POSITIONAL, args))
-    for name in _POSITIONAL[len(args):]:
-        if name in kwargs:
-            bound[name] = kwargs[name]
-    if len(args) < len(_REQUIRED):
-        missing = [n for n in _REQUIRED if n not in bound]
-        if missing:
-            raise TypeError(f"attention called without {', '.join(missing)}")
-    return bound
-
 
 # How the stats count the calls of an A/B baseline run (every call goes where it went without this patch).
 BASELINE_CALLS = "own attention"
+
+
+class Turn(NamedTuple):
+    """Who takes one call, as `SageAttentionOverride._turn` decides it. Without a `backend` the call site's own
+    attention takes it, counted as `outcome`; with one, our kernel runs on the HND `inputs` (q, k, v, mask) as the
+    `plan` says, and `outcome` is what the stats count if it succeeds. `trial`: auto's trial or watch that times
+    this call with device events. `kernel`: what a raised refusal names (config on_unsupported="raise")."""
+    outcome: Outcome
+    backend: Optional[Backend] = None
+    plan: Optional[CallPlan] = None
+    inputs: Tuple = ()
+    skip_output_reshape: bool = False
+    trial: Optional[Measurement] = None
+    kernel: str = ""
+
+
+BASELINE_TURN = Turn(Outcome(RAN, BASELINE_CALLS))
+TRACED_TURN = Turn(Outcome(RAN, "sage_rdna4::attention"))  # the op's body counts the call when it runs
 
 
 class SageAttentionOverride:
@@ -90,59 +84,9 @@ class SageAttentionOverride:
         # ModelPatcher.clone() deep-copies model_options; a clone of a patched model is the same patch.
         return self
 
-    def _pass_on(self, func, args, kwargs):
-        """What the call would have run without this patch: the previous override, or the call site's own."""
-        if self.previous is not None:
-            return self.previous(func, *args, **kwargs)
-        return func(*args, **kwargs)
-
-    def _fallback(self, func, args, kwargs, reason: str, kernel: str, passed_over=None, ran=None):
-        """The call site's answer for a call this patch cannot run (config on_unsupported="raise": KernelRefused);
-        `passed_over` and `ran`: what auto passed over, and took, before the call fell back (stats.py)."""
-        if self.config.on_unsupported == "raise":
-            raise KernelRefused(kernel, reason)
-        self.stats.record_fallback(reason, passed_over, ran)
-        return self._pass_on(func, args, kwargs)
-
     @property
     def tuner(self) -> Tuner:
         return self._tuner or default_tuner()
-
-    def _plan_call(self, key, q, k, v, mask, view_shapes, scale):
-        """The plan of a call not seen before (call_plans.make_plan), stored for its signature; a str is the reason
-        the call is malformed."""
-        plan = make_plan(q, k, v, mask, view_shapes, scale, self.config, self.tuner)
-        if isinstance(plan, str):
-            return plan
-        self.plans.store(key, plan)
-        if plan.route.decision is not None:  # new, or changed (a watch reverted it): the stats show and log it
-            self.stats.record_choice(plan.route.decision)
-        return plan
-
-    def _launch(self, backend, plan: CallPlan, q, k, v, mask, kwargs, skip_output_reshape):
-        """The backend's output for this call in the call site's layout, inside the attention timer when one is on."""
-        scale = kwargs.get("scale")
-        sm_scale = float(scale) if scale is not None else plan.default_scale
-        timer = self.attention_timer
-        if timer is None:
-            out = backend.launch(q, k, v, plan.call, sm_scale, mask)[0]
-        else:
-            with timer.measure():
-                out = backend.launch(q, k, v, plan.call, sm_scale, mask)[0]
-        return from_hnd(out, skip_output_reshape)
-
-    def _measured_call(self, plan: CallPlan, name: str, func, args, kwargs, q, k, v, mask, skip_output_reshape):
-        """One call `auto`'s trial (or watch) handed to `name`, bracketed by its device events. SDPA's turn is the
-        call site's own attention, as when SDPA is chosen; a candidate's turn runs as a RUN route's call does,
-        output reshape included."""
-        trial = plan.route.measurement
-        if name != "sdpa":
-            return self._run(trial.backend(name), plan, func, args, kwargs, q, k, v, mask, skip_output_reshape, trial)
-        start = trial.begin()
-        out = self._pass_on(func, args, kwargs)
-        trial.record(name, start)
-        self.stats.record_routed(trial.SDPA_TURN, plan.route.passed_over, name)
-        return out
 
     def step_boundary(self) -> None:
         """The end of a model evaluation (sage_patch/timing.py): `auto`'s trials and watches read the step's
@@ -153,102 +97,109 @@ class SageAttentionOverride:
             except Exception as exc:  # measuring must never take the sampling run down
                 log.warning("[sage_rdna4] auto's in-step measurement failed: %s: %s", type(exc).__name__, exc)
 
-    def _baseline_call(self, func, args, kwargs):
-        """The A/B baseline's call: what the model runs without this patch, inside the attention timer."""
-        self.stats.record_call(BASELINE_CALLS)
-        timer = self.attention_timer
-        if timer is None:
-            return self._pass_on(func, args, kwargs)
-        with timer.measure():
-            return self._pass_on(func, args, kwargs)
-
     def __call__(self, func, *args, **kwargs):
-        if TRACEABLE and torch.compiler.is_compiling():  # inside a torch.compile trace: one opaque op
-            return self._traced(func, args, kwargs)
+        """Who takes this call (`_turn`), that call, and its outcome counted once (`PatchStats.record`)."""
+        turn = self._turn(args, kwargs)
+        if turn is TRACED_TURN:  # inside a torch.compile trace: one opaque op
+            return traced_call(self.op_id, func, args, kwargs, self.policies.uses_steps)
+        outcome, backend, plan, inputs, skip_output_reshape, trial, kernel = turn
+        timer, out = self.attention_timer, None
+        if backend is not None:  # our kernel: the plan holds its answer, so it launches without asking again
+            q, k, v, mask = inputs
+            scale = kwargs.get("scale")
+            sm_scale = float(scale) if scale is not None else plan.default_scale
+            start = trial.begin() if trial is not None else None  # a trial's (or watch's) call, between events
+            try:
+                if timer is None:
+                    out = backend.launch(q, k, v, plan.call, sm_scale, mask)[0]
+                else:
+                    with timer.measure():
+                        out = backend.launch(q, k, v, plan.call, sm_scale, mask)[0]
+                out = from_hnd(out, skip_output_reshape)
+            except torch.cuda.OutOfMemoryError:
+                raise  # the call site's attention would run out of memory too; let ComfyUI handle it
+            except Exception as exc:  # a kernel failure must not take the ComfyUI process down
+                reason = (f"{backend.name}: {exc.reason}" if isinstance(exc, KernelRefused)
+                          else f"{backend.name} failed: {type(exc).__name__}: {exc}")
+                if trial is not None:  # left out of the trial; this call gets the call site's answer
+                    trial.fail(backend.name, reason)
+                outcome, out = Outcome(FELL_BACK, reason, outcome.passed_over, backend.name, outcome.choice), None
+            else:
+                if trial is not None:
+                    trial.record(backend.name, start)
+        if out is None and outcome.kind == FELL_BACK and self.config.on_unsupported == "raise":
+            raise KernelRefused(backend.name if backend is not None else kernel, outcome.label)
+        self.stats.record(outcome)  # counted before a call site's attention that may raise
+        if out is not None:
+            return out
+        # The call site's own attention: what the call runs without this patch (the previous override, or func).
+        start = trial.begin() if trial is not None else None  # exact attention's turn in auto's trial or watch
+        if turn is BASELINE_TURN and timer is not None:  # the A/B baseline is timed as a kernel call is
+            with timer.measure():
+                out = self.previous(func, *args, **kwargs) if self.previous is not None else func(*args, **kwargs)
+        else:
+            out = self.previous(func, *args, **kwargs) if self.previous is not None else func(*args, **kwargs)
+        if start is not None:
+            trial.record(outcome.ran, start)
+        return out
+
+    def _turn(self, args, kwargs) -> Turn:
+        """Who takes this call: the traced op (under torch.compile), the call site's attention (the A/B baseline; a
+        call unreadable, refused, or kept exact on purpose), or our kernel as the plan of its signature says
+        (`auto`'s trial or watch may hand it to another candidate, or to SDPA)."""
+        if TRACEABLE and torch.compiler.is_compiling():
+            return TRACED_TURN
         if self.baseline:
-            return self._baseline_call(func, args, kwargs)
+            return BASELINE_TURN
+        kernel = self.config.kernel
         try:
-            a = bind_attention_args(args, kwargs)
+            bound = bind_attention_args(args, kwargs)
         except TypeError as exc:
-            return self._fallback(func, args, kwargs, f"unrecognised attention call: {exc}", self.config.kernel)
+            return Turn(Outcome(FELL_BACK, f"unrecognised attention call: {exc}"), kernel=kernel)
         if kwargs.get("low_precision_attention", True) is False:
-            self.stats.record_routed("low_precision_attention=False")
-            return self._pass_on(func, args, kwargs)
+            return Turn(Outcome(ROUTED, "low_precision_attention=False"))
         # A call whose signature was seen before reuses that call's plan (call_plans.py); only what the plan
         # cannot know (policies, scale, enable_gqa) is judged again below.
-        key = call_signature(a)
+        key = bound.signature()
         plan = self.plans.get(key)
         try:
-            q, k, v, mask, view_shapes = hnd_inputs(a, plan)
+            q, k, v, mask, view_shapes, strided = hnd_inputs(bound, plan)
         except MALFORMED as exc:
             # A call we cannot read (heads not dividing the width, a batch of 0, not tensors) is handed to the
             # call site unchanged: it is ComfyUI's to accept or reject, never ours to crash on.
-            return self._fallback(func, args, kwargs, f"malformed call: {type(exc).__name__}: {exc}",
-                                  self.config.kernel)
+            return Turn(Outcome(FELL_BACK, f"malformed call: {type(exc).__name__}: {exc}"), kernel=kernel)
         call = plan.call if plan is not None else None  # the shapes the plan was made for (shape reads cost time)
         q_heads, kv_heads = (call.q_heads, call.kv_heads) if call is not None else (q.shape[1], k.shape[1])
         if kv_heads != q_heads and not kwargs.get("enable_gqa", False):
             # ComfyUI only groups heads when the call says so; anything else is the call site's to judge.
-            return self._fallback(func, args, kwargs, f"malformed call: k/v have {kv_heads} heads, q {q_heads}, "
-                                  "without enable_gqa", self.config.kernel)
+            return Turn(Outcome(FELL_BACK, f"malformed call: k/v have {kv_heads} heads, q {q_heads}, without "
+                                "enable_gqa"), kernel=kernel)
         if self.policies.active:  # no policy configured: nothing to ask per call
             q_len, kv_len = (call.q_len, call.kv_len) if call is not None else (q.shape[2], k.shape[2])
             policy, inactive = self.policies.route_exact(kwargs.get("transformer_options"), q_len, kv_len)
             if inactive:
                 self.stats.note(inactive)
             if policy:
-                self.stats.record_routed(policy)
-                return self._pass_on(func, args, kwargs)
-        if plan is None:
-            plan = self._plan_call(key, q, k, v, mask, view_shapes, kwargs.get("scale"))
+                return Turn(Outcome(ROUTED, policy))
+        choice = None
+        if plan is None:  # a signature not seen before (or a stale plan): one planner decides, the cache keeps it
+            plan = make_plan(q, k, v, mask, view_shapes, strided, kwargs.get("scale"), self.config, self.tuner)
             if isinstance(plan, str):
-                return self._fallback(func, args, kwargs, plan, self.config.kernel)
-        return self._follow(plan, func, args, kwargs, q, k, v, mask, a["skip_output_reshape"])
-
-    def _traced(self, func, args, kwargs):
-        """What a torch.compile trace records for this call: `sage_rdna4::attention`, whose body at run time is this
-        override; or, for a call the op cannot carry, the call site's own attention (sage_patch/compiled_call.py)."""
-        try:
-            bound = bind_attention_args(args, kwargs)
-        except TypeError:
-            return func(*args, **kwargs)
-        out = traced_call(self.op_id, func, args, kwargs, bound, self.policies.uses_steps)
-        return out if out is not None else func(*args, **kwargs)
-
-    def _follow(self, plan: CallPlan, func, args, kwargs, q, k, v, mask, skip_output_reshape):
-        """Run one call the way its plan's route says; each outcome is counted once, with the backends auto passed
-        over to reach it (not available, refused, failed its self-check)."""
-        route = plan.route
-        if route.measurement is not None:  # auto measuring this kind of call in the step, or watching its choice
-            name = route.measurement.pick()
-            if name is not None:
-                return self._measured_call(plan, name, func, args, kwargs, q, k, v, mask, skip_output_reshape)
+                return Turn(Outcome(FELL_BACK, plan), kernel=kernel)
+            self.plans.store(key, plan)
+            choice = plan.route.decision  # new, or changed (a watch reverted it): the stats show and log it
+        route, outcome = plan.route, plan.outcome
+        if choice is not None:
+            outcome = outcome._replace(choice=choice)
+        inputs, reshape = (q, k, v, mask), bound.skip_output_reshape
+        trial = route.measurement  # auto measuring this kind of call in the step, or watching its choice
+        name = trial.pick() if trial is not None else None
+        if name is not None:
+            if name == "sdpa":  # SDPA's turn is the call site's own attention, as when SDPA is chosen
+                return Turn(Outcome(ROUTED, trial.SDPA_TURN, route.passed_over, name, choice), trial=trial)
+            return Turn(Outcome(RAN, name, route.passed_over, None, choice), trial.backend(name), plan, inputs,
+                        reshape, trial)
         if route.kind == RUN:
-            return self._run(route.backend, plan, func, args, kwargs, q, k, v, mask, skip_output_reshape)
-        if route.kind != EXACT and route.kind != MEASURE:
-            return self._fallback(func, args, kwargs, route.message, route.kernel, route.passed_over)
-        # Exact attention by auto's choice, or its untimed turn while it measures.
-        self.stats.record_routed(route.reason if route.kind == EXACT else route.measurement.SDPA_TURN,
-                                 route.passed_over)
-        return self._pass_on(func, args, kwargs)
-
-    def _run(self, backend, plan: CallPlan, func, args, kwargs, q, k, v, mask, skip_output_reshape, trial=None):
-        """A call `backend` runs: the plan holds its answer, made under the current decision generation, so it
-        launches directly (calling the backend would ask again). `trial`: the measurement that handed it this call,
-        which times it with device events, or leaves the backend out when it fails."""
-        passed_over = plan.route.passed_over
-        start = trial.begin() if trial is not None else None
-        try:
-            out = self._launch(backend, plan, q, k, v, mask, kwargs, skip_output_reshape)
-        except torch.cuda.OutOfMemoryError:
-            raise  # the call site's attention would run out of memory too; let ComfyUI handle it
-        except Exception as exc:  # a kernel failure must not take the ComfyUI process down
-            reason = (f"{backend.name}: {exc.reason}" if isinstance(exc, KernelRefused)
-                      else f"{backend.name} failed: {type(exc).__name__}: {exc}")
-            if trial is not None:  # left out of the trial; this call gets the call site's answer
-                trial.fail(backend.name, reason)
-            return self._fallback(func, args, kwargs, reason, backend.name, passed_over, backend.name)
-        if trial is not None:
-            trial.record(backend.name, start)
-        self.stats.record_call(backend.name, passed_over)
-        return out
+            return Turn(outcome, route.backend, plan, inputs, reshape)
+        # Exact attention by auto's choice, or its untimed turn while it measures; a refusal names what was asked.
+        return Turn(outcome, kernel=route.kernel)

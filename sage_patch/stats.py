@@ -17,7 +17,7 @@ import logging
 import re
 import threading
 from collections import Counter
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional
 
 log = logging.getLogger("sage_rdna4")
 
@@ -76,6 +76,23 @@ class _Reasons:
         return kind
 
 
+RAN, ROUTED, FELL_BACK = "ran", "routed", "fell back"
+
+
+class Outcome(NamedTuple):
+    """How one attention call ended, as the stats count it (`PatchStats.record`).
+
+    `kind`: RAN on the backend `label`; ROUTED to exact attention on purpose (a policy, auto's choice, its
+    measuring turn: `label` says which); FELL_BACK to the call site's attention for the reason `label`.
+    `passed_over`: the backends auto passed over to reach it, and why; `ran`: what auto took before the call fell
+    back, or whose measuring turn it was. `choice`: auto's decision, when this call's plan was new."""
+    kind: str
+    label: str
+    passed_over: Optional[Mapping[str, str]] = None
+    ran: Optional[str] = None
+    choice: Any = None
+
+
 class PatchStats:
     def __init__(self, label: str = "sage_rdna4"):
         self.label = label
@@ -88,6 +105,18 @@ class PatchStats:
         self._notes = []
         self._choices: Dict[str, str] = {}  # auto's measured decision per kind of call -> its summary
         self._choice_rows: Dict[str, dict] = {}  # the same, as Decision.as_row (chosen, ratio, method, reverted)
+
+    def record(self, outcome: Outcome) -> None:
+        """One call's outcome, counted once, with the backends auto passed over to reach it."""
+        kind, label, passed_over, ran, choice = outcome
+        if choice is not None:
+            self.record_choice(choice)
+        if kind == RAN:
+            self.record_call(label, passed_over)
+        elif kind == ROUTED:
+            self.record_routed(label, passed_over, ran)
+        else:
+            self.record_fallback(label, passed_over, ran)
 
     def record_call(self, backend: str, passed_over: Optional[Dict[str, str]] = None) -> None:
         """One call `backend` ran; `passed_over`: the backends auto passed over to reach it (record_passed_over)."""

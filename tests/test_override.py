@@ -234,7 +234,7 @@ def test_deepcopy_keeps_the_same_override():
 
 def test_bind_attention_args():
     a = bind_attention_args((1, 2, 3), {"heads": 8, "mask": "m", "transformer_options": {}})
-    assert (a["q"], a["heads"], a["mask"], a["skip_reshape"]) == (1, 8, "m", False)
+    assert (a.q, a.heads, a.mask, a.skip_reshape) == (1, 8, "m", False)
     with pytest.raises(TypeError):
         bind_attention_args((1, 2), {})
 

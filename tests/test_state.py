@@ -315,3 +315,18 @@ def test_1000_patched_calls_keep_device_memory_flat(monkeypatch):
     print(f"{kernel}: device memory {before} -> {after} B; peak {peak_before} -> {torch.cuda.max_memory_allocated()}")
     assert after <= before
     assert sum(ov.stats.snapshot()["calls"].values()) == 1020, ov.stats.summary()
+
+
+def test_each_outcome_is_counted_once_under_its_kind():
+    """PatchStats.record: one call per Outcome, under the backend it ran on, the routing, or the fallback's reason,
+    with what auto passed over to reach it."""
+    from comfyui_sage_rdna4.sage_patch.stats import FELL_BACK, RAN, ROUTED, Outcome, PatchStats
+    st = PatchStats()
+    st.record(Outcome(RAN, "reference", {"hip_int8_fp8": "not built for cpu"}))
+    st.record(Outcome(ROUTED, "short call", None))
+    st.record(Outcome(FELL_BACK, "reference failed: boom", {"hip_int8_fp8": "not built for cpu"}, "reference"))
+    snap = st.snapshot()
+    assert snap["calls"] == {"reference": 1}
+    assert snap["routed"] == {"short call": 1}
+    assert snap["fallbacks"] == {"reference failed: boom": 1}
+    assert snap["passed_over"] == {"hip_int8_fp8": {"not built for cpu": 2}}

@@ -49,13 +49,13 @@ class CallRecorder:
     def __call__(self, func, *args, **kwargs):
         p = self.pack
         bound = p.bind_attention_args(args, kwargs)
-        q, k = bound["q"], bound["k"]
-        heads = bound["heads"]
-        if bound["skip_reshape"]:
+        q, k = bound.q, bound.k
+        heads = bound.heads
+        if bound.skip_reshape:
             head_dim, nq, nk = q.shape[-1], q.shape[-2], k.shape[-2]
         else:
             head_dim, nq, nk = q.shape[-1] // heads, q.shape[1], k.shape[1]
-        mask = p.expand_mask(bound["mask"])
+        mask = p.expand_mask(bound.mask)
         timer = p.step_timer_of(self.override)
         row = {"step": timer.current_step if timer is not None else -1, "head_dim": int(head_dim), "nq": int(nq),
                "nk": int(nk), "heads": int(heads), "batch": int(q.shape[0]), "mask": p.mask_scope(mask),
@@ -117,8 +117,7 @@ class Pack:
         from comfyui_sage_rdna4.sage_patch import ab_benchmark
         from comfyui_sage_rdna4.sage_patch.config import PatchConfig
         from comfyui_sage_rdna4.sage_patch.install import OVERRIDE_KEY, patch_model
-        from comfyui_sage_rdna4.sage_patch.layouts import expand_mask
-        from comfyui_sage_rdna4.sage_patch.override import bind_attention_args
+        from comfyui_sage_rdna4.sage_patch.layouts import bind_attention_args, expand_mask
         from comfyui_sage_rdna4.sage_patch.report import summarize_steps
         from comfyui_sage_rdna4.sage_patch.stats import PatchStats
         from comfyui_sage_rdna4.sage_patch.timing import step_timer_of

@@ -208,12 +208,9 @@ class HipBackend(Backend):
         device = torch.device(device_type, index)
         store = getattr(self.verdicts.cache, "inner", self.verdicts.cache)
         key = store.key(f"{self.name} ({chain} P.V, accumulation cases)", None, device, checks_fingerprint(cases))
-        if key and store.has_pass(key, self.name):
-            return None
-        result = run_self_check(self.chain_attention(chain), device, cases, lambda c: True)
-        if result.reason is None and key:
-            store.store_pass(key, self.name, result)
-        return result.reason
+        result = store.checked(key, self.name,
+                               lambda: run_self_check(self.chain_attention(chain), device, cases, lambda c: True))
+        return None if result is None else result.reason
 
     def chain_attention(self, chain: str) -> Callable:
         """attention(q, k, v, is_causal=False) -> out through this backend's prologue and the `chain` kernel (the
