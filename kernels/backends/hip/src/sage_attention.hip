@@ -523,7 +523,9 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
   // A row that has seen no key yet keeps the shift -inf: its P use the shift of m = 0 (exact zeros).
   const float bias = (MASK || KM) && bias_new == neg_inf() ? p_shift<FP8PV>(0.0f, qs) : bias_new;
   // o and l move from the last tile's shift to this one's: exactly the shifts their P used (FP8: P < 448).
-  const float alpha = fast_exp2(rs.bias - bias);
+  // FAST: the unmasked single chain, whose fast path (no lane's shift moved) needs no alpha (see below).
+  constexpr bool FAST = SC && !MASK && !KM && !FP8PV;
+  float alpha = FAST ? 1.0f : fast_exp2(rs.bias - bias);
   PFrag<D, FP8PV> pf;
   float part[4];  // independent partial sums: short dependency chains
   #pragma unroll
@@ -543,16 +545,36 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
       part[j] = add_f16x2(w.w, add_f16x2(w.z, add_f16x2(w.y, add_f16x2(w.x, 0.0f))));
     }
   }
-  rs.l = fold_acc(rs.l, alpha, (part[0] + part[1]) + (part[2] + part[3]));  // VOP3: no copy on the back edge
-  rs.bias = bias_new;
-  if (D != 64 || FP8PV) sched_fence();  // FP16 D64: left out (README, HIP kernels); FP8 D64: -2 per tile (clang-19)
-  if constexpr (SC) {
-    // The single chain rescales o only on a tile whose shift moved in some lane (alpha is exactly 1 elsewhere).
-    if (wave_any(alpha != 1.0f)) {
+  const float tile_sum = (part[0] + part[1]) + (part[2] + part[3]);
+  if constexpr (FAST) {
+    // Where no lane's shift moved (most tiles), o, l and the shift stay as they are: l + tile_sum is what
+    // fma(l, alpha = 1, tile_sum) gives, and no exp2 runs. Equal shifts compare equal without the subtraction
+    // (bias_new >= rs.bias, neither is NaN); a shift at +-inf on both sides (alpha NaN) only meets a row whose
+    // P are NaN already.
+    float l = rs.l + tile_sum;
+    if (wave_any(bias_new != rs.bias)) {
+      alpha = fast_exp2(rs.bias - bias_new);
+      l = fold_acc(rs.l, alpha, tile_sum);
       #pragma unroll
       for (int tt = 0; tt < D / 16; ++tt)
         #pragma unroll
         for (int e = 0; e < 8; ++e) rs.o[tt][e] *= alpha;
+      rs.bias = bias_new;  // here only: the fast path keeps the register (no copy on the back edge)
+    }
+    rs.l = l;
+  } else {
+    rs.l = fold_acc(rs.l, alpha, tile_sum);  // VOP3: no copy on the back edge
+    rs.bias = bias_new;
+    if (D != 64 || FP8PV) sched_fence();  // FP16 D64: left out (README, HIP kernels); FP8 D64: -2 per tile (clang-19)
+    if constexpr (SC) {
+      // The masked tiles' single chain rescales o only on a tile whose shift moved in some lane (alpha is exactly 1
+      // elsewhere).
+      if (wave_any(alpha != 1.0f)) {
+        #pragma unroll
+        for (int tt = 0; tt < D / 16; ++tt)
+          #pragma unroll
+          for (int e = 0; e < 8; ++e) rs.o[tt][e] *= alpha;
+      }
     }
   }
   pv_tile<D, SC>(rs.o, alpha, pf, sm.vt, M::VT_STRIDE);
