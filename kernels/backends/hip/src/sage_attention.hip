@@ -351,6 +351,17 @@ SG_INLINE void pv_tile(f32x8* o, float alpha, const PFrag<D, false>& pf, const u
   }
 }
 
+// o *= alpha (the single chain's rescale), the odd elements by a second copy of alpha, so that two multiplications
+// pair as one VOPD v_dual_mul_f32 (vgpr_copy). D128 takes the copies as a register pair (vgpr_pair: always pairs);
+// at D64 the pair's register costs the key loop's fast path 2 instructions (clang-19), and one copy pairs there.
+template <int D> SG_INLINE void rescale_o(f32x8* o, float alpha) {
+  const FloatPair a = D == 128 ? vgpr_pair(alpha) : FloatPair{alpha, vgpr_copy(alpha)};
+  #pragma unroll
+  for (int tt = 0; tt < D / 16; ++tt)
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) o[tt][e] *= e & 1 ? a.odd : a.even;
+}
+
 // Probabilities of key step j into the B operand (element e in byte/half e of the fragment).
 template <int D> SG_INLINE void pack_p(PFrag<D, true>& pf, int j, const float* p) {
   pf.p[j] = mk_i32x2(pack_e4m3x4(p[0], p[1], p[2], p[3]), pack_e4m3x4(p[4], p[5], p[6], p[7]));
@@ -555,10 +566,7 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
     if (wave_any(bias_new != rs.bias)) {
       alpha = fast_exp2(rs.bias - bias_new);
       l = fold_acc(rs.l, alpha, tile_sum);
-      #pragma unroll
-      for (int tt = 0; tt < D / 16; ++tt)
-        #pragma unroll
-        for (int e = 0; e < 8; ++e) rs.o[tt][e] *= alpha;
+      rescale_o<D>(rs.o, alpha);
       rs.bias = bias_new;  // here only: the fast path keeps the register (no copy on the back edge)
     }
     rs.l = l;
@@ -569,12 +577,7 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
     if constexpr (SC) {
       // The masked tiles' single chain rescales o only on a tile whose shift moved in some lane (alpha is exactly 1
       // elsewhere).
-      if (wave_any(alpha != 1.0f)) {
-        #pragma unroll
-        for (int tt = 0; tt < D / 16; ++tt)
-          #pragma unroll
-          for (int e = 0; e < 8; ++e) rs.o[tt][e] *= alpha;
-      }
+      if (wave_any(alpha != 1.0f)) rescale_o<D>(rs.o, alpha);
     }
   }
   pv_tile<D, SC>(rs.o, alpha, pf, sm.vt, M::VT_STRIDE);
