@@ -558,7 +558,7 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
   }
   const float tile_sum = (part[0] + part[1]) + (part[2] + part[3]);
   if constexpr (FAST) {
-    // Where no lane's shift moved (most tiles), o, l and the shift stay as they are: l + tile_sum is what
+    // Where no lane's shift moved (no row's max grew), o, l and the shift stay as they are: l + tile_sum is what
     // fma(l, alpha = 1, tile_sum) gives, and no exp2 runs. Equal shifts compare equal without the subtraction
     // (bias_new >= rs.bias, neither is NaN); a shift at +-inf on both sides (alpha NaN) only meets a row whose
     // P are NaN already.
