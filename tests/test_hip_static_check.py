@@ -32,9 +32,9 @@ needs_llvm = pytest.mark.skipif(hip_static_check.readers_missing() is not None,
 # (That round's targets were <= 6.0 at D128 and <= 8.0 at D64; docs/MEASUREMENTS.md says what remains at D64.)
 KEY_LOOP_LIMITS = {("fp8", 128): 5.7, ("fp16", 128): 6.0, ("fp8", 64): 8.75, ("fp16", 64): 9.0}
 MIN_WAVES = {("fp8", 128): 9, ("fp16", 128): 8, ("fp8", 64): 12, ("fp16", 64): 10}
-# The FP16 single-chain kernels (issue 33), the path of a tile that does not rescale o: 4.88 at D128 and 7.97 at
-# D64 today (the two-level 5.84 / 8.81); issue 33's targets are <= 5.0 and <= 7.9 (D64 misses it by 0.07).
-SINGLE_CHAIN_LIMITS = {("fp16", 128): 5.0, ("fp16", 64): 8.1}
+# The FP16 single-chain kernels (issue 33), the path of a tile that does not rescale o: 4.88 at D128 and 7.88 at
+# D64 today (the two-level 5.84 / 8.81); issue 33's targets, <= 5.0 and <= 7.9, are the limits.
+SINGLE_CHAIN_LIMITS = {("fp16", 128): 5.0, ("fp16", 64): 7.9}
 # The same for the masked entry points (*_kmask, a key-only mask: one FP32 bias per key, staged with k_scale, added
 # to each score with the row scale in one FMA). Their key loop's figures at their introduction (issue 31):
 #                 masked   unmasked   limit   waves (unmasked)

@@ -183,6 +183,26 @@ SG_INLINE u32 lane_offset(u32 x) {
 #endif
   return x;
 }
+// Copies of x for two VALU operations that read it and should pair as VOPD, whose two operations must read their
+// sources from different VGPR banks (the same register is the same bank). vgpr_copy: a copy in another VGPR (an
+// empty asm that the compiler cannot see through; x itself stays live), in a bank the allocator picks. vgpr_pair:
+// two copies in one register pair, adjacent registers, so different banks.
+SG_INLINE float vgpr_copy(float x) {
+#if defined(SG_AMD)
+  asm("" : "+v"(x));
+#endif
+  return x;
+}
+struct FloatPair { float even, odd; };
+SG_INLINE FloatPair vgpr_pair(float x) {
+#if defined(SG_AMD)
+  u32x2 r = {bit_cast<u32>(x), bit_cast<u32>(x)};
+  asm("" : "+v"(r));
+  return {bit_cast<float>(r.x), bit_cast<float>(r.y)};
+#else
+  return {x, x};
+#endif
+}
 // uniform_ptr: a wave-uniform pointer, read back from lane 0 into SGPRs, so that loop strength reduction cannot
 // merge a per-lane offset into a per-lane induction pointer.
 template <class T> SG_INLINE T* uniform_ptr(T* p) {

@@ -351,6 +351,17 @@ SG_INLINE void pv_tile(f32x8* o, float alpha, const PFrag<D, false>& pf, const u
   }
 }
 
+// o *= alpha (the single chain's rescale), the odd elements by a second copy of alpha, so that two multiplications
+// pair as one VOPD v_dual_mul_f32 (vgpr_copy). D128 takes the copies as a register pair (vgpr_pair: always pairs);
+// at D64 the pair's register costs the key loop's fast path 2 instructions (clang-19), and one copy pairs there.
+template <int D> SG_INLINE void rescale_o(f32x8* o, float alpha) {
+  const FloatPair a = D == 128 ? vgpr_pair(alpha) : FloatPair{alpha, vgpr_copy(alpha)};
+  #pragma unroll
+  for (int tt = 0; tt < D / 16; ++tt)
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) o[tt][e] *= e & 1 ? a.odd : a.even;
+}
+
 // Probabilities of key step j into the B operand (element e in byte/half e of the fragment).
 template <int D> SG_INLINE void pack_p(PFrag<D, true>& pf, int j, const float* p) {
   pf.p[j] = mk_i32x2(pack_e4m3x4(p[0], p[1], p[2], p[3]), pack_e4m3x4(p[4], p[5], p[6], p[7]));
@@ -523,7 +534,9 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
   // A row that has seen no key yet keeps the shift -inf: its P use the shift of m = 0 (exact zeros).
   const float bias = (MASK || KM) && bias_new == neg_inf() ? p_shift<FP8PV>(0.0f, qs) : bias_new;
   // o and l move from the last tile's shift to this one's: exactly the shifts their P used (FP8: P < 448).
-  const float alpha = fast_exp2(rs.bias - bias);
+  // FAST: the unmasked single chain, whose fast path (no lane's shift moved) needs no alpha (see below).
+  constexpr bool FAST = SC && !MASK && !KM && !FP8PV;
+  float alpha = FAST ? 1.0f : fast_exp2(rs.bias - bias);
   PFrag<D, FP8PV> pf;
   float part[4];  // independent partial sums: short dependency chains
   #pragma unroll
@@ -543,16 +556,28 @@ SG_INLINE void attend_tile(RowState<D, FP8PV>& rs, const QFrag<D>& qf, const Att
       part[j] = add_f16x2(w.w, add_f16x2(w.z, add_f16x2(w.y, add_f16x2(w.x, 0.0f))));
     }
   }
-  rs.l = fold_acc(rs.l, alpha, (part[0] + part[1]) + (part[2] + part[3]));  // VOP3: no copy on the back edge
-  rs.bias = bias_new;
-  if (D != 64 || FP8PV) sched_fence();  // FP16 D64: left out (README, HIP kernels); FP8 D64: -2 per tile (clang-19)
-  if constexpr (SC) {
-    // The single chain rescales o only on a tile whose shift moved in some lane (alpha is exactly 1 elsewhere).
-    if (wave_any(alpha != 1.0f)) {
-      #pragma unroll
-      for (int tt = 0; tt < D / 16; ++tt)
-        #pragma unroll
-        for (int e = 0; e < 8; ++e) rs.o[tt][e] *= alpha;
+  const float tile_sum = (part[0] + part[1]) + (part[2] + part[3]);
+  if constexpr (FAST) {
+    // Where no lane's shift moved (no row's max grew), o, l and the shift stay as they are: l + tile_sum is what
+    // fma(l, alpha = 1, tile_sum) gives, and no exp2 runs. Equal shifts compare equal without the subtraction
+    // (bias_new >= rs.bias, neither is NaN); a shift at +-inf on both sides (alpha NaN) only meets a row whose
+    // P are NaN already.
+    float l = rs.l + tile_sum;
+    if (wave_any(bias_new != rs.bias)) {
+      alpha = fast_exp2(rs.bias - bias_new);
+      l = fold_acc(rs.l, alpha, tile_sum);
+      rescale_o<D>(rs.o, alpha);
+      rs.bias = bias_new;  // here only: the fast path keeps the register (no copy on the back edge)
+    }
+    rs.l = l;
+  } else {
+    rs.l = fold_acc(rs.l, alpha, tile_sum);  // VOP3: no copy on the back edge
+    rs.bias = bias_new;
+    if (D != 64 || FP8PV) sched_fence();  // FP16 D64: left out (README, HIP kernels); FP8 D64: -2 per tile (clang-19)
+    if constexpr (SC) {
+      // The masked tiles' single chain rescales o only on a tile whose shift moved in some lane (alpha is exactly 1
+      // elsewhere).
+      if (wave_any(alpha != 1.0f)) rescale_o<D>(rs.o, alpha);
     }
   }
   pv_tile<D, SC>(rs.o, alpha, pf, sm.vt, M::VT_STRIDE);
