@@ -67,6 +67,9 @@ class AttentionCall:
     same_device: bool
     has_zero_size: bool
     requires_grad: bool  # grad mode is on and q, k, v or the mask requires grad: AUTOGRAD_REFUSAL
+    # The caller turns the output into (B, Nq, Hq * Dv) (ComfyUI's reshape): a kernel that writes it token-major
+    # makes that reshape a view instead of a copy of the whole output.
+    out_nhd: bool = False
 
     def short(self) -> str:
         return (f"B{self.batch} Hq{self.q_heads} Hkv{self.kv_heads} Nq{self.q_len} Nk{self.kv_len} "
@@ -152,20 +155,22 @@ _DESCRIBED_MAX = 512
 
 
 def describe_call(q, k, v, *, attn_mask=None, is_causal=False, return_lse=False, smooth_k=True,
-                  prologue="auto", qk_group="token", smooth_v=False) -> AttentionCall:
+                  prologue="auto", qk_group="token", smooth_v=False, out_nhd=False) -> AttentionCall:
     mask_key = None if attn_mask is None else (attn_mask.shape, attn_mask.stride(), attn_mask.dtype,
                                                 attn_mask.device)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (attn_mask is not None and attn_mask.requires_grad))
     key = (q.shape, k.shape, v.shape, q.stride(-1) if q.dim() else None, k.stride(-1) if k.dim() else None,
            v.stride(-1) if v.dim() else None, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, mask_key,
-           is_causal, return_lse, smooth_k, prologue, qk_group, smooth_v, grad)
+           is_causal, return_lse, smooth_k, prologue, qk_group, smooth_v, grad, out_nhd)
     try:
         call = _DESCRIBED.get(key)
     except TypeError:  # an unhashable option: described every time, never kept
-        return _describe(q, k, v, attn_mask, is_causal, return_lse, smooth_k, prologue, qk_group, smooth_v, grad)
+        return _describe(q, k, v, attn_mask, is_causal, return_lse, smooth_k, prologue, qk_group, smooth_v, grad,
+                         out_nhd)
     if call is None:
-        call = _describe(q, k, v, attn_mask, is_causal, return_lse, smooth_k, prologue, qk_group, smooth_v, grad)
+        call = _describe(q, k, v, attn_mask, is_causal, return_lse, smooth_k, prologue, qk_group, smooth_v, grad,
+                         out_nhd)
         if len(_DESCRIBED) >= _DESCRIBED_MAX:
             _DESCRIBED.clear()
         _DESCRIBED[key] = call
@@ -173,7 +178,7 @@ def describe_call(q, k, v, *, attn_mask=None, is_causal=False, return_lse=False,
 
 
 def _describe(q, k, v, attn_mask, is_causal, return_lse, smooth_k, prologue, qk_group, smooth_v,
-              requires_grad) -> AttentionCall:
+              requires_grad, out_nhd=False) -> AttentionCall:
     check_shapes(q, k, v, attn_mask)
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
@@ -213,4 +218,5 @@ def _describe(q, k, v, attn_mask, is_causal, return_lse, smooth_k, prologue, qk_
         and (attn_mask is None or attn_mask.device == q.device),
         has_zero_size=q.numel() == 0 or k.numel() == 0 or v.numel() == 0,
         requires_grad=bool(requires_grad),
+        out_nhd=bool(out_nhd),
     )

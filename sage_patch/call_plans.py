@@ -52,13 +52,14 @@ class CallPlan:
 
 
 def make_plan(q, k, v, mask, view_shapes: Optional[tuple], strided: Optional[tuple], scale, config: PatchConfig,
-              tuner) -> Union[CallPlan, str]:
+              tuner, out_nhd: bool = False) -> Union[CallPlan, str]:
     """The plan of a call whose signature has none yet (its HND q, k, v, broadcast mask and their layout, as
     layouts.hnd_inputs gives them): the call described, and its final route (dispatch.settled_route, which takes
-    the first-use checks and auto's measuring it asks for). A str is the reason the call is malformed."""
+    the first-use checks and auto's measuring it asks for). `out_nhd`: the call site wants (B, N, H * D) back. A str
+    is the reason the call is malformed."""
     try:
         call = describe_call(q, k, v, attn_mask=mask, smooth_k=config.smooth_k, prologue=config.prologue,
-                             qk_group=config.qk_group, smooth_v=config.smooth_v)
+                             qk_group=config.qk_group, smooth_v=config.smooth_v, out_nhd=out_nhd)
     except ValueError as exc:
         return f"malformed call: {exc}"
     generation = decision_generation()  # read before deciding: a change meanwhile leaves the plan stale

@@ -27,7 +27,7 @@ class AttentionArgs(NamedTuple):
     def signature(self) -> Optional[tuple]:
         """The key of the call's plan (sage_patch/call_plans.py), or None when its parts are not tensors (such a
         call takes the uncached path, which reports it). Everything a plan's decisions read: shapes, strides, dtypes
-        and devices (a mask's strides tell a key-only expand from a per-row mask), `heads`, `skip_reshape`, and
+        and devices (a mask's strides tell a key-only expand from a per-row mask), `heads`, both reshape flags, and
         whether the call needs a gradient. The tensors' classes are part of it: a plan's strided views
         (`strided_layout`) are made for plain tensors only."""
         q, k, v, mask = self.q, self.k, self.v, self.mask
@@ -36,7 +36,7 @@ class AttentionArgs(NamedTuple):
             # inference call of the same shapes, nor the other way round.
             grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                                 or (mask is not None and mask.requires_grad))
-            return (self.heads, bool(self.skip_reshape), grad,
+            return (self.heads, bool(self.skip_reshape), bool(self.skip_output_reshape), grad,
                     q.__class__, q.shape, q.stride(), q.dtype, q.device,
                     k.__class__, k.shape, k.stride(), k.dtype, k.device,
                     v.__class__, v.shape, v.stride(), v.dtype, v.device,

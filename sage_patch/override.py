@@ -183,7 +183,8 @@ class SageAttentionOverride:
                 return Turn(Outcome(ROUTED, policy))
         choice = None
         if plan is None:  # a signature not seen before (or a stale plan): one planner decides, the cache keeps it
-            plan = make_plan(q, k, v, mask, view_shapes, strided, kwargs.get("scale"), self.config, self.tuner)
+            plan = make_plan(q, k, v, mask, view_shapes, strided, kwargs.get("scale"), self.config, self.tuner,
+                             out_nhd=not bound.skip_output_reshape)
             if isinstance(plan, str):
                 return Turn(Outcome(FELL_BACK, plan), kernel=kernel)
             self.plans.store(key, plan)

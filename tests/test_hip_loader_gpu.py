@@ -212,6 +212,20 @@ def test_emulated_backend_matches_reference(pv, monkeypatch):
             assert (got_lse - ref_lse).abs().max().item() < 1e-3, label
 
 
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+def test_emulated_backend_writes_a_reshaped_output_token_major(pv, monkeypatch):
+    """out_nhd (the call site reshapes to (b, n, h*d)): the HIP attention writes the same values (b, n, h, d), so the
+    reshape is a view of its buffer."""
+    from comfyui_sage_rdna4.kernels.call_spec import describe_call
+
+    backend = _backend_or_skip(pv, monkeypatch)
+    q, k, v = (torch.randn(2, 4, 300, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    hnd, _ = backend(q, k, v, describe_call(q, k, v, prologue="hip"), 1 / math.sqrt(128))
+    nhd, _ = backend(q, k, v, describe_call(q, k, v, prologue="hip", out_nhd=True), 1 / math.sqrt(128))
+    assert hnd.is_contiguous() and nhd.transpose(1, 2).is_contiguous()
+    assert torch.equal(hnd, nhd)
+
+
 def test_emulated_backend_is_disabled_by_a_broken_kernel(monkeypatch):
     backend = _backend_or_skip("fp8", monkeypatch)
     from comfyui_sage_rdna4.kernels.call_spec import describe_call

@@ -65,6 +65,28 @@ def test_all_layout_combinations(skip_reshape, skip_output_reshape):
     assert cosine(out, expected) > 0.998
 
 
+@pytest.mark.parametrize("skip_output_reshape", [False, True])
+def test_the_kernel_is_told_whether_the_call_site_reshapes_its_output(monkeypatch, skip_output_reshape):
+    """A call site that turns the output into (b, n, h*d) is described with out_nhd (a kernel then writes it
+    token-major and the reshape is a view); one that keeps (b, h, n, d) is not. Both flags are in the plan's key,
+    so the two calls of one shape get plans of their own."""
+    from comfyui_sage_rdna4.kernels import registry
+    backend = registry.get_backend("reference")
+    seen, launch = [], backend.launch
+
+    def spy(q, k, v, call, sm_scale, mask):
+        seen.append(call.out_nhd)
+        return launch(q, k, v, call, sm_scale, mask)
+    monkeypatch.setattr(backend, "launch", spy)
+    ov, to = make()
+    args = tuple(t.view(2, -1, 4, 64).transpose(1, 2) for t in bnhd())
+    for flag in (skip_output_reshape, not skip_output_reshape, skip_output_reshape):
+        wrap_attn_call(ov, comfy_attention, *args, heads=4, skip_reshape=True, skip_output_reshape=flag,
+                       transformer_options=to)
+    want = not skip_output_reshape
+    assert seen == [want, not want, want]
+
+
 def test_heads_and_mask_by_position_or_keyword():
     q, k, v = bnhd(nk=80)
     mask = torch.randn(96, 80)

@@ -477,6 +477,18 @@ else:
         with pytest.raises(KernelRefused):
             sage_attention(q, q, q, kernel="triton_int8_fp8", attn_mask=mask)
 
+    @pytest.mark.parametrize("kernel", ["triton_int8_fp8", "triton_int8_fp16"])
+    def test_an_output_the_caller_reshapes_is_written_token_major(kernel):
+        """out_nhd (ComfyUI reshapes the output to (b, n, h*d)): the same values, written (b, n, h, d) so that the
+        reshape is a view of the kernel's buffer instead of a copy of the whole output."""
+        q, k, v = make_qkv(1, 2, 2, 40, 70, 64, seed=5)
+        backend = get_backend(kernel)
+        hnd, _ = backend.launch(q, k, v, describe_call(q, k, v), 0.125, None)
+        nhd, _ = backend.launch(q, k, v, describe_call(q, k, v, out_nhd=True), 0.125, None)
+        assert hnd.is_contiguous() and not nhd.is_contiguous() and nhd.transpose(1, 2).is_contiguous()
+        assert torch.equal(hnd, nhd)
+        assert nhd.transpose(1, 2).flatten(2).data_ptr() == nhd.data_ptr()
+
     # ---- key-only masks: padding keys holding huge values, against SDPA and the spec
     def padded(b, hq, hkv, n, d, pad, seed=3, scale=1000.0):
         q, k, v = make_qkv(b, hq, hkv, n, n, d, seed=seed)

@@ -101,14 +101,19 @@ def hip_attention(qq: quant.QuantizedQKV, call: AttentionCall, pv: str, sm_scale
     if (key_mask is None) != (call.mask == "none"):
         raise ValueError(f"a {call.mask} mask call needs its key-mask operands, and only it takes them")
     chain = "two-level" if key_mask is not None else pv_chain.chosen(pv, qq.q8.device.type, qq.q8.device.index).chain
+    out = None
+    if call.out_nhd:  # the caller reshapes the output token-major: written so, that reshape is a view
+        b, hq, nq, _ = qq.q8.shape
+        out = torch.empty((b, nq, hq, call.v_head_dim), dtype=call.dtype, device=qq.q8.device).transpose(1, 2)
     return launch_attention(qq, pv=pv, is_causal=call.is_causal, return_lse=call.return_lse,
-                            sm_scale=sm_scale, q=q, out_dtype=call.dtype, chain=chain, key_mask=key_mask)
+                            sm_scale=sm_scale, q=q, out_dtype=call.dtype, chain=chain, key_mask=key_mask, out=out)
 
 
-def launch_attention(qq, *, pv, is_causal, return_lse, sm_scale, q, out_dtype, chain="two-level", key_mask=None):
+def launch_attention(qq, *, pv, is_causal, return_lse, sm_scale, q, out_dtype, chain="two-level", key_mask=None,
+                     out=None):
     out, lse, launches = kernel_abi().attention_plan(qq, pv=pv, is_causal=is_causal, out_dtype=out_dtype,
                                                       return_lse=return_lse, q=q, sm_scale=sm_scale, chain=chain,
-                                                      key_mask=key_mask)
+                                                      key_mask=key_mask, out=out)
     run_launches(qq.q8.device.index, kernel_bundle(), launches)
     return out, lse
 

@@ -157,8 +157,9 @@ class TritonBackend(Backend):
             raise RuntimeError(f"the {call.prologue} prologue returned no v_mean for a smooth_v call")
         out = None
         q_strides = q.stride()
-        if q_strides[1] < q_strides[2]:
-            # q is an NHD tensor seen as HND: write the output NHD too, so the caller's reshape is free.
+        if call.out_nhd or q_strides[1] < q_strides[2]:
+            # The caller reshapes the output token-major, or q is an NHD tensor seen as HND: write the output NHD,
+            # so the caller's reshape is free.
             b, hq, nq, _ = q.shape
             out = torch.empty((b, nq, hq, call.v_head_dim), dtype=q.dtype, device=q.device).transpose(1, 2)
         out, lse = split_launches(attention.attention_from_quantized_triton, qq, pv=self.pv, config=cfg,
