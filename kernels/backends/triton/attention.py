@@ -12,7 +12,8 @@ FP16 P tops at 2**15 (the running max lowered by 15). Either way a matrix unit t
 drops no weight that counts (docs/MEASUREMENTS.md#one-p-grid-for-the-spec-and-the-kernels).
 Head dims are padded to a power of two inside the kernel (masked loads).
 Each program owns BLOCK_M query rows of one (batch, head); key tiles run in two stages: full tiles
-without masks, then the tail / causal-diagonal tiles with masks.
+without masks, then the tail / causal-diagonal tiles with masks. With a key-only mask each program takes one of two
+such loops: on a plain padding row (masks.py) the unmasked one up to the row's key end, else the one adding the bias.
 
 How P.V reaches the FP32 accumulator (PV_ACC, from the config's `pv_accumulate`): NVIDIA's FP8 MMA
 (Hopper, Ada) keeps ~13 mantissa bits in its accumulator, so adding each key tile's small product
@@ -302,6 +303,7 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE, BIAS, KEND, PLAIN,
         full_end = tl.minimum(full_end, (key_end // BLOCK_N) * BLOCK_N)
         if tl.load(PLAIN + b64 * spb + h64 * sph) != 0:
             # Plain padding (every key before key_end live with bias 0): the unmasked loop, its tail cut at key_end.
+            # Key 0 is live, so the first tile gives every query row a finite max, as in an unmasked call.
             acc, l_i, m_i, m_run = _key_range(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base,
                                               full_end, hi, offs_m, offs_n, offs_d, offs_dv, key_end, skn, svn, svd,
                                               HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, IS_CAUSAL, PV_FP8, V_T,
