@@ -54,7 +54,8 @@ if not CHILD:
         call = describe_call(q, q, q, prologue="hip", smooth_v=True)
         b = get_backend("triton_int8_fp8")
 
-        def dropping_prologue(q, k, v, *, sm_scale, smooth_k=True, pv="fp8", qk_group="token", smooth_v=False):
+        def dropping_prologue(q, k, v, *, sm_scale, smooth_k=True, pv="fp8", qk_group="token", smooth_v=False,
+                              live=None):
             return quant.quantize_qkv_torch(q, k, v, sm_scale=sm_scale, smooth_k=smooth_k, pv=pv, qk_group=qk_group)
 
         monkeypatch.setattr(tb, "_hip_prologue", lambda: (lambda c: None, dropping_prologue))
