@@ -309,10 +309,12 @@ else:
         pv = kernel.rsplit("_", 1)[1]
         head = ls.call_work(ls.visible_keys(0, nq, nk, causal), 64, 64, pv)
         mask = None
-        if masked:  # each (batch, head) its own padding: a piece must take its own rows of the bias and key end
-            mask = torch.ones(b, hq, 1, nk, dtype=torch.bool)
+        if masked:  # each (batch, head) its own padding: a piece must take its own rows of the bias, key end and
+            mask = torch.ones(b, hq, 1, nk, dtype=torch.bool)  # plain flag (every other row has a hole: not plain)
             for i in range(b * hq):
                 mask.view(b * hq, nk)[i, nk - 5 - 9 * i:] = False
+                if i % 2:
+                    mask.view(b * hq, nk)[i, 3:6] = False
         runs = []
         for bound in (None, units * head):
             calls.clear()

@@ -530,13 +530,14 @@ else:
         # The kernel on the spec's own quantization, with the bias and the key end the backend computes: the spec
         # to its tight bound (the end skips the padding's tiles, which must change nothing).
         from comfyui_sage_rdna4.kernels.backends.triton.masks import key_mask_operands
-        bias, key_end, live = key_mask_operands(mask, 2, 4, 2, 70)
+        bias, key_end, plain, live = key_mask_operands(mask, 2, 4, 2, 70)
         assert key_end.max() <= (70 if name in ("per-head bool", "soft bias") else 53)
+        assert bool(plain.all()) == (name not in ("per-head bool", "soft bias"))  # padding rows: the unmasked loop
         qq = quant.quantize_qkv_torch(q, k, v, sm_scale=0.125, pv=pv, live=quant.live_keys(
             quant.mask_bias_base2(key_mask(mask, 70)), 2))
         cfg = attention_config("cpu", 64, pv)
         got, got_lse = attention_from_quantized_triton(qq, pv=pv, config=cfg, return_lse=True, key_bias=bias,
-                                                       key_end=key_end, out_dtype=torch.float32)
+                                                       key_end=key_end, key_plain=plain, out_dtype=torch.float32)
         ref, ref_lse = reference.attention_from_quantized(qq, pv=pv, return_lse=True, p_tile=cfg.block_n,
                                                           key_bias=quant.key_mask_bias(
                                                               quant.mask_bias_base2(key_mask(mask, 70))))
@@ -601,7 +602,7 @@ else:
             mask[1, 3, :, : n // 2] = -8000.0
         else:
             mask = mask_variants(b, hq, n, 333)[kind]
-        bias, key_end, live = key_mask_operands(mask, b, hq, hkv, n)
+        bias, key_end, plain, live = key_mask_operands(mask, b, hq, hkv, n)
         raw = quant.mask_bias_base2(key_mask(mask, n))
         want = quant.key_mask_bias(raw)
         assert torch.equal(bias.isnan(), want.isnan())
@@ -612,6 +613,97 @@ else:
         want_live = quant.live_keys(raw, hkv).expand(b, hkv, n)
         assert torch.equal(live.flags.bool(), want_live)
         assert torch.equal(live.count, want_live.sum(-1).double().clamp_min(1).reshape(-1))
+        assert torch.equal(plain.bool(), plain_padding_rows(raw))
+
+    def plain_padding_rows(raw):
+        """What masks.key_mask_operands' `plain` means, from the spec's base-2 bias (Bm, Hm, Nk): every live key has
+        bias exactly 0 (NaN is not 0) and the live keys are exactly [0, key end)."""
+        alive = ~quant.dead_keys(raw)
+        idx = torch.arange(1, raw.shape[-1] + 1, dtype=torch.int32)
+        key_end = torch.where(alive, idx, 0).amax(-1)
+        return ((raw == 0) | ~alive).all(-1) & (alive.sum(-1) == key_end)
+
+    def flag_cases(b, hq, n, pad):
+        """Masks (B, Hq, Nk) with the plain flag each mask row should get (Bm, Hm)."""
+        cases = {name: (mask, True) for name, mask in mask_variants(b, hq, n, pad).items()
+                 if name not in ("per-head bool", "soft bias")}
+        cases["soft bias"] = (mask_variants(b, hq, n, pad)["soft bias"], False)
+        hole = torch.ones(1, hq, 1, n, dtype=torch.bool)
+        hole[:, 1, :, 5:9] = False  # dead keys before the end: the biased path
+        hole[:, 2, :, n - pad:] = False
+        cases["per-head hole"] = (hole, torch.tensor([[True, False, True, True]]))
+        nan = torch.zeros(b, 1, 1, n).masked_fill(torch.arange(n) >= n - pad, -math.inf)
+        nan[1, 0, 0, 3] = float("nan")
+        cases["nan"] = (nan, torch.tensor([[True], [False]]))
+        shifted = torch.full((b, 1, 1, n), 0.5).masked_fill(torch.arange(n) >= n - pad, -math.inf)
+        shifted[0] = 0.0  # a padding row; the other's live keys all carry 0.5 (softmax would not mind, the flag does)
+        cases["nonzero live bias"] = (shifted, torch.tensor([[True], [False]]))
+        dead = torch.ones(b, 1, 1, n, dtype=torch.bool)
+        dead[1] = False  # every key of batch 1 masked: its rows come out 0
+        cases["every key dead"] = (dead, torch.tensor([[True], [False]]))
+        swamped = torch.zeros(b, 1, 1, n)
+        swamped[0] = -torch.finfo(torch.float32).max  # every key at -finfo.max: all live, none 0
+        cases["every key -finfo.max"] = (swamped, torch.tensor([[False], [True]]))
+        return cases
+
+    @pytest.mark.parametrize("name", ["bool", "neg-inf fp16", "-finfo.max bf16 3d", "-finfo.max expanded",
+                                      "soft bias", "per-head hole", "nan", "nonzero live bias", "every key dead",
+                                      "every key -finfo.max"])
+    def test_plain_padding_flag_of_key_masks(name):
+        """key_mask_operands flags a mask row plain exactly where its live keys are a prefix with bias 0: padding
+        masks in any dtype or layout, not soft biases, holes, NaN, shifted live keys or rows without a live key."""
+        from comfyui_sage_rdna4.kernels.backends.triton.masks import key_mask_operands
+        from comfyui_sage_rdna4.kernels.call_spec import key_mask
+        b, hq, hkv, n = 2, 4, 2, 1100  # two blocks of the prep kernel
+        mask, want = flag_cases(b, hq, n, 150)[name]
+        plain = key_mask_operands(mask, b, hq, hkv, n).plain
+        assert plain.dtype == torch.int8
+        assert torch.equal(plain.bool(), torch.as_tensor(want).expand_as(plain)), plain
+        assert torch.equal(plain.bool(), plain_padding_rows(quant.mask_bias_base2(key_mask(mask, n))))
+
+    @pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")  # the row without a live key
+    @pytest.mark.parametrize("pv", ["fp8", "fp16"])
+    @pytest.mark.parametrize("causal", [False, True])
+    def test_plain_mask_rows_match_the_biased_path(pv, causal):
+        """A padding mask's plain rows (the unmasked loop up to the key end) give what the biased loop gives for the
+        same rows, within the spec's bound, and the spec itself; a row with no live key stays 0 with LSE -inf. The
+        plain loop reads no bias: a NaN bias changes nothing there."""
+        from comfyui_sage_rdna4.kernels.backends.triton.masks import key_mask_operands
+        from comfyui_sage_rdna4.kernels.call_spec import key_mask
+        b, hq, hkv, n = 2, 4, 2, 150
+        q, k, v = padded(b, hq, hkv, n, 64, 37)
+        keep = torch.ones(b, 1, 1, n, dtype=torch.bool)
+        keep[0, ..., n - 37:] = False
+        keep[1, ..., 40:] = False
+        mask = torch.zeros(b, 1, 1, n).masked_fill(~keep, -torch.finfo(torch.float32).max)
+        mask[1, ..., 3:] = -math.inf  # batch 1 keeps keys 0-2 only (plain too)
+        ops = key_mask_operands(mask, b, hq, hkv, n)
+        assert ops.plain.tolist() == [[1], [1]] and ops.key_end.tolist() == [[113], [3]]
+        raw = quant.mask_bias_base2(key_mask(mask, n))
+        qq = quant.quantize_qkv_torch(q, k, v, sm_scale=0.125, pv=pv, live=quant.live_keys(raw, hkv))
+        cfg = attention_config("cpu", 64, pv)
+        kw = dict(pv=pv, config=cfg, is_causal=causal, return_lse=True, out_dtype=torch.float32,
+                  key_end=ops.key_end)
+        plain, plain_lse = attention_from_quantized_triton(qq, key_bias=ops.bias, key_plain=ops.plain, **kw)
+        biased, biased_lse = attention_from_quantized_triton(qq, key_bias=ops.bias, **kw)
+        assert metrics.rel_l1(plain, biased) <= SPEC_REL_L1[pv], metrics.rel_l1(plain, biased)
+        torch.testing.assert_close(plain_lse, biased_lse, rtol=0, atol=1e-4)
+        ref, ref_lse = reference.attention_from_quantized(qq, pv=pv, return_lse=True, p_tile=cfg.block_n,
+                                                          is_causal=causal, key_bias=quant.key_mask_bias(raw))
+        assert metrics.rel_l1(plain, ref) <= SPEC_REL_L1[pv], metrics.rel_l1(plain, ref)
+        torch.testing.assert_close(plain_lse, ref_lse, rtol=0, atol=1e-4)
+        unread = attention_from_quantized_triton(qq, key_bias=torch.full_like(ops.bias, math.nan),
+                                                 key_plain=ops.plain, **kw)
+        assert torch.equal(unread[0], plain) and torch.equal(unread[1], plain_lse)
+        # No live key in batch 1 (every key -inf): not plain; its rows are 0 with LSE -inf on either path.
+        none = torch.zeros(b, 1, 1, n).masked_fill(~keep, -math.inf)
+        none[1] = -math.inf
+        ops = key_mask_operands(none, b, hq, hkv, n)
+        assert ops.plain.tolist() == [[1], [0]]
+        out, lse = attention_from_quantized_triton(qq, key_bias=ops.bias, key_plain=ops.plain,
+                                                   **dict(kw, key_end=ops.key_end))
+        assert not bool(out[1].any()) and bool((lse[1] == -math.inf).all())
+        assert torch.equal(out[0], plain[0]) and torch.equal(lse[0], plain_lse[0])
 
     # ---- small V through FP16 P.V: the V scale goes up as well as down (quant.fp16_v_scale)
     @pytest.mark.parametrize("dtype,magnitude", [

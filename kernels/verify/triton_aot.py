@@ -39,18 +39,27 @@ class KernelReport:
     pv_dots: int = 0        # FP8/FP16 dots (P.V) in the Triton IR
     pv_dots_fresh: int = 0  # of which start from a zero accumulator (the "split" form survived)
     loop_ops: Dict[str, int] = field(default_factory=dict)  # opcode counts of the key loop (most v_wmma)
+    # Opcode counts of each unmasked-tile key loop, in ISA order (`key_loops_ops`): a key-mask kernel has two.
+    loops: List[Dict[str, int]] = field(default_factory=list)
 
     @property
     def loop_non_wmma_per_wmma(self) -> Optional[float]:
         """Instructions of the key loop that are not v_wmma, per v_wmma (waits included, as the HIP check)."""
-        wmma = sum(n for op, n in self.loop_ops.items() if op.startswith("v_wmma"))
-        return (sum(self.loop_ops.values()) - wmma) / wmma if wmma else None
+        return non_wmma_per_wmma(self.loop_ops)
+
+    @property
+    def loops_non_wmma_per_wmma(self) -> List[Optional[float]]:
+        """`loop_non_wmma_per_wmma` of each of `loops`."""
+        return [non_wmma_per_wmma(ops) for ops in self.loops]
 
     def line(self) -> str:
         ops = ", ".join(f"{k}={v}" for k, v in self.isa_ops.items())
         fresh = f"; P.V dots from zero {self.pv_dots_fresh}/{self.pv_dots}" if self.pv_dots else ""
         ratio = self.loop_non_wmma_per_wmma
         loop = f"; key loop {ratio:.2f} non-WMMA per v_wmma" if ratio is not None else ""
+        if len(self.loops) > 1:
+            loop = "; key loops " + " / ".join(f"{r:.2f}" for r in self.loops_non_wmma_per_wmma if r is not None) \
+                + " non-WMMA per v_wmma"
         return (f"{self.arch} {self.label}: VGPRs {self.vgprs}, SGPRs {self.sgprs}, spills v{self.vgpr_spills}/"
                 f"s{self.sgpr_spills}, scratch {self.scratch_bytes} B, LDS {self.lds_bytes} B, "
                 f"occupancy {self.occupancy} waves/SIMD; {ops}{fresh}{loop}")
@@ -84,19 +93,46 @@ def pv_dots(ir: str):
     return total, fresh
 
 
-def key_loop_ops(asm: str) -> Dict[str, int]:
-    """Opcode counts of the basic block with the most v_wmma: the unmasked key loop of an attention kernel."""
-    blocks = re.split(r"\n(?=\.LBB\d+_\d+:)", asm)
-    loop = max(blocks, key=lambda b: b.count("v_wmma"))
+def non_wmma_per_wmma(ops: Dict[str, int]) -> Optional[float]:
+    """Instructions that are not v_wmma per v_wmma in one block's opcode counts, or None without a v_wmma."""
+    wmma = sum(n for op, n in ops.items() if op.startswith("v_wmma"))
+    return (sum(ops.values()) - wmma) / wmma if wmma else None
+
+
+def _blocks(asm: str) -> List[str]:
+    return re.split(r"\n(?=\.LBB\d+_\d+:)", asm)
+
+
+def _opcodes(block: str) -> Dict[str, int]:
     ops: Dict[str, int] = {}
-    if "v_wmma" not in loop:
-        return ops
-    for line in loop.splitlines():
+    for line in block.splitlines():
         text = line.strip()
         if text and not text.startswith((";", ".")) and not text.endswith(":"):
             op = text.split()[0]
             ops[op] = ops.get(op, 0) + 1
     return ops
+
+
+def key_loop_ops(asm: str) -> Dict[str, int]:
+    """Opcode counts of the basic block with the most v_wmma: the unmasked key loop of an attention kernel (the
+    first in the ISA where there are several)."""
+    loop = max(_blocks(asm), key=lambda b: b.count("v_wmma"))
+    return _opcodes(loop) if "v_wmma" in loop else {}
+
+
+def key_loops_ops(asm: str) -> List[Dict[str, int]]:
+    """Opcode counts of each block with the most v_wmma that branches back to its own label, in ISA order: the loops
+    over full key tiles (the masked tail's loop spans several blocks). A key-mask kernel has two: the plain padding
+    rows' (its then-branch, placed first) and the biased rows'."""
+    blocks = _blocks(asm)
+    most = max(b.count("v_wmma") for b in blocks)
+    loops = []
+    for block in blocks:
+        label = re.match(r"(\.LBB\d+_\d+):", block)
+        if most and block.count("v_wmma") == most and label and \
+                re.search(rf"\bs_c?branch\w*\s+{re.escape(label.group(1))}\b", block):
+            loops.append(_opcodes(block))
+    return loops
 
 
 def _report(kernel, label: str, arch: str) -> KernelReport:
@@ -110,7 +146,7 @@ def _report(kernel, label: str, arch: str) -> KernelReport:
         vgpr_spills=_meta_int(asm, "vgpr_spill_count"), sgpr_spills=_meta_int(asm, "sgpr_spill_count"),
         scratch_bytes=_meta_int(asm, "private_segment_fixed_size"),
         lds_bytes=int(kernel.metadata.shared), occupancy=int(occ.group(1)) if occ else None,
-        isa_ops=ops, pv_dots=dots, pv_dots_fresh=fresh, loop_ops=key_loop_ops(asm))
+        isa_ops=ops, pv_dots=dots, pv_dots_fresh=fresh, loop_ops=key_loop_ops(asm), loops=key_loops_ops(asm))
 
 
 def _compile(fn, signature: Dict[str, str], constexprs: Dict[str, object], arch: str, num_warps: int,
@@ -172,10 +208,10 @@ def _compile_attention(arch, head_dim, pv, config, *, is_causal=False, return_ls
     d_pad, dv_pad = padded_head_dim(head_dim), padded_head_dim(dv)
     v_ty = "*fp8e4nv" if pv == "fp8" else "*fp16"
     sig = {"Q8": "*i8", "QS": "*fp32", "K8": "*i8", "KS": "*fp32", "V": v_ty, "VS": "*fp32", "VM": "*fp32",
-           "O": f"*{out_dtype}", "LSE": "*fp32", "BIAS": "*fp32", "KEND": "*i32"}
+           "O": f"*{out_dtype}", "LSE": "*fp32", "BIAS": "*fp32", "KEND": "*i32", "PLAIN": "*i8"}
     # sks: k_scale's row stride, a multiple of 16 from the Triton prologue (pad_k_scale_rows)
     strides = ["sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "svd", "sob", "soh", "son", "sks",
-               "sbb", "sbh", "seb", "seh"]
+               "sbb", "sbh", "seb", "seh", "spb", "sph"]
     unit = "svn" if config.v_transposed else "svd"
     for s in strides:
         sig[s] = "constexpr" if s == unit else "i32"
@@ -185,7 +221,7 @@ def _compile_attention(arch, head_dim, pv, config, *, is_causal=False, return_ls
               "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "IS_CAUSAL": is_causal,
               "PV_FP8": pv == "fp8", "STORE_LSE": return_lse, "V_T": config.v_transposed, "EXACT_P_ROUND": False,
               "PV_ACC": ACC_MODES[config.pv_accumulate], "HAS_VMEAN": smooth_v,
-              "FOLD_Q_SCALE": config.fold_q_scale and not key_mask,
+              "FOLD_Q_SCALE": config.fold_q_scale,
               "FP8_CVT_ASM": config.fp8_cvt_asm and pv == "fp8", "CHECK_P": False, "HAS_BIAS": key_mask,
               "INTERPRETER": False}
     for k in consts:

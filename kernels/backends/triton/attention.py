@@ -12,7 +12,8 @@ FP16 P tops at 2**15 (the running max lowered by 15). Either way a matrix unit t
 drops no weight that counts (docs/MEASUREMENTS.md#one-p-grid-for-the-spec-and-the-kernels).
 Head dims are padded to a power of two inside the kernel (masked loads).
 Each program owns BLOCK_M query rows of one (batch, head); key tiles run in two stages: full tiles
-without masks, then the tail / causal-diagonal tiles with masks.
+without masks, then the tail / causal-diagonal tiles with masks. With a key-only mask each program takes one of two
+such loops: on a plain padding row (masks.py) the unmasked one up to the row's key end, else the one adding the bias.
 
 How P.V reaches the FP32 accumulator (PV_ACC, from the config's `pv_accumulate`): NVIDIA's FP8 MMA
 (Hopper, Ada) keeps ~13 mantissa bits in its accumulator, so adding each key tile's small product
@@ -100,17 +101,20 @@ def _shifted_max(row_max, EXACT_S: tl.constexpr):
 
 @triton.jit
 def _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base, start_n,
-              offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
+              offs_m, offs_n, offs_d, offs_dv, key_bound, skn, svn, svd,
               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
               PV_FP8: tl.constexpr, V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr, PV_ACC: tl.constexpr,
               FOLD_Q_SCALE: tl.constexpr, FP8_CVT_ASM: tl.constexpr, CHECK_P: tl.constexpr,
               HAS_BIAS: tl.constexpr):
+    """One key tile into the running softmax. MASKED tiles drop the keys at or past key_bound (Nk, or a plain
+    padding row's key end) and, with IS_CAUSAL, those right of each query row. FOLD_Q_SCALE must be off with
+    HAS_BIAS (the bias is added to whole scores)."""
     cols = start_n + offs_n
     k_ptrs = k_base + cols[:, None] * skn + offs_d[None, :]
     if MASKED:
-        k = tl.load(k_ptrs, mask=(cols[:, None] < Nk) & (offs_d[None, :] < HEAD_DIM), other=0)
-        ks = tl.load(ks_base + cols, mask=cols < Nk, other=0.0)
+        k = tl.load(k_ptrs, mask=(cols[:, None] < key_bound) & (offs_d[None, :] < HEAD_DIM), other=0)
+        ks = tl.load(ks_base + cols, mask=cols < key_bound, other=0.0)
     elif HEAD_DIM == D_PAD:
         k = tl.load(k_ptrs)
         ks = tl.load(ks_base + cols)
@@ -125,7 +129,7 @@ def _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_ba
         # A key-only mask's base-2 bias, one value per key, added to whole scores (FOLD_Q_SCALE is off): the row
         # scale and the bias in one FMA per score.
         if MASKED:
-            bias = tl.load(bias_base + cols, mask=cols < Nk, other=float("-inf"))
+            bias = tl.load(bias_base + cols, mask=cols < key_bound, other=float("-inf"))
         else:
             bias = tl.load(bias_base + cols)
         s = (tl.dot(q, tl.trans(k)).to(tl.float32) * ks[None, :]) * q_scale[:, None] + bias[None, :]
@@ -134,7 +138,7 @@ def _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_ba
     else:
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * (q_scale[:, None] * ks[None, :])
     if MASKED:
-        keep = cols[None, :] < Nk
+        keep = cols[None, :] < key_bound
         if IS_CAUSAL:
             keep = keep & (cols[None, :] <= offs_m[:, None])
         s = tl.where(keep, s, float("-inf"))
@@ -164,14 +168,14 @@ def _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_ba
     if V_T:
         vt_ptrs = v_base + offs_dv[:, None] * svd + cols[None, :] * svn
         if MASKED or DV != DV_PAD:
-            vt = tl.load(vt_ptrs, mask=(cols[None, :] < Nk) & (offs_dv[:, None] < DV), other=0.0)
+            vt = tl.load(vt_ptrs, mask=(cols[None, :] < key_bound) & (offs_dv[:, None] < DV), other=0.0)
         else:
             vt = tl.load(vt_ptrs)
         v = tl.trans(vt)
     else:
         v_ptrs = v_base + cols[:, None] * svn + offs_dv[None, :] * svd
         if MASKED or DV != DV_PAD:
-            v = tl.load(v_ptrs, mask=(cols[:, None] < Nk) & (offs_dv[None, :] < DV), other=0.0)
+            v = tl.load(v_ptrs, mask=(cols[:, None] < key_bound) & (offs_dv[None, :] < DV), other=0.0)
         else:
             v = tl.load(v_ptrs)
     if PV_FP8:
@@ -197,7 +201,7 @@ def _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_ba
 
 @triton.jit
 def _key_tiles(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base, lo, hi,
-               offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
+               offs_m, offs_n, offs_d, offs_dv, key_bound, skn, svn, svd,
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
                PV_FP8: tl.constexpr, V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr,
@@ -208,7 +212,7 @@ def _key_tiles(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_b
         start_n = lo
         while start_n < hi:
             acc, l_i, m_i, m_run = _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base,
-                                             start_n, offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
+                                             start_n, offs_m, offs_n, offs_d, offs_dv, key_bound, skn, svn, svd,
                                              HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, MASKED, IS_CAUSAL, PV_FP8, V_T,
                                              EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P, HAS_BIAS)
             start_n += BLOCK_N
@@ -216,15 +220,38 @@ def _key_tiles(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_b
         # A for loop, so the software pipeliner can overlap loads with compute (num_stages > 1).
         for start_n in range(lo, hi, BLOCK_N):
             acc, l_i, m_i, m_run = _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base,
-                                             start_n, offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
+                                             start_n, offs_m, offs_n, offs_d, offs_dv, key_bound, skn, svn, svd,
                                              HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, MASKED, IS_CAUSAL, PV_FP8, V_T,
                                              EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P, HAS_BIAS)
     return acc, l_i, m_i, m_run
 
 
+@triton.jit
+def _key_range(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base, full_end, hi,
+               offs_m, offs_n, offs_d, offs_dv, key_bound, skn, svn, svd,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+               BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+               PV_FP8: tl.constexpr, V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr,
+               PV_ACC: tl.constexpr, FOLD_Q_SCALE: tl.constexpr, FP8_CVT_ASM: tl.constexpr,
+               CHECK_P: tl.constexpr, HAS_BIAS: tl.constexpr, WHILE_LOOP: tl.constexpr):
+    """The keys [0, hi) of one program: the full tiles below full_end without masks, then the rest masked at
+    key_bound."""
+    acc, l_i, m_i, m_run = _key_tiles(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base, 0, full_end,
+                                      offs_m, offs_n, offs_d, offs_dv, key_bound, skn, svn, svd,
+                                      HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, False, IS_CAUSAL, PV_FP8, V_T,
+                                      EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P, HAS_BIAS,
+                                      WHILE_LOOP)
+    acc, l_i, m_i, m_run = _key_tiles(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base,
+                                      full_end, hi, offs_m, offs_n, offs_d, offs_dv, key_bound, skn, svn, svd,
+                                      HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, True, IS_CAUSAL, PV_FP8, V_T,
+                                      EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P, HAS_BIAS,
+                                      WHILE_LOOP)
+    return acc, l_i, m_i, m_run
+
+
 @triton.jit(do_not_specialize=SIZE_ARGS)
-def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE, BIAS, KEND,
-                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, svd, sob, soh, son, sks, sbb, sbh, seb, seh,
+def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE, BIAS, KEND, PLAIN,
+                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, svd, sob, soh, son, sks, sbb, sbh, seb, seh, spb, sph,
                    Hq, Hkv, Nq, Nk,
                    KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                    DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -274,17 +301,25 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE, BIAS, KEND,
         key_end = tl.load(KEND + b64 * seb + h64 * seh)
         hi = tl.minimum(hi, key_end)
         full_end = tl.minimum(full_end, (key_end // BLOCK_N) * BLOCK_N)
-    acc, l_i, m_i, m_run = _key_tiles(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base, 0, full_end,
-                                      offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
-                                      HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, False, IS_CAUSAL, PV_FP8, V_T,
-                                      EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P, HAS_BIAS,
-                                      INTERPRETER)
-    acc, l_i, m_i, m_run = _key_tiles(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base,
-                                      full_end, hi,
-                                      offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
-                                      HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, True, IS_CAUSAL, PV_FP8, V_T,
-                                      EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P, HAS_BIAS,
-                                      INTERPRETER)
+        if tl.load(PLAIN + b64 * spb + h64 * sph) != 0:
+            # Plain padding (every key before key_end live with bias 0): the unmasked loop, its tail cut at key_end.
+            # Key 0 is live, so the first tile gives every query row a finite max, as in an unmasked call.
+            acc, l_i, m_i, m_run = _key_range(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base,
+                                              full_end, hi, offs_m, offs_n, offs_d, offs_dv, key_end, skn, svn, svd,
+                                              HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, IS_CAUSAL, PV_FP8, V_T,
+                                              EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P, 0,
+                                              INTERPRETER)
+        else:
+            acc, l_i, m_i, m_run = _key_range(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base,
+                                              full_end, hi, offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
+                                              HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, IS_CAUSAL, PV_FP8, V_T,
+                                              EXACT_P_ROUND, PV_ACC, False, FP8_CVT_ASM, CHECK_P, HAS_BIAS,
+                                              INTERPRETER)
+    else:
+        acc, l_i, m_i, m_run = _key_range(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base,
+                                          full_end, hi, offs_m, offs_n, offs_d, offs_dv, Nk, skn, svn, svd,
+                                          HEAD_DIM, D_PAD, DV, DV_PAD, BLOCK_N, IS_CAUSAL, PV_FP8, V_T,
+                                          EXACT_P_ROUND, PV_ACC, FOLD_Q_SCALE, FP8_CVT_ASM, CHECK_P, 0, INTERPRETER)
 
     v_scale = tl.load(VS + (b64 * Hkv + hk64) * DV + offs_dv, mask=offs_dv < DV, other=0.0)
     inv_l = 1.0 / l_i
@@ -315,12 +350,14 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE, BIAS, KEND,
 def attention_launch(b: int, hq: int, nq: int, d: int, hkv: int, dv: int, config: AttentionConfig, pv: str,
                      is_causal: bool, return_lse: bool, v_t: bool, has_vmean: bool, has_bias: int = 0):
     """(grid, constexprs and launch options) of `_sage_attn_fwd` for one signature: computed once per signature.
-    `has_bias`: 0 no mask, 1 a key-only bias added, 2 added and its -inf keys set to -inf (a bool mask)."""
+    `has_bias`: 0 no mask, 1 a key-only bias added, 2 added and its -inf keys set to -inf (a bool mask).
+    FOLD_Q_SCALE is the form of the tiles without a bias (unmasked calls, plain padding rows); biased tiles never
+    fold."""
     grid = (ceil_div(nq, config.block_m), b * hq)
     meta = dict(KV_GROUP=hq // hkv, HEAD_DIM=d, D_PAD=padded_head_dim(d), DV=dv, DV_PAD=padded_head_dim(dv),
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_CAUSAL=is_causal, PV_FP8=pv == "fp8",
                 STORE_LSE=return_lse, V_T=v_t, EXACT_P_ROUND=INTERPRETED, PV_ACC=ACC_MODES[config.pv_accumulate],
-                HAS_VMEAN=has_vmean, FOLD_Q_SCALE=config.fold_q_scale and not has_bias, HAS_BIAS=has_bias,
+                HAS_VMEAN=has_vmean, FOLD_Q_SCALE=config.fold_q_scale, HAS_BIAS=has_bias,
                 FP8_CVT_ASM=config.fp8_cvt_asm and pv == "fp8" and ASM_CONVERSION, CHECK_P=CHECK_P_RANGE,
                 INTERPRETER=INTERPRETED, num_warps=config.num_warps, num_stages=config.num_stages)
     return grid, meta
@@ -362,19 +399,49 @@ def _scale_row_stride(scales: torch.Tensor) -> Optional[int]:
     return s0 if b > 1 else ceil_div(n, 16) * 16
 
 
+def _broadcast_strides(t: torch.Tensor):
+    """(batch, head) strides of a (1 or B, 1 or H, ...) operand: 0 where it broadcasts."""
+    return tuple(0 if t.shape[i] == 1 else t.stride(i) for i in (0, 1))
+
+
+def _key_mask_args(key_bias, key_end, key_plain, b: int, hq: int, nk: int):
+    """Validated key-mask operands with their (batch, head) strides: (bias strides, key_end, its strides, key_plain,
+    its strides). A missing key_end is Nk (nothing skipped), a missing key_plain 0 (every row biased)."""
+    if key_bias.dim() != 3 or key_bias.dtype != torch.float32 or key_bias.shape[-1] != nk or \
+            (nk > 1 and key_bias.stride(-1) != 1) or key_bias.shape[0] not in (1, b) or \
+            key_bias.shape[1] not in (1, hq):
+        raise ValueError(f"key_bias must be FP32 (1 or B, 1 or Hq, Nk) with unit-stride keys, got "
+                         f"{tuple(key_bias.shape)} {key_bias.dtype} strides {key_bias.stride()}")
+    device = key_bias.device
+    if key_end is None:
+        key_end = torch.full((1, 1), nk, dtype=torch.int32, device=device)
+    if key_plain is None:
+        key_plain = torch.zeros((1, 1), dtype=torch.int8, device=device)
+    for name, t, dtype in (("key_end", key_end, torch.int32), ("key_plain", key_plain, torch.int8)):
+        if t.dtype != dtype or t.dim() != 2 or any(t.shape[i] not in (1, key_bias.shape[i]) for i in (0, 1)):
+            raise ValueError(f"{name} must be {str(dtype).split('.')[1]} (1 or B, 1 or Hq) as key_bias's, got "
+                             f"{tuple(t.shape)} {t.dtype}")
+    return _broadcast_strides(key_bias), key_end, _broadcast_strides(key_end), key_plain, \
+        _broadcast_strides(key_plain)
+
+
 def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: AttentionConfig,
                                     is_causal: bool = False, return_lse: bool = False,
                                     out_dtype: torch.dtype = torch.float16,
                                     out: Optional[torch.Tensor] = None,
                                     key_bias: Optional[torch.Tensor] = None,
-                                    key_end: Optional[torch.Tensor] = None, key_fill: bool = False):
+                                    key_end: Optional[torch.Tensor] = None, key_fill: bool = False,
+                                    key_plain: Optional[torch.Tensor] = None):
     """Attention on a prologue's output. Returns (out (B, Hq, Nq, Dv) in out_dtype, LSE of the
     smoothed scores (B, Hq, Nq) fp32 or None). The caller adds the smooth_k term to the LSE.
     A `qq.v_mean` (smooth_v) is added back to the output; the LSE does not depend on it.
     `key_bias`: a key-only mask as FP32 base-2 bias (quant.mask_bias_base2) broadcasting to (B, Hq, Nk), its
     last dim unit-stride; it is added to every query row's scores. `key_end` (int32, key_bias's (1 or B, 1 or Hq)):
     the keys from there on are dead (bias -inf) and skipped; None: none is skipped. `key_fill` (a bool mask's
-    bias): its -inf keys get score -inf whatever q.k is, as a bool mask selects."""
+    bias): its -inf keys get score -inf whatever q.k is, as a bool mask selects. `key_plain` (int8, key_end's
+    (1 or B, 1 or Hq)): nonzero on mask rows that are plain padding, i.e. every key before key_end live with bias
+    exactly 0 and every key from key_end on dead (masks.key_mask_operands computes it); such rows run the unmasked
+    key loop over [0, key_end) and read no bias. None: no row is plain (every row adds its bias)."""
     if pv not in ("fp8", "fp16"):
         raise ValueError(f"pv must be 'fp8' or 'fp16', got {pv!r}")
     q8, k8, v = qq.q8, qq.k8, qq.v
@@ -400,31 +467,21 @@ def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: 
         raise ValueError("v_mean must be a contiguous FP32 (B, Hkv, Dv) tensor")
     has_bias = 0 if key_bias is None else (2 if key_fill else 1)
     if has_bias:
-        if key_bias.dim() != 3 or key_bias.dtype != torch.float32 or key_bias.shape[-1] != nk or \
-                (nk > 1 and key_bias.stride(-1) != 1) or key_bias.shape[0] not in (1, b) or \
-                key_bias.shape[1] not in (1, hq):
-            raise ValueError(f"key_bias must be FP32 (1 or B, 1 or Hq, Nk) with unit-stride keys, got "
-                             f"{tuple(key_bias.shape)} {key_bias.dtype} strides {key_bias.stride()}")
-        bias_strides = tuple(0 if key_bias.shape[i] == 1 else key_bias.stride(i) for i in (0, 1))
-        if key_end is None:
-            key_end = torch.full((1, 1), nk, dtype=torch.int32, device=q8.device)
-        if key_end.dtype != torch.int32 or key_end.dim() != 2 or \
-                any(key_end.shape[i] not in (1, key_bias.shape[i]) for i in (0, 1)):
-            raise ValueError(f"key_end must be int32 (1 or B, 1 or Hq), got {tuple(key_end.shape)} {key_end.dtype}")
-        end_strides = tuple(0 if key_end.shape[i] == 1 else key_end.stride(i) for i in (0, 1))
+        bias_strides, key_end, end_strides, key_plain, plain_strides = _key_mask_args(key_bias, key_end, key_plain,
+                                                                                      b, hq, nk)
     else:
-        bias_strides = end_strides = (0, 0)
+        bias_strides = end_strides = plain_strides = (0, 0)
     grid, meta = attention_launch(b, hq, nq, d, hkv, dv, config, pv, bool(is_causal), bool(return_lse), v_t,
                                   has_vmean, has_bias)
     o_strides = out.stride()
     tensors = (q8, qq.q_scale, k8, qq.k_scale, v, qq.v_scale, qq.v_mean if has_vmean else qq.v_scale, out,
                lse if return_lse else qq.q_scale, key_bias if has_bias else qq.q_scale,
-               key_end if has_bias else qq.q_scale)
+               key_end if has_bias else qq.q_scale, key_plain if has_bias else qq.q_scale)
     # Triton specializes on each tensor's dtype and alignment and on the strides (the sizes are in the plan).
     key = (tuple(tensor_key(t) for t in tensors), q_strides, k_strides, v_strides, o_strides, ks_row, bias_strides,
-           end_strides)
+           end_strides, plain_strides)
     args = (*tensors, *q_strides[:3], *k_strides[:3], *v_strides, *o_strides[:3], ks_row, *bias_strides,
-            *end_strides, hq, hkv, nq, nk)
+            *end_strides, *plain_strides, hq, hkv, nq, nk)
     signature = (b, hq, nq, d, hkv, dv)
     flags = (pv, bool(is_causal), bool(return_lse), v_t, has_vmean, has_bias)
     _launch_attention(grid, args, meta, key, lambda: attention_launch(

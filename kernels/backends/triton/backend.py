@@ -136,14 +136,14 @@ class TritonBackend(Backend):
     def launch(self, q, k, v, call, sm_scale, attn_mask):
         prologue, attention = _kernel_modules()
         cfg = attention_config(call.arch, max(call.head_dim, call.v_head_dim), self.pv)
-        bias = key_end = live = None
+        bias = key_end = plain = live = None
         if attn_mask is not None:
             if mask_scope(attn_mask) != "keys":  # a plan keyed without the mask's strides must not reach row 0 only
                 raise ValueError(f"a mask {tuple(attn_mask.shape)} that differs between query rows reached the "
                                  "Triton kernels, which take key-only masks")
             # Key-only (refuse): one FP32 base-2 bias per (batch or 1, head or 1, key), and the keys it leaves live.
-            bias, key_end, live = masks_module().key_mask_operands(attn_mask, call.batch, call.q_heads,
-                                                                   call.kv_heads, call.kv_len)
+            bias, key_end, plain, live = masks_module().key_mask_operands(attn_mask, call.batch, call.q_heads,
+                                                                          call.kv_heads, call.kv_len)
         if call.prologue == "hip":
             qq = _hip_prologue()[1](q, k, v, sm_scale=sm_scale, smooth_k=call.smooth_k, pv=self.pv,
                                     qk_group=call.qk_group, smooth_v=call.smooth_v, live=live)
@@ -164,7 +164,7 @@ class TritonBackend(Backend):
             out = torch.empty((b, nq, hq, call.v_head_dim), dtype=q.dtype, device=q.device).transpose(1, 2)
         out, lse = split_launches(attention.attention_from_quantized_triton, qq, pv=self.pv, config=cfg,
                                   is_causal=call.is_causal, return_lse=call.return_lse, out_dtype=q.dtype, out=out,
-                                  key_bias=bias, key_end=key_end,
+                                  key_bias=bias, key_end=key_end, key_plain=plain,
                                   key_fill=attn_mask is not None and attn_mask.dtype == torch.bool)
         if lse is not None and qq.k_mean is not None:
             lse += lse_smooth_term(q, qq.k_mean, sm_scale)
@@ -172,7 +172,7 @@ class TritonBackend(Backend):
 
 
 def split_launches(attend, qq, *, pv, config, is_causal, return_lse, out_dtype, out, key_bias=None, key_end=None,
-                   key_fill=False):
+                   key_fill=False, key_plain=None):
     """`attend` (attention_from_quantized_triton) as one launch, or, above the device's work bound, once per
     piece of kernels/launch_split.py on views of the same tensors (each output element computed as in one launch;
     the LSE pieces are copied into one tensor)."""
@@ -183,21 +183,26 @@ def split_launches(attend, qq, *, pv, config, is_causal, return_lse, out_dtype, 
     kw = dict(pv=pv, config=config, is_causal=is_causal, return_lse=return_lse, out_dtype=out_dtype,
               key_fill=key_fill)
     if len(pieces) == 1:
-        return attend(qq, out=out, key_bias=key_bias, key_end=key_end, **kw)
+        return attend(qq, out=out, key_bias=key_bias, key_end=key_end, key_plain=key_plain, **kw)
     if out is None:
         out = torch.empty((b, hq, nq, dv), dtype=out_dtype, device=qq.q8.device)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=qq.q8.device) if return_lse else None
     for pc in pieces:
         rows = (slice(pc.b0, pc.b1), slice(pc.h0, pc.h1), slice(pc.n0, pc.n1))
-        bias = end = None
-        if key_bias is not None:  # the piece's batch and head ranges, where the bias has them
-            bias, end = (t[pc.b0:pc.b1] if t.shape[0] > 1 else t for t in (key_bias, key_end))
-            bias, end = (t[:, pc.h0:pc.h1] if t.shape[1] > 1 else t for t in (bias, end))
+        bias, end, plain = (_piece_rows(t, pc) for t in (key_bias, key_end, key_plain))
         _, part_lse = attend(launch_split.quantized_piece(qq, pc, hq // hkv), out=out[rows], key_bias=bias,
-                             key_end=end, **kw)
+                             key_end=end, key_plain=plain, **kw)
         if lse is not None:
             lse[rows] = part_lse
     return out, lse
+
+
+def _piece_rows(t: Optional[torch.Tensor], pc) -> Optional[torch.Tensor]:
+    """A key-mask operand (1 or B, 1 or Hq, ...) for one piece: its batch and head ranges, where it has them."""
+    if t is None:
+        return None
+    t = t[pc.b0:pc.b1] if t.shape[0] > 1 else t
+    return t[:, pc.h0:pc.h1] if t.shape[1] > 1 else t
 
 
 _modules = None

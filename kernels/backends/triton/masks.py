@@ -1,6 +1,7 @@
 """A key-only mask's operands for the Triton kernels, in one launch: the FP32 base-2 bias the attention adds per key
 (`quant.key_mask_bias`: -inf on dead keys), the end of each mask row's last live key (the attention stops there),
-and the live keys with their count per (batch, kv head) that the prologue's statistics take (`quant.live_keys`).
+whether the row is plain padding (the attention then runs the unmasked key loop up to that end), and the live keys
+with their count per (batch, kv head) that the prologue's statistics take (`quant.live_keys`).
 The same values as the torch spec, bit for bit; done in torch they were about a dozen small launches per call.
 """
 from __future__ import annotations
@@ -19,6 +20,16 @@ PREP_BLOCK = 1024
 _FP32_MAX = tl.constexpr(quant.FP32_MAX)
 _LOG2E = tl.constexpr(quant.LOG2E)
 _DEAD_KEY_RANGE = tl.constexpr(quant.DEAD_KEY_RANGE)
+
+
+class KeyMaskOperands(NamedTuple):
+    """`key_mask_operands`' result: bias (Bm, Hm, Nk) FP32 contiguous, key_end (Bm, Hm) int32, plain (Bm, Hm) int8
+    (1 where every key before key_end is live with bias exactly 0: the dead keys are a suffix, a padding mask's
+    row) and the prologue's LiveKeys."""
+    bias: torch.Tensor
+    key_end: torch.Tensor
+    plain: torch.Tensor
+    live: "LiveKeys"
 
 
 class LiveKeys(NamedTuple):
@@ -46,11 +57,12 @@ def _bias(m, IS_BOOL: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["Bm", "Hm", "Hkv", "Nk"])
-def _key_mask_prep(M, BIAS, KEND, LIVE, COUNT, smb, smh, smn, sbb, sbh, Bm, Hm, Hkv, Nk,
+def _key_mask_prep(M, BIAS, KEND, PLAIN, LIVE, COUNT, smb, smh, smn, sbb, sbh, Bm, Hm, Hkv, Nk,
                    GROUP: tl.constexpr, PER_HEAD: tl.constexpr, IS_BOOL: tl.constexpr, BLOCK: tl.constexpr):
     """One program per (batch, kv head): for each mask head its kv head sees (GROUP of them with a mask per q head,
     else the one), the largest bias, then the bias (stored once per mask row) and the live flags (OR over the
-    heads), then the live count. KEND (Bm, Hm) int32: 1 + the last key of the mask row that is not dead."""
+    heads), then the live count. KEND (Bm, Hm) int32: 1 + the last key of the mask row that is not dead; PLAIN
+    (Bm, Hm) int8: 1 where the row's live keys are exactly [0, KEND) and all have bias 0 (NaN is not 0)."""
     pid = tl.program_id(0)
     b = pid // Hkv
     hk = pid % Hkv
@@ -78,6 +90,8 @@ def _key_mask_prep(M, BIAS, KEND, LIVE, COUNT, smb, smh, smn, sbb, sbh, Bm, Hm, 
             n0 += BLOCK
         n0 = 0
         end = tl.zeros([BLOCK], dtype=tl.int32)
+        n_live = tl.zeros([BLOCK], dtype=tl.int32)
+        biased = tl.zeros([BLOCK], dtype=tl.int32)  # live keys whose bias is not exactly 0
         while n0 < Nk:
             n = n0 + offs
             x = _bias(tl.load(m_row + n * smn, mask=n < Nk, other=0), IS_BOOL)
@@ -85,11 +99,18 @@ def _key_mask_prep(M, BIAS, KEND, LIVE, COUNT, smb, smh, smn, sbb, sbh, Bm, Hm, 
             tl.store(BIAS + bm * sbb + hm * sbh + n, tl.where(dead, float("-inf"), x), mask=(n < Nk) & writer)
             end = tl.maximum(end, tl.where(dead | (n >= Nk), 0, n + 1))
             live = dead == 0
+            row_live = live & (n < Nk)
+            n_live += row_live.to(tl.int32)
+            biased = tl.maximum(biased, (row_live & (x != 0)).to(tl.int32))  # NaN != 0: biased
             if j > 0:
                 live = live | (tl.load(live_row + n, mask=n < Nk, other=0) != 0)
             tl.store(live_row + n, live.to(tl.int8), mask=n < Nk)
             n0 += BLOCK
-        tl.store(KEND + bm * Hm + hm, tl.max(end, 0), mask=writer)
+        key_end = tl.max(end, 0)
+        # Plain padding: no live key carries a bias and none is dead before the end (live count == end).
+        plain = (tl.max(biased, 0) == 0) & (tl.sum(n_live, 0) == key_end)
+        tl.store(KEND + bm * Hm + hm, key_end, mask=writer)
+        tl.store(PLAIN + bm * Hm + hm, plain.to(tl.int8), mask=writer)
     total = tl.zeros([BLOCK], dtype=tl.int32)
     n0 = 0
     while n0 < Nk:
@@ -102,9 +123,8 @@ def _key_mask_prep(M, BIAS, KEND, LIVE, COUNT, smb, smh, smn, sbb, sbh, Bm, Hm, 
 _META = {}
 
 
-def key_mask_operands(attn_mask: torch.Tensor, b: int, hq: int, hkv: int, nk: int):
-    """(bias (Bm, Hm, Nk) FP32 contiguous, key end (Bm, Hm) int32, LiveKeys with flags (B, Hkv, Nk)) of a key-only
-    mask, in one launch."""
+def key_mask_operands(attn_mask: torch.Tensor, b: int, hq: int, hkv: int, nk: int) -> KeyMaskOperands:
+    """A key-only mask's KeyMaskOperands (LiveKeys' flags (B, Hkv, Nk)), in one launch."""
     m = key_mask(attn_mask, nk)
     bm, hm = m.shape[0], m.shape[1]
     is_bool = m.dtype == torch.bool
@@ -113,6 +133,7 @@ def key_mask_operands(attn_mask: torch.Tensor, b: int, hq: int, hkv: int, nk: in
     dev = m.device
     bias = torch.empty((bm, hm, nk), dtype=torch.float32, device=dev)
     key_end = torch.empty((bm, hm), dtype=torch.int32, device=dev)
+    plain = torch.empty((bm, hm), dtype=torch.int8, device=dev)
     flags = torch.empty((b, hkv, nk), dtype=torch.int8, device=dev)
     count = torch.empty((b * hkv,), dtype=torch.float64, device=dev)
     per_head = hm > 1
@@ -125,5 +146,5 @@ def key_mask_operands(attn_mask: torch.Tensor, b: int, hq: int, hkv: int, nk: in
     strides = (m.stride(0) if bm > 1 else 0, m.stride(1) if hm > 1 else 0, m.stride(2) if nk > 1 else 0)
     args = (*strides, bias.stride(0), bias.stride(1), bm, hm, hkv, nk)
     # Triton specializes the integers by value class: the values themselves are the key.
-    launch(_key_mask_prep, (b * hkv,), (m, bias, key_end, flags, count, *args), meta, (tensor_key(m), args))
-    return bias, key_end, LiveKeys(flags, count)
+    launch(_key_mask_prep, (b * hkv,), (m, bias, key_end, plain, flags, count, *args), meta, (tensor_key(m), args))
+    return KeyMaskOperands(bias, key_end, plain, LiveKeys(flags, count))
