@@ -661,10 +661,19 @@ else:
         assert torch.equal(plain.bool(), torch.as_tensor(want).expand_as(plain)), plain
         assert torch.equal(plain.bool(), plain_padding_rows(quant.mask_bias_base2(key_mask(mask, n))))
 
+    @pytest.fixture
+    def plain_mask_rows(monkeypatch):
+        """attention.PLAIN_MASK_ROWS on for one test (off as shipped until a GPU shows it pays)."""
+        from comfyui_sage_rdna4.kernels.backends.triton import attention as ta
+        monkeypatch.setattr(ta, "PLAIN_MASK_ROWS", True)
+        ta.attention_launch.cache_clear()
+        yield
+        ta.attention_launch.cache_clear()
+
     @pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")  # the row without a live key
     @pytest.mark.parametrize("pv", ["fp8", "fp16"])
     @pytest.mark.parametrize("causal", [False, True])
-    def test_plain_mask_rows_match_the_biased_path(pv, causal):
+    def test_plain_mask_rows_match_the_biased_path(pv, causal, plain_mask_rows):
         """A padding mask's plain rows (the unmasked loop up to the key end) give what the biased loop gives for the
         same rows, within the spec's bound, and the spec itself; a row with no live key stays 0 with LSE -inf. The
         plain loop reads no bias: a NaN bias changes nothing there."""
@@ -695,6 +704,14 @@ else:
         unread = attention_from_quantized_triton(qq, key_bias=torch.full_like(ops.bias, math.nan),
                                                  key_plain=ops.plain, **kw)
         assert torch.equal(unread[0], plain) and torch.equal(unread[1], plain_lse)
+        from comfyui_sage_rdna4.kernels.backends.triton import attention as ta
+        ta.PLAIN_MASK_ROWS = False  # as shipped: the flag is not read, every row adds its (here NaN) bias
+        ta.attention_launch.cache_clear()
+        read = attention_from_quantized_triton(qq, key_bias=torch.full_like(ops.bias, math.nan), key_plain=ops.plain,
+                                               **kw)
+        assert bool(read[0].isnan().any())  # the NaN bias was read
+        ta.PLAIN_MASK_ROWS = True
+        ta.attention_launch.cache_clear()
         # No live key in batch 1 (every key -inf): not plain; its rows are 0 with LSE -inf on either path.
         none = torch.zeros(b, 1, 1, n).masked_fill(~keep, -math.inf)
         none[1] = -math.inf

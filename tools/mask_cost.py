@@ -5,9 +5,10 @@
 Shapes are HunyuanVideo-like self-attention (B1, H24, D128, bf16): image tokens plus 256 text tokens, the last
 `--pad` of them padding. Per backend, in turn within each repeat (so clock drift hits all alike): no mask; an
 additive bf16 mask (1, 1, N) with -finfo.max on the padding (HunyuanVideo's, after ComfyUI's unsqueeze); a bool
-mask (1, 1, 1, N); and SDPA with the additive mask (what the call ran on before). Device time by CUDA events,
-median of the repeats; the ratio masked / unmasked is the figure (target: within 1.05). Also the time of the
-mask's preparation alone (its one launch), and each output's rel L1 against SDPA with the same mask.
+mask (1, 1, 1, N); both masks again with attention.PLAIN_MASK_ROWS on (their plain padding rows take the unmasked key
+loop: the setting this tool decides); and SDPA with the additive mask (what the call ran on before). Device time by
+CUDA events, median of the repeats; the ratio masked / unmasked is the figure (target: within 1.05). Also the time of
+the mask's preparation alone (its one launch), and each output's rel L1 against SDPA with the same mask.
 Writes JSON to --json, or to $OUT/mask_cost.json where $OUT is set."""
 import argparse
 import json
@@ -44,6 +45,19 @@ def main(argv=None) -> int:
     from importlib import import_module
     api = import_module(f"{pack.__name__}.kernels.api")
     masks = import_module(f"{pack.__name__}.kernels.backends.triton.masks")
+    attention = import_module(f"{pack.__name__}.kernels.backends.triton.attention")
+
+    def with_plain_rows(fn):
+        """fn with attention.PLAIN_MASK_ROWS on (plain padding rows take the unmasked loop), as shipped after it."""
+        def run():
+            attention.PLAIN_MASK_ROWS = True
+            attention.attention_launch.cache_clear()
+            try:
+                return fn()
+            finally:
+                attention.PLAIN_MASK_ROWS = False
+                attention.attention_launch.cache_clear()
+        return run
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="hunyuan_544p,hunyuan_720p")
@@ -89,6 +103,8 @@ def main(argv=None) -> int:
                 "bool": lambda: api.sage_attention(q, k, v, kernel=backend, attn_mask=keep),
                 "sdpa_additive": sdpa,
             }
+            calls["additive_plain_rows"] = with_plain_rows(calls["additive"])
+            calls["bool_plain_rows"] = with_plain_rows(calls["bool"])
             accuracy = {label: rel_l1(fn(), want) for label, fn in calls.items() if label != "unmasked"}
             times = {label: [] for label in calls}
             for _ in range(2):  # warm-up: compiles, self-checks, workspaces
@@ -104,12 +120,17 @@ def main(argv=None) -> int:
                 "additive_vs_unmasked": med["additive"] / med["unmasked"],
                 "bool_vs_unmasked": med["bool"] / med["unmasked"],
                 "additive_vs_sdpa": med["additive"] / med["sdpa_additive"],
+                "additive_plain_rows_vs_unmasked": med["additive_plain_rows"] / med["unmasked"],
+                "bool_plain_rows_vs_unmasked": med["bool_plain_rows"] / med["unmasked"],
                 "rel_l1_vs_sdpa": accuracy,
             }
             print(f"{name} N{n} {backend}: unmasked {med['unmasked']:.1f} us, additive {med['additive']:.1f} "
                   f"(x{med['additive'] / med['unmasked']:.3f}), bool {med['bool']:.1f} "
-                  f"(x{med['bool'] / med['unmasked']:.3f}), SDPA masked {med['sdpa_additive']:.1f}; rel L1 vs SDPA "
-                  f"{accuracy['additive']:.4f}")
+                  f"(x{med['bool'] / med['unmasked']:.3f}), with plain rows: additive "
+                  f"x{med['additive_plain_rows'] / med['unmasked']:.3f}, "
+                  f"bool x{med['bool_plain_rows'] / med['unmasked']:.3f}; "
+                  f"SDPA masked {med['sdpa_additive']:.1f}; rel L1 vs SDPA {accuracy['additive']:.4f} "
+                  f"(plain rows {accuracy['additive_plain_rows']:.4f})")
         print(f"{name}: mask preparation {entry['mask_prep_us']:.1f} us per call (100 in a row, synchronized)")
         result["shapes"][name] = entry
     path = args.json or (os.path.join(os.environ["OUT"], "mask_cost.json") if os.environ.get("OUT") else None)

@@ -172,12 +172,13 @@ def _compile(fn, signature: Dict[str, str], constexprs: Dict[str, object], arch:
 def compile_attention(arch: str, head_dim: int, pv: str, config: AttentionConfig, *, is_causal: bool = False,
                       return_lse: bool = False, out_dtype: str = "bf16", kv_group: int = 1,
                       v_head_dim: Optional[int] = None, smooth_v: bool = False,
-                      key_mask: bool = False) -> KernelReport:
+                      key_mask: bool = False, plain_rows: bool = False) -> KernelReport:
     """One attention kernel as the backend launches it with `config` (its `pv_accumulate` included); `key_mask`:
-    the variant that adds a key-only mask's bias."""
+    the variant that adds a key-only mask's bias; `plain_rows`: with the plain padding rows' loop beside it
+    (attention.PLAIN_MASK_ROWS)."""
     kernel, label = _compile_attention(arch, head_dim, pv, config, is_causal=is_causal, return_lse=return_lse,
                                        out_dtype=out_dtype, kv_group=kv_group, v_head_dim=v_head_dim,
-                                       smooth_v=smooth_v, key_mask=key_mask)
+                                       smooth_v=smooth_v, key_mask=key_mask, plain_rows=plain_rows)
     return _report(kernel, label, arch)
 
 
@@ -201,7 +202,7 @@ def nvidia_pv_dots(arch: str, head_dim: int, pv: str, config: AttentionConfig) -
 
 
 def _compile_attention(arch, head_dim, pv, config, *, is_causal=False, return_lse=False, out_dtype="bf16",
-                       kv_group=1, v_head_dim=None, smooth_v=False, key_mask=False):
+                       kv_group=1, v_head_dim=None, smooth_v=False, key_mask=False, plain_rows=False):
     from ..backends.triton.attention import ACC_MODES, _sage_attn_fwd
 
     dv = v_head_dim or head_dim
@@ -223,14 +224,14 @@ def _compile_attention(arch, head_dim, pv, config, *, is_causal=False, return_ls
               "PV_ACC": ACC_MODES[config.pv_accumulate], "HAS_VMEAN": smooth_v,
               "FOLD_Q_SCALE": config.fold_q_scale,
               "FP8_CVT_ASM": config.fp8_cvt_asm and pv == "fp8", "CHECK_P": False, "HAS_BIAS": key_mask,
-              "INTERPRETER": False}
+              "PLAIN_ROWS": key_mask and plain_rows, "INTERPRETER": False}
     for k in consts:
         sig[k] = "constexpr"
     kernel = _compile(_sage_attn_fwd, sig, consts, arch, config.num_warps, config.num_stages)
     label = (f"attention D{head_dim}{'' if dv == head_dim else f'/{dv}'} {pv} BM{config.block_m} "
              f"BN{config.block_n} w{config.num_warps} s{config.num_stages} acc={config.pv_accumulate}"
              f"{' causal' if is_causal else ''}{' lse' if return_lse else ''}{' smooth_v' if smooth_v else ''}"
-             f"{' key_mask' if key_mask else ''}")
+             f"{' key_mask' if key_mask else ''}{' plain_rows' if key_mask and plain_rows else ''}")
     return kernel, label
 
 

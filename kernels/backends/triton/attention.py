@@ -12,8 +12,9 @@ FP16 P tops at 2**15 (the running max lowered by 15). Either way a matrix unit t
 drops no weight that counts (docs/MEASUREMENTS.md#one-p-grid-for-the-spec-and-the-kernels).
 Head dims are padded to a power of two inside the kernel (masked loads).
 Each program owns BLOCK_M query rows of one (batch, head); key tiles run in two stages: full tiles
-without masks, then the tail / causal-diagonal tiles with masks. With a key-only mask each program takes one of two
-such loops: on a plain padding row (masks.py) the unmasked one up to the row's key end, else the one adding the bias.
+without masks, then the tail / causal-diagonal tiles with masks. With a key-only mask and PLAIN_MASK_ROWS each program
+takes one of two such loops: on a plain padding row (masks.py) the unmasked one up to the row's key end, else the one
+adding the bias.
 
 How P.V reaches the FP32 accumulator (PV_ACC, from the config's `pv_accumulate`): NVIDIA's FP8 MMA
 (Hopper, Ada) keeps ~13 mantissa bits in its accumulator, so adding each key tile's small product
@@ -56,6 +57,12 @@ FP16_P_LOG2_TOP = tl.constexpr(quant.FP16_P_LOG2_TOP)
 # so it reaches the output instead of saturating unseen. Always under the interpreter; compiled only where a test
 # sets it (and clears attention_launch's cache).
 CHECK_P_RANGE = INTERPRETED
+
+# Whether plain padding mask rows (masks.py) take the unmasked key loop. Off until a GPU shows it pays: the second
+# loop costs a masked kernel registers for every row (gfx1201 D128: one wave less per SIMD; sm_90 FP8 D128 spills in
+# it), and no GPU timing exists yet. tools/mask_cost.py times both settings side by side; a test or tool that sets it
+# clears attention_launch's cache.
+PLAIN_MASK_ROWS = False
 
 # PV_ACC values (the config's `pv_accumulate` names them).
 ACC_MODES = {"mma": 0, "imprecise_k": 1, "split": 2}
@@ -258,7 +265,8 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE, BIAS, KEND, PLAIN,
                    IS_CAUSAL: tl.constexpr, PV_FP8: tl.constexpr, STORE_LSE: tl.constexpr,
                    V_T: tl.constexpr, EXACT_P_ROUND: tl.constexpr, PV_ACC: tl.constexpr,
                    HAS_VMEAN: tl.constexpr, FOLD_Q_SCALE: tl.constexpr, FP8_CVT_ASM: tl.constexpr,
-                   CHECK_P: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRETER: tl.constexpr):
+                   CHECK_P: tl.constexpr, HAS_BIAS: tl.constexpr, PLAIN_ROWS: tl.constexpr,
+                   INTERPRETER: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
@@ -301,7 +309,10 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE, BIAS, KEND, PLAIN,
         key_end = tl.load(KEND + b64 * seb + h64 * seh)
         hi = tl.minimum(hi, key_end)
         full_end = tl.minimum(full_end, (key_end // BLOCK_N) * BLOCK_N)
-        if tl.load(PLAIN + b64 * spb + h64 * sph) != 0:
+        plain_row = False
+        if PLAIN_ROWS:
+            plain_row = tl.load(PLAIN + b64 * spb + h64 * sph) != 0
+        if plain_row:
             # Plain padding (every key before key_end live with bias 0): the unmasked loop, its tail cut at key_end.
             # Key 0 is live, so the first tile gives every query row a finite max, as in an unmasked call.
             acc, l_i, m_i, m_run = _key_range(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base,
@@ -352,12 +363,13 @@ def attention_launch(b: int, hq: int, nq: int, d: int, hkv: int, dv: int, config
     """(grid, constexprs and launch options) of `_sage_attn_fwd` for one signature: computed once per signature.
     `has_bias`: 0 no mask, 1 a key-only bias added, 2 added and its -inf keys set to -inf (a bool mask).
     FOLD_Q_SCALE is the form of the tiles without a bias (unmasked calls, plain padding rows); biased tiles never
-    fold."""
+    fold. PLAIN_ROWS (PLAIN_MASK_ROWS, for a masked call): plain padding rows take the unmasked loop."""
     grid = (ceil_div(nq, config.block_m), b * hq)
     meta = dict(KV_GROUP=hq // hkv, HEAD_DIM=d, D_PAD=padded_head_dim(d), DV=dv, DV_PAD=padded_head_dim(dv),
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_CAUSAL=is_causal, PV_FP8=pv == "fp8",
                 STORE_LSE=return_lse, V_T=v_t, EXACT_P_ROUND=INTERPRETED, PV_ACC=ACC_MODES[config.pv_accumulate],
                 HAS_VMEAN=has_vmean, FOLD_Q_SCALE=config.fold_q_scale, HAS_BIAS=has_bias,
+                PLAIN_ROWS=bool(has_bias) and PLAIN_MASK_ROWS,
                 FP8_CVT_ASM=config.fp8_cvt_asm and pv == "fp8" and ASM_CONVERSION, CHECK_P=CHECK_P_RANGE,
                 INTERPRETER=INTERPRETED, num_warps=config.num_warps, num_stages=config.num_stages)
     return grid, meta
@@ -440,8 +452,8 @@ def attention_from_quantized_triton(qq: quant.QuantizedQKV, *, pv: str, config: 
     the keys from there on are dead (bias -inf) and skipped; None: none is skipped. `key_fill` (a bool mask's
     bias): its -inf keys get score -inf whatever q.k is, as a bool mask selects. `key_plain` (int8, key_end's
     (1 or B, 1 or Hq)): nonzero on mask rows that are plain padding, i.e. every key before key_end live with bias
-    exactly 0 and every key from key_end on dead (masks.key_mask_operands computes it); such rows run the unmasked
-    key loop over [0, key_end) and read no bias. None: no row is plain (every row adds its bias)."""
+    exactly 0 and every key from key_end on dead (masks.key_mask_operands computes it); with PLAIN_MASK_ROWS such rows
+    run the unmasked key loop over [0, key_end) and read no bias. None: no row is plain (every row adds its bias)."""
     if pv not in ("fp8", "fp16"):
         raise ValueError(f"pv must be 'fp8' or 'fp16', got {pv!r}")
     q8, k8, v = qq.q8, qq.k8, qq.v
