@@ -322,3 +322,16 @@ def test_split_launches_address_the_mask_of_each_piece(units):
     assert torch.equal(one, split) and torch.equal(one_lse, split_lse)
     ref, _ = hip_checks.hip_spec(qq, pv="fp8", out_dtype=torch.float16, key_bias=km.attention.bias)
     assert float((one.float() - ref.float()).abs().sum() / ref.float().abs().sum()) < 2e-3
+
+
+def test_the_report_moves_an_expanded_mask_to_the_cpu_as_key_only():
+    """masked_report compares against the spec on the CPU: a copy across devices materializes a stride-0 expand
+    (the spec then sees a per-row mask and keeps the padding in its statistics, as on the H200 for the GPU test's
+    expanded case); hip_checks.cpu_keeping_broadcast keeps it key-only."""
+    from comfyui_sage_rdna4.kernels.call_spec import mask_scope
+    mask = hip_checks.key_mask_variants(2, 2, 150, PAD, nq=70)["-finfo.max expanded"]
+    moved = hip_checks.cpu_keeping_broadcast(mask)
+    assert moved.stride(2) == 0 and torch.equal(moved, mask) and mask_scope(moved) == "keys"
+    assert mask_scope(mask.contiguous()) == "rows"  # what a materializing copy would hand the spec
+    plain = torch.randn(2, 3, 4)
+    assert torch.equal(hip_checks.cpu_keeping_broadcast(plain), plain)

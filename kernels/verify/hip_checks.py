@@ -556,13 +556,22 @@ def masked_attention(run: Callable, qq, km, *, pv, is_causal, out_dtype, return_
     return out, lse
 
 
+def cpu_keeping_broadcast(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the CPU with its stride-0 (expanded) dims kept: a copy across devices materializes them, which would
+    turn a key-only mask expanded over the query rows into a per-row one (call_spec.mask_scope "rows"), which the
+    spec quantizes without leaving its dead keys out."""
+    base = t[tuple(slice(0, 1) if stride == 0 and size > 1 else slice(None)
+                   for size, stride in zip(t.shape, t.stride()))]
+    return base.cpu().expand(t.shape)
+
+
 def masked_report(out, lse, qq, km, q, k, v, attn_mask, *, pv, is_causal, sm_scale) -> Dict[str, float]:
     """The masked kernel's output against the spec's attention half on the kernel's P grid with the same key bias
     (same QuantizedQKV), against exact attention with the mask, and against the whole spec
     (reference.reference_attention with the mask: its own quantization, dead keys out of the statistics)."""
     cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
     qq_cpu = quant.QuantizedQKV(*(cpu(getattr(qq, f)) for f in QQ_FIELDS))
-    q, k, v, mask = q.cpu(), k.cpu(), v.cpu(), attn_mask.cpu()
+    q, k, v, mask = q.cpu(), k.cpu(), v.cpu(), cpu_keeping_broadcast(attn_mask)
     ref_o, ref_l = hip_spec(qq_cpu, pv=pv, is_causal=is_causal, return_lse=lse is not None, q=q, sm_scale=sm_scale,
                             out_dtype=out.dtype, key_bias=cpu(km.attention.bias), key_fill=km.attention.fill)
     ex_o, ex_l = reference.exact_attention(q, k, v, is_causal=is_causal, sm_scale=sm_scale, attn_mask=mask,
