@@ -25,7 +25,7 @@ All math is FP32 unless stated. Tensors are HND: (B, H, N, D).
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import NamedTuple, Tuple
 
 import torch
 
@@ -212,6 +212,14 @@ def live_keys(bias: torch.Tensor, kv_heads: int) -> torch.Tensor:
     if live.shape[1] > 1:
         live = live.unflatten(1, (kv_heads, -1)).any(dim=2)
     return live
+
+
+class LiveKeys(NamedTuple):
+    """`live_keys` as the prologue kernels read them (the HIP and the Triton one alike): `flags` int8 (1 or B, 1 or
+    Hkv, Nk) contiguous, 1 live and 0 dead (the HIP prologue takes them full, (B, Hkv, Nk)); `count` FP64 (B * Hkv,)
+    contiguous, the live keys per (batch, kv head), at least 1."""
+    flags: torch.Tensor
+    count: torch.Tensor
 
 
 def smooth_keys_live(x: torch.Tensor, live: torch.Tensor, smooth: bool = True):

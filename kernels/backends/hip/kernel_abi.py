@@ -176,13 +176,7 @@ def raw_input_refusal(q, k, v) -> Optional[str]:
     return None
 
 
-@dataclass(frozen=True)
-class LiveKeys:
-    """The keys a key-only mask leaves in the K/V statistics (quant.live_keys), as the prologue reads them: `flags`
-    int8 (B, Hkv, Nk) contiguous (1 live, 0 dead), `count` FP64 (B * Hkv,) the live keys per (batch, kv head), at
-    least 1."""
-    flags: torch.Tensor
-    count: torch.Tensor
+LiveKeys = quant.LiveKeys  # the prologue's live-key operands (flags full (B, Hkv, Nk) here)
 
 
 def live_keys(live: torch.Tensor, b: int, hkv: int, nk: int) -> LiveKeys:

@@ -53,7 +53,7 @@ def hip_quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_sc
 
     smooth_v: V's channel mean is taken out before its quantization and returned as `v_mean` (B, Hkv, Dv)
     fp32, which both the HIP and the Triton attention add back to their output. `live` (bool (1 or B, 1 or Hkv,
-    Nk), `quant.live_keys` of a key-only mask, or operands already in kernel_abi.LiveKeys' form, as the Triton
+    Nk), `quant.live_keys` of a key-only mask, or `quant.LiveKeys` already full (B, Hkv, Nk), as the Triton
     mask preparation makes them): only live keys enter the means and scales, as `quant.quantize_qkv_torch(live=...)`."""
     from ...call_spec import describe_call
     call = describe_call(q, k, v, smooth_k=smooth_k, prologue="hip", qk_group=qk_group, smooth_v=smooth_v)
@@ -61,7 +61,7 @@ def hip_quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_sc
     if reason:
         raise KernelRefused("prologue=hip", reason)
     abi = _abi()
-    if isinstance(live, torch.Tensor):
+    if live is not None and not isinstance(live, quant.LiveKeys):
         b, hkv, nk = k.shape[:3]
         if live.dim() != 3 or live.dtype != torch.bool or live.shape[0] not in (1, b) or \
                 live.shape[1] not in (1, hkv) or live.shape[2] != nk:

@@ -32,11 +32,7 @@ class KeyMaskOperands(NamedTuple):
     live: "LiveKeys"
 
 
-class LiveKeys(NamedTuple):
-    """What the prologue reads: int8 flags (1 or B, 1 or Hkv, Nk) and the FP64 live count per (batch, kv head),
-    (B * Hkv,) contiguous."""
-    flags: torch.Tensor
-    count: torch.Tensor
+LiveKeys = quant.LiveKeys  # what the prologue reads (also the HIP prologue's operands)
 
 
 def live_keys_operands(live: torch.Tensor, b: int, hkv: int) -> LiveKeys:
