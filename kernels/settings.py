@@ -70,10 +70,13 @@ HIP_PV_CHAIN = Setting("SAGE_RDNA4_HIP_PV_CHAIN", "auto",
                        "the HIP P.V accumulation: auto (the single chain where the probe reads full FP32 and it passes "
                        "the self-check's accumulation cases), two-level or single (forced, for a comparison)",
                        "auto, two-level or single")
+PADDING_CUT = Setting("SAGE_RDNA4_PADDING_CUT", "1",
+                      "0: a patched model's prompt-padding masks reach the kernels as masks instead of being cut "
+                      "from K and V")
 
 SETTINGS: Tuple[Setting, ...] = (CACHE, AUTOTUNE, AUTOTUNE_CACHE, SELF_CHECK, SELF_CHECK_CACHE, TRITON_FP8_CVT,
                                  TRITON_PRECOMPILE, TRITON_LAUNCH, WORKSPACE_MB, HIP_EMULATE, EMU_FP8_NONSAT,
-                                 HIP_PV_CHAIN)
+                                 HIP_PV_CHAIN, PADDING_CUT)
 
 
 def raw(setting: Setting) -> str:
@@ -170,6 +173,10 @@ def autotune_enabled() -> bool:
 
 def autotune_cache_enabled() -> bool:
     return _switch(AUTOTUNE_CACHE, True)
+
+
+def padding_cut_enabled() -> bool:
+    return _switch(PADDING_CUT, True)
 
 
 def self_check_enabled() -> bool:

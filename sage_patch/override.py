@@ -26,6 +26,8 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
+from ..kernels import settings
+from ..kernels.padding_masks import SeenMasks, padding_cut
 from ..kernels.registry import Backend, KernelRefused
 from ..kernels.routing import RUN
 from ..kernels.step_trials import Measurement
@@ -48,7 +50,8 @@ class Turn(NamedTuple):
     """Who takes one call, as `SageAttentionOverride._turn` decides it. Without a `backend` the call site's own
     attention takes it, counted as `outcome`; with one, our kernel runs on the HND `inputs` (q, k, v, mask) as the
     `plan` says, and `outcome` is what the stats count if it succeeds. `trial`: auto's trial or watch that times
-    this call with device events. `kernel`: what a raised refusal names (config on_unsupported="raise")."""
+    this call with device events. `kernel`: what a raised refusal names (config on_unsupported="raise"). `cut`: what
+    the call's padding mask let the kernel leave out (kernels/padding_masks.py), counted if the kernel runs."""
     outcome: Outcome
     backend: Optional[Backend] = None
     plan: Optional[CallPlan] = None
@@ -56,6 +59,7 @@ class Turn(NamedTuple):
     skip_output_reshape: bool = False
     trial: Optional[Measurement] = None
     kernel: str = ""
+    cut: str = ""
 
 
 BASELINE_TURN = Turn(Outcome(RAN, BASELINE_CALLS))
@@ -79,6 +83,8 @@ class SageAttentionOverride:
         self.previous = previous
         self.attention_timer = None  # set by the step timer when attention time is measured
         self.plans = PlanCache()  # per call signature: the described call and the backend decision
+        # Prompt-padding masks met in this model evaluation (read on their second call, forgotten at its end).
+        self.seen_masks = SeenMasks() if settings.padding_cut_enabled() else None
 
     def __deepcopy__(self, memo):
         # ModelPatcher.clone() deep-copies model_options; a clone of a patched model is the same patch.
@@ -90,7 +96,10 @@ class SageAttentionOverride:
 
     def step_boundary(self) -> None:
         """The end of a model evaluation (sage_patch/timing.py): `auto`'s trials and watches read the step's
-        device events now, and may decide (which remakes the plans on their next call)."""
+        device events now, and may decide (which remakes the plans on their next call). The masks met in the step
+        are forgotten: a mask met later is read again."""
+        if self.seen_masks is not None:
+            self.seen_masks.forget()
         for trial in self.plans.trials():
             try:
                 trial.end_step()
@@ -102,7 +111,7 @@ class SageAttentionOverride:
         turn = self._turn(args, kwargs)
         if turn is TRACED_TURN:  # inside a torch.compile trace: one opaque op
             return traced_call(self.op_id, func, args, kwargs, self.policies.uses_steps)
-        outcome, backend, plan, inputs, skip_output_reshape, trial, kernel = turn
+        outcome, backend, plan, inputs, skip_output_reshape, trial, kernel, cut = turn
         timer, out = self.attention_timer, None
         if backend is not None:  # our kernel: the plan holds its answer, so it launches without asking again
             q, k, v, mask = inputs
@@ -127,6 +136,8 @@ class SageAttentionOverride:
             else:
                 if trial is not None:
                     trial.record(backend.name, start)
+                if cut:
+                    self.stats.record_cut(cut)
         if out is None and outcome.kind == FELL_BACK and self.config.on_unsupported == "raise":
             raise KernelRefused(backend.name if backend is not None else kernel, outcome.label)
         self.stats.record(outcome)  # counted before a call site's attention that may raise
@@ -158,6 +169,19 @@ class SageAttentionOverride:
             return Turn(Outcome(FELL_BACK, f"unrecognised attention call: {exc}"), kernel=kernel)
         if kwargs.get("low_precision_attention", True) is False:
             return Turn(Outcome(ROUTED, "low_precision_attention=False"))
+        cut = ""
+        if bound.mask is not None and self.seen_masks is not None:
+            # A prompt's padding mask: our kernel gets the same attention over the kept keys (padding_masks.py); the
+            # call site's own attention still gets the call as it came.
+            token_dim = 2 if bound.skip_reshape else 1
+            try:
+                k, v, mask, kept = padding_cut(self.seen_masks, bound.k, bound.v, bound.mask, token_dim)
+            except MALFORMED:  # a call we cannot read is judged, and reported, as it came
+                kept = None
+            if kept is not None:
+                cut = (f"padding mask: keys {bound.k.shape[token_dim]} -> {k.shape[token_dim]}, "
+                       f"{'mask dropped' if mask is None else 'mask kept'}")
+                bound = bound._replace(k=k, v=v, mask=mask)
         # A call whose signature was seen before reuses that call's plan (call_plans.py); only what the plan
         # cannot know (policies, scale, enable_gqa) is judged again below.
         key = bound.signature()
@@ -199,8 +223,8 @@ class SageAttentionOverride:
             if name == "sdpa":  # SDPA's turn is the call site's own attention, as when SDPA is chosen
                 return Turn(Outcome(ROUTED, trial.SDPA_TURN, route.passed_over, name, choice), trial=trial)
             return Turn(Outcome(RAN, name, route.passed_over, None, choice), trial.backend(name), plan, inputs,
-                        reshape, trial)
+                        reshape, trial, cut=cut)
         if route.kind == RUN:
-            return Turn(outcome, route.backend, plan, inputs, reshape)
+            return Turn(outcome, route.backend, plan, inputs, reshape, cut=cut)
         # Exact attention by auto's choice, or its untimed turn while it measures; a refusal names what was asked.
         return Turn(outcome, kernel=route.kernel)

@@ -100,6 +100,7 @@ class PatchStats:
         self._calls: Counter = Counter()
         self._fallbacks = _Reasons()
         self._routed = _Reasons()
+        self._cuts = _Reasons()  # calls whose padding mask was cut from K and V, per what was cut
         self._passed_over: Dict[str, _Reasons] = {}  # backend -> reason -> calls where auto passed over it
         self._logged = set()  # what was logged once: bounded (_first_time)
         self._notes = []
@@ -190,6 +191,12 @@ class PatchStats:
         with self._lock:
             self._routed.add(policy)
 
+    def record_cut(self, what: str) -> None:
+        """One call our kernel ran with its prompt-padding mask cut from K and V (kernels/padding_masks.py); the
+        call itself is counted where it ran."""
+        with self._lock:
+            self._cuts.add(what)
+
     def note(self, message: str) -> None:
         """Something the user should know once (a policy that cannot apply); not counted per call."""
         with self._lock:
@@ -203,7 +210,8 @@ class PatchStats:
         with self._lock:
             passed_over = {name: dict(reasons.counts) for name, reasons in self._passed_over.items()}
             return {"calls": dict(self._calls), "fallbacks": dict(self._fallbacks.counts),
-                    "routed": dict(self._routed.counts), "passed_over": passed_over, "notes": list(self._notes),
+                    "routed": dict(self._routed.counts), "cuts": dict(self._cuts.counts), "passed_over": passed_over,
+                    "notes": list(self._notes),
                     "auto_choices": list(self._choices.values()),
                     "auto_decisions": [dict(row) for row in self._choice_rows.values()]}
 
@@ -212,6 +220,7 @@ class PatchStats:
             self._calls.clear()
             self._fallbacks = _Reasons()
             self._routed = _Reasons()
+            self._cuts = _Reasons()
             self._passed_over.clear()
 
     def summary(self) -> str:
@@ -227,6 +236,8 @@ class PatchStats:
             lines.append(f"  exact by policy ({policy}): {n}")
         for reason, n in sorted(snap["fallbacks"].items(), key=lambda kv: -kv[1]):
             lines.append(f"  fell back ({reason}): {n}")
+        for what, n in sorted(snap["cuts"].items(), key=lambda kv: -kv[1]):
+            lines.append(f"  of those ran, {what}: {n}")
         lines.extend(format_passed_over(snap["passed_over"], indent="  "))
         for choice in snap["auto_choices"]:
             lines.append(f"  {choice}")

@@ -17,7 +17,7 @@ PENDING = set()  # (file, name) of a setting still read directly while it moves;
 
 def test_every_setting_is_declared_once_with_a_default_and_a_meaning():
     names = [s.name for s in settings.SETTINGS]
-    assert len(names) == len(set(names)) == 12
+    assert len(names) == len(set(names)) == 13
     for s in settings.SETTINGS:
         assert NAME.fullmatch(s.name) and s.default and s.doc and "\n" not in s.doc, s
 

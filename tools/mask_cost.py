@@ -6,7 +6,9 @@ Shapes are HunyuanVideo-like self-attention (B1, H24, D128, bf16): image tokens 
 `--pad` of them padding. Per backend, in turn within each repeat (so clock drift hits all alike): no mask; an
 additive bf16 mask (1, 1, N) with -finfo.max on the padding (HunyuanVideo's, after ComfyUI's unsqueeze); a bool
 mask (1, 1, 1, N); both masks again with attention.PLAIN_MASK_ROWS on (their plain padding rows take the unmasked key
-loop: the setting this tool decides); and SDPA with the additive mask (what the call ran on before). Device time by
+loop: the setting this tool decides); the padding cut (the kept keys alone, unmasked: what the Patch node runs for
+such a mask from its second call in a model evaluation, kernels/padding_masks.py); and SDPA with the additive mask
+(what the call ran on before). Device time by
 CUDA events, median of the repeats; the ratio masked / unmasked is the figure (target: within 1.05). Also the time of
 the mask's preparation alone (its one launch), and each output's rel L1 against SDPA with the same mask.
 Writes JSON to --json, or to $OUT/mask_cost.json where $OUT is set."""
@@ -102,6 +104,10 @@ def main(argv=None) -> int:
                 "additive": lambda: api.sage_attention(q, k, v, kernel=backend, attn_mask=additive),
                 "bool": lambda: api.sage_attention(q, k, v, kernel=backend, attn_mask=keep),
                 "sdpa_additive": sdpa,
+                # What the Patch node runs for this mask from its second call in a model evaluation on
+                # (kernels/padding_masks.py): the kept keys alone, unmasked.
+                "padding_cut": lambda: api.sage_attention(q, k[:, :, :n - args.pad], v[:, :, :n - args.pad],
+                                                          kernel=backend),
             }
             calls["additive_plain_rows"] = with_plain_rows(calls["additive"])
             calls["bool_plain_rows"] = with_plain_rows(calls["bool"])
@@ -122,13 +128,15 @@ def main(argv=None) -> int:
                 "additive_vs_sdpa": med["additive"] / med["sdpa_additive"],
                 "additive_plain_rows_vs_unmasked": med["additive_plain_rows"] / med["unmasked"],
                 "bool_plain_rows_vs_unmasked": med["bool_plain_rows"] / med["unmasked"],
+                "padding_cut_vs_unmasked": med["padding_cut"] / med["unmasked"],
                 "rel_l1_vs_sdpa": accuracy,
             }
             print(f"{name} N{n} {backend}: unmasked {med['unmasked']:.1f} us, additive {med['additive']:.1f} "
                   f"(x{med['additive'] / med['unmasked']:.3f}), bool {med['bool']:.1f} "
                   f"(x{med['bool'] / med['unmasked']:.3f}), with plain rows: additive "
                   f"x{med['additive_plain_rows'] / med['unmasked']:.3f}, "
-                  f"bool x{med['bool_plain_rows'] / med['unmasked']:.3f}; "
+                  f"bool x{med['bool_plain_rows'] / med['unmasked']:.3f}; padding cut "
+                  f"x{med['padding_cut'] / med['unmasked']:.3f} (rel L1 {accuracy['padding_cut']:.4f}); "
                   f"SDPA masked {med['sdpa_additive']:.1f}; rel L1 vs SDPA {accuracy['additive']:.4f} "
                   f"(plain rows {accuracy['additive_plain_rows']:.4f})")
         print(f"{name}: mask preparation {entry['mask_prep_us']:.1f} us per call (100 in a row, synchronized)")

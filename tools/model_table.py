@@ -76,7 +76,15 @@ class CallRecorder:
             row["_events"] = (start, end)
         else:
             row["ms"] = (time.perf_counter() - t0) * 1e3
-        row["ran"] = p.who_ran(before, self.override.stats.snapshot())
+        after = self.override.stats.snapshot()
+        row["ran"] = p.who_ran(before, after)
+        row["cut"] = sum(after.get("cuts", {}).values()) > sum(before.get("cuts", {}).values())
+        if row["step"] < WARMUP and not self.override.baseline and torch.is_tensor(out):
+            # The warm-up step is not timed: there each call's output is compared with the call site's own
+            # attention on the same inputs (per-call rel L1, the figure beside the latent PSNR).
+            with torch.no_grad():
+                own = func(*args, **kwargs)
+            row["rel_l1"] = float((out.float() - own.float()).abs().sum() / own.float().abs().sum().clamp_min(1e-30))
         self.calls.append(row)
         return out
 
@@ -180,6 +188,11 @@ def call_summary(pack: Pack, calls: List[dict], base_calls: Optional[List[dict]]
         kind["calls"] += 1
         kind["quantized"] += int(s)
     out["ran"], out["by_mask"] = ran, by_mask  # by_mask: which kinds of mask the kernel took, per kind
+    out["cut_calls"] = sum(1 for c in measured if c.get("cut"))  # padding masks cut from K and V
+    # Per-call accuracy of the quantized calls, from the warm-up step (CallRecorder).
+    errors = sorted(c["rel_l1"] for c in calls if "rel_l1" in c and pack.quantized(c["ran"]))
+    out["rel_l1_median"] = statistics.median(errors) if errors else None
+    out["rel_l1_max"] = errors[-1] if errors else None
     return out
 
 
@@ -260,18 +273,20 @@ def markdown(rows: List[dict], kernels: List[str], meta: dict) -> str:
              f"ComfyUI {meta['comfyui']}; {meta['steps']} steps of euler, the first a warm-up left out of the "
              f"shares and ratios; weights random; depth cut as each row says; {sizes}.",
              "calls / time: share of the attention calls and of their time a quantized kernel served (time: in the "
-             "patched run; own: of the unpatched run's attention time). ratio: median patched / unpatched step time.",
+             "patched run; own: of the unpatched run's attention time). ratio: median patched / unpatched step time. "
+             "rel L1: each quantized call of the warm-up step against the call site's own attention on its inputs. "
+             "cut: measured calls whose padding mask was cut from K and V.",
              ""]
     head = "| family | depth run (of) | head dims | masks seen (calls) | outside override |"
     sep = "| --- | --- | --- | --- | --- |"
     for k in kernels:
-        head += f" {k}: calls / time / own | ratio | PSNR dB |"
-        sep += " --- | --- | --- |"
+        head += f" {k}: calls / time / own | ratio | PSNR dB | rel L1 median / max | cut |"
+        sep += " --- | --- | --- | --- | --- |"
     lines += [head + " elapsed s |", sep + " --- |"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['label']} | {r.get('depth', '-')} | failed: {r['error'].splitlines()[0][:160]} |"
-                         + " |" * (3 + 3 * len(kernels)) + f" {r['elapsed_s']:.0f} |")
+                         + " |" * (3 + 5 * len(kernels)) + f" {r['elapsed_s']:.0f} |")
             continue
         seen = r["seen"]
         masks = ", ".join(f"{k} {v}" for k, v in sorted(seen["mask_kinds"].items()))
@@ -280,10 +295,12 @@ def markdown(rows: List[dict], kernels: List[str], meta: dict) -> str:
         for k in kernels:
             e = r["kernels"].get(k, {})
             if "error" in e:
-                line += f" failed: {e['error'][:80]} | - | - |"
+                line += f" failed: {e['error'][:80]} | - | - | - | - |"
                 continue
             line += (f" {_pct(e.get('call_share'))} / {_pct(e.get('time_share'))} / {_pct(e.get('own_time_share'))}"
-                     f" | {_num(e.get('median_step_ratio'), '.3f')} | {_num(e.get('latent_psnr_db'), '.1f')} |")
+                     f" | {_num(e.get('median_step_ratio'), '.3f')} | {_num(e.get('latent_psnr_db'), '.1f')} |"
+                     f" {_num(e.get('rel_l1_median'), '.4f')} / {_num(e.get('rel_l1_max'), '.4f')} |"
+                     f" {e.get('cut_calls', 0)} |")
         lines.append(line + f" {r['elapsed_s']:.0f} |")
     lines += ["", "Fallback reasons (calls in the whole run, warm-up included):", ""]
     for r in rows:
