@@ -106,6 +106,15 @@ def test_masked_families_take_key_masks_and_refuse_row_masks(family_names, tmp_p
     # HunyuanVideo: the refiner's per-row mask is the only fallback, the blocks' key mask runs quantized.
     hv = rows["hunyuan_video"]["kernels"][KERNEL]["by_mask"]
     assert hv["rows"]["quantized"] == 0 < hv["keys"]["quantized"] == hv["keys"]["calls"]
+    # A prompt's padding mask is cut from K and V from its second call in the step (kernels/padding_masks.py): the
+    # blocks share one mask object per model evaluation, so all but its first call are cut (tiny LTX-Video has one
+    # layer: its one masked call is that first call).
+    cuts = {name: rows[name]["kernels"][KERNEL]["cut_calls"] for name in MASKED}
+    assert cuts["hunyuan_video"] == hv["keys"]["calls"] - 1 and cuts["lumina2"] > 0 and cuts["ltxv"] == 0, cuts
+    for name in MASKED:
+        entry = rows[name]["kernels"][KERNEL]
+        # Per-call accuracy of every quantized call of the step against the call site's own attention.
+        assert 0 < entry["rel_l1_max"] < 0.1, (name, entry["rel_l1_max"])
 
 
 @pytest.mark.slow
