@@ -169,7 +169,7 @@ class SageAttentionOverride:
             return Turn(Outcome(FELL_BACK, f"unrecognised attention call: {exc}"), kernel=kernel)
         if kwargs.get("low_precision_attention", True) is False:
             return Turn(Outcome(ROUTED, "low_precision_attention=False"))
-        cut = ""
+        cut, keys_as_sent = "", None
         if bound.mask is not None and self.seen_masks is not None:
             # A prompt's padding mask: our kernel gets the same attention over the kept keys (padding_masks.py); the
             # call site's own attention still gets the call as it came.
@@ -179,7 +179,8 @@ class SageAttentionOverride:
             except MALFORMED:  # a call we cannot read is judged, and reported, as it came
                 kept = None
             if kept is not None:
-                cut = (f"padding mask: keys {bound.k.shape[token_dim]} -> {k.shape[token_dim]}, "
+                keys_as_sent = bound.k.shape[token_dim]
+                cut = (f"padding mask: keys {keys_as_sent} -> {k.shape[token_dim]}, "
                        f"{'mask dropped' if mask is None else 'mask kept'}")
                 bound = bound._replace(k=k, v=v, mask=mask)
         # A call whose signature was seen before reuses that call's plan (call_plans.py); only what the plan
@@ -200,6 +201,7 @@ class SageAttentionOverride:
                                 "enable_gqa"), kernel=kernel)
         if self.policies.active:  # no policy configured: nothing to ask per call
             q_len, kv_len = (call.q_len, call.kv_len) if call is not None else (q.shape[2], k.shape[2])
+            kv_len = keys_as_sent or kv_len  # the policies judge the call as it came (a cut is no cross attention)
             policy, inactive = self.policies.route_exact(kwargs.get("transformer_options"), q_len, kv_len)
             if inactive:
                 self.stats.note(inactive)

@@ -219,3 +219,13 @@ def test_the_a_b_baseline_is_never_cut():
     for _ in range(3):
         wrap_attn(marker_attention)(q, k, v, 4, mask=m, transformer_options={"optimized_attention_override": ov})
     assert marker_attention.calls == before + 3 and ov.stats.snapshot()["cuts"] == {}
+
+
+def test_the_policies_judge_the_call_as_it_came(launches):
+    """A cut self-attention call has fewer keys than queries; the cross-attention policy must not take it for one."""
+    ov = SageAttentionOverride(PatchConfig(kernel="reference", cross_attention="exact"))
+    to = {"optimized_attention_override": ov}
+    q, k, v, m = hunyuan_like()
+    for _ in range(3):
+        wrap_attn(comfy_attention)(q, k, v, 4, mask=m, transformer_options=to)
+    assert launches == [(96, True), (70, False), (70, False)] and not ov.stats.snapshot()["routed"]
