@@ -391,23 +391,26 @@ else:
         vm = reference.expand_kv_heads(qq.v_mean, hq).unsqueeze(2)
         torch.testing.assert_close(out - bare, vm.expand_as(out), rtol=1e-5, atol=1e-5)
 
-    def test_epilogue_keeps_rows_without_keys_zero():
-        # A row that sees no key cannot arise through the public call (no masks); make one directly: an
-        # infinite q scale with a q row opposite to every key gives -inf for every score of that row.
+    def test_epilogue_keeps_rows_without_keys_zero_and_nan_rows_nan():
+        """With smooth_v, a row that sees no key (a key-only mask hides every key of head 1) gives zeros, not V's
+        mean; a NaN row (a NaN q scale) gives NaN, not zeros. (Only a mask can hide every key of a row.)"""
         q, k, v = make_qkv(1, 2, 1, 40, 70, 64, seed=3, v_offset=True)
         for pv in ("fp8", "fp16"):
             qq = quant.quantize_qkv_torch(q, k, v, sm_scale=0.125, pv=pv, smooth_v=True)
-            qq.k8 = qq.k8.abs().clamp_min(1)
-            qq.q8[0, 1, 17] = -1
-            qq.q_scale[0, 1, 17] = float("inf")
+            qq.q_scale[0, 0, 17] = float("nan")
+            bias = torch.zeros(1, 2, 70)
+            bias[0, 1] = -math.inf
             out, lse = attention_from_quantized_triton(qq, pv=pv, config=attention_config("cpu", 64, pv),
-                                                       return_lse=True, out_dtype=torch.float32)
-            ref, ref_lse = reference.attention_from_quantized(qq, pv=pv, return_lse=True,
+                                                       return_lse=True, out_dtype=torch.float32, key_bias=bias)
+            ref, ref_lse = reference.attention_from_quantized(qq, pv=pv, return_lse=True, key_bias=bias,
                                                               p_tile=attention_config("cpu", 64, pv).block_n)
-            assert not ref[0, 1, 17].any() and float(ref_lse[0, 1, 17]) == -math.inf
-            assert not out[0, 1, 17].any(), "a row without keys got V's mean (or NaN)"
+            assert not ref[0, 1].any() and bool((ref_lse[0, 1] == -math.inf).all())
+            assert not out[0, 1].any(), "a row without keys got V's mean (or NaN)"
+            assert bool((lse[0, 1] == -math.inf).all())
+            assert bool(ref[0, 0, 17].isnan().all()) and bool(out[0, 0, 17].isnan().all()), "a NaN row came out finite"
             live = torch.ones_like(out, dtype=torch.bool)
-            live[0, 1, 17] = False
+            live[0, 1] = False
+            live[0, 0, 17] = False
             assert metrics.rel_l1(out[live], ref[live]) <= SPEC_REL_L1[pv]
             lse_live = live[..., 0]
             torch.testing.assert_close(lse[lse_live], ref_lse[lse_live], rtol=0, atol=1e-4)

@@ -164,7 +164,8 @@ def _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_ba
         m_new = tl.maximum(m_i, row_max - FP16_P_LOG2_TOP)
     m_exp = m_new
     if HAS_BIAS:
-        # A mask can hide every key of a row so far (max -inf): exp2(-inf - -inf) would be NaN.
+        # A mask can hide every key of a row so far (max -inf): exp2(-inf - -inf) would be NaN, and the epilogue
+        # tells such a row (row sum 0) from a NaN row (row sum NaN) by it. Without a mask every row sees a key.
         m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
     if FOLD_Q_SCALE:
         p = tl.math.exp2(s * q_scale[:, None] - m_exp[:, None])
@@ -336,13 +337,15 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE, BIAS, KEND, PLAIN,
     inv_l = 1.0 / l_i
     # acc / l first, as the spec: inv_l * v_scale underflows FP32 for tiny V scales (down to 2**-126).
     out = (acc * inv_l[:, None]) * v_scale[None, :]
+    # A row that saw no key (m_i -inf, row sum 0) gives zeros. A NaN row keeps its NaN: its row sum is NaN (sums keep
+    # NaN everywhere), while m_i may have stayed -inf, since a GPU's max drops NaN operands.
+    saw_keys = (m_i != float("-inf")) | (l_i != l_i)
     if HAS_VMEAN:
-        # smooth_v: each row of P sums to 1, so V's mean comes back whole. A row that saw no key (m_i -inf)
-        # stays zero; a NaN row (m_i NaN) stays NaN.
+        # smooth_v: each row of P sums to 1, so V's mean comes back whole.
         v_mean = tl.load(VM + (b64 * Hkv + hk64) * DV + offs_dv, mask=offs_dv < DV, other=0.0)
-        out = tl.where((m_i != float("-inf"))[:, None], out + v_mean[None, :], 0.0)
+        out = tl.where(saw_keys[:, None], out + v_mean[None, :], 0.0)
     elif HAS_BIAS:
-        out = tl.where((m_i != float("-inf"))[:, None], out, 0.0)  # a row the mask leaves no key: 0 / 0
+        out = tl.where(saw_keys[:, None], out, 0.0)  # a row the mask leaves no key: 0 / 0
     if O.dtype.element_ty == tl.float16:
         # Rounding P (FP8: up to 6%) can lift a convex combination of V just past max|V|; at 65504 that
         # is Inf in FP16. Bring that small overshoot back to the largest FP16; real Inf/NaN stay as they are.
