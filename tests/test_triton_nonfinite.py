@@ -3,9 +3,9 @@ giving finite outputs where exact attention is not finite, replayed under Triton
 
 Two interpreters: Triton's own, and one whose elementwise max/min drop a NaN operand as the GPUs' do (NVIDIA's
 max.f32, gfx12's v_max_num_f32; Triton's interpreter propagates NaN there, while its reductions already drop it).
-Three of the six calls leaked only with the GPU's max; all six leaked before the kernel's epilogue kept a NaN row's
-NaN (a row whose running max stayed -inf because the max dropped its NaN scores was taken for a row that saw no key,
-and zeroed)."""
+Before the kernel's epilogue kept a NaN row's NaN (a row whose running max stayed -inf, its NaN scores dropped by the
+max, was taken for a row that saw no key and zeroed), all 12 calls (six, both kernels) leaked with the GPU's max and
+10 of 12 with the interpreter's own."""
 import os
 import subprocess
 import sys
