@@ -4,6 +4,7 @@ The repo root is never put on sys.path: `kernels` is also a PyPI package name. t
 pythonpath): the stand-ins the tests share live in tests/fakes.py, the ComfyUI helpers in tests/comfy_harness.py
 and tests/comfy_browser.py.
 """
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -89,6 +90,45 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_comfy)
         if "browser" in item.keywords and not has_browser:
             item.add_marker(no_browser)
+
+
+# A GPU test stuck in C (a kernel that never returns, a compile) is past pytest-timeout's reach: its signal is only
+# handled once Python runs again, and on 2026-12-05 one such test held an H100 run for 250 s past its limit. So a GPU
+# test still running this long after its limit ends the run, with every thread's traceback on stderr (where it
+# hung); the results printed so far stay (run with -v and tee).
+GPU_HANG_GRACE_S = 60
+
+
+def per_test_limit_s(node, config) -> float:
+    """The per-test limit pytest-timeout applies to `node` (its timeout marker, else the ini value); 0: none."""
+    marker = node.get_closest_marker("timeout")
+    try:
+        limit = marker.args[0] if marker is not None and marker.args else config.getini("timeout")
+        return max(float(limit), 0.0)
+    except (TypeError, ValueError):  # no pytest-timeout (an unknown ini key), or no number
+        return 0.0
+
+
+@contextlib.contextmanager
+def hang_guard(seconds: float):
+    """Past `seconds`, dump every thread's traceback to stderr and end the process (faulthandler's watchdog
+    thread: it fires while the main thread is stuck in C)."""
+    import faulthandler
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(autouse=True)
+def _gpu_hang_guard(request):
+    limit = per_test_limit_s(request.node, request.config) if "gpu" in request.node.keywords else 0.0
+    if limit <= 0 or torch is None or not torch.cuda.is_available():
+        yield
+        return
+    with hang_guard(limit + GPU_HANG_GRACE_S):
+        yield
 
 
 @pytest.fixture(scope="module", autouse=True)

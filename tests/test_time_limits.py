@@ -89,3 +89,33 @@ def test_a_test_past_its_limit_fails_and_the_run_goes_on(tmp_path):
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-2000:]
     assert "Timeout (>1.0s) from pytest-timeout" in run.stdout and "1 failed, 1 passed" in run.stdout, run.stdout
     assert took < 25, took
+
+
+def test_a_test_stuck_in_c_past_its_limit_ends_the_process_with_tracebacks():
+    """pytest-timeout's signal is handled only between bytecodes, so a call that stays in C (here pbkdf2, minutes
+    long; a GPU wait on the device) outlives it; conftest's hang guard for GPU tests ends such a run instead, with
+    every thread's traceback (where it hung) on stderr."""
+    code = textwrap.dedent("""
+        import hashlib, sys
+        sys.path.insert(0, {tests!r})
+        from conftest import hang_guard
+        with hang_guard(1.0):
+            hashlib.pbkdf2_hmac("sha256", b"x", b"y", 10 ** 9)  # one C call of minutes
+        print("finished")
+    """).format(tests=str(ROOT / "tests"))
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - t0 < 60
+    assert proc.returncode != 0 and "finished" not in proc.stdout
+    assert "Timeout" in proc.stderr and "pbkdf2_hmac" not in proc.stdout and "<string>" in proc.stderr
+
+
+def test_the_hang_guard_reads_each_tests_limit(request):
+    _plugin_or_skip()
+    marked = SimpleNamespace(get_closest_marker=lambda name: SimpleNamespace(args=(240,)))
+    unmarked = SimpleNamespace(get_closest_marker=lambda name: None)
+    assert conftest.per_test_limit_s(marked, request.config) == 240.0
+    assert conftest.per_test_limit_s(unmarked, request.config) == 120.0
+    broken = SimpleNamespace(getini=lambda key: (_ for _ in ()).throw(ValueError("unknown configuration value")))
+    assert conftest.per_test_limit_s(unmarked, broken) == 0.0
+    assert conftest.GPU_HANG_GRACE_S > 0
