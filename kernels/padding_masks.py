@@ -10,9 +10,10 @@ other keys alone. `kept_keys` reads a mask once (a device sync) and says which k
 
 `SeenMasks` decides when reading a mask pays: on the second call that passes the same mask object (a model
 builds its mask once per evaluation and hands it to every block), never the first, so a mask made for one call
-costs no sync. Identity is the mask's own object (weakly held) and its view; within one model evaluation a mask
-is taken as unchanged (ComfyUI samples under inference mode, where tensors carry no version counter), and the
-owner forgets every mask at the end of each evaluation (`forget`). Never under CUDA graph capture, where a sync
+costs no sync. Identity is the mask's own object (weakly held), its view and, outside inference mode, its version
+(an in-place write makes it a new mask). ComfyUI samples under inference mode, where tensors carry no version:
+there a mask is taken as unchanged within one model evaluation, and the owner forgets every mask at the end of
+each evaluation (`forget`). Never under CUDA graph capture, where a sync
 is not allowed.
 """
 from __future__ import annotations
@@ -79,7 +80,9 @@ class SeenMasks:
         """What can go from a call with this key-only mask: None the first time the mask is met (and whenever it
         cannot be read now); on a later call with the same mask, what `kept_keys` read (read then, once)."""
         root = mask._base if mask._base is not None else mask
-        view = (tuple(mask.shape), mask.stride(), mask.storage_offset(), mask.dtype, kv_len)
+        # An in-place write bumps the version a normal tensor carries (an inference tensor carries none).
+        version = None if mask.is_inference() else mask._version
+        view = (tuple(mask.shape), mask.stride(), mask.storage_offset(), mask.dtype, kv_len, version)
         entry = self._seen.get(id(root))
         if entry is None or entry[0]() is not root:
             if len(self._seen) >= self.max_seen:

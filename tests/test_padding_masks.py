@@ -88,6 +88,21 @@ def test_a_mask_is_read_on_its_second_call_and_forgotten_at_the_evaluation_end()
     assert padding_cut(seen, k, v, m, 1)[3] is None
 
 
+def test_a_mask_written_in_place_is_read_again_and_inference_masks_are_kept_for_the_evaluation():
+    seen = SeenMasks()
+    k = v = torch.randn(1, 64, 16)
+    m = padding(64, range(50))
+    padding_cut(seen, k, v, m, 1)
+    assert padding_cut(seen, k, v, m, 1)[0].shape[1] == 50
+    m[..., 40:50] = -BF16_MAX  # ten more keys padded, in place: a new version, so a new mask (first call: no cut)
+    assert padding_cut(seen, k, v, m, 1)[3] is None
+    assert padding_cut(seen, k, v, m, 1)[0].shape[1] == 40 and seen.reads == 2
+    with torch.inference_mode():  # no version to read there: the evaluation's end (forget) is the bound
+        mi = padding(64, range(30))
+        padding_cut(seen, k, v, mi, 1)
+        assert padding_cut(seen, k, v, mi, 1)[0].shape[1] == 30
+
+
 def test_a_new_mask_object_per_call_costs_no_read():
     seen = SeenMasks()
     k = v = torch.randn(1, 64, 16)
