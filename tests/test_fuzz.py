@@ -1210,8 +1210,9 @@ def test_kernel_oracle_accepts_another_p_grid_and_reports_a_1_percent_scale():
 @pytest.mark.slow
 def test_fuzz_triton_interpreter_cpu(summary_lines):
     """The Triton backends under TRITON_INTERPRET=1, in a fresh process (the interpreter is chosen when the
-    kernels are first defined): a few dozen small calls, since the interpreter is slow (about 15 s for 32 calls;
-    slow run only: the default run checks the Triton kernels under the interpreter in test_triton_interpret.py)."""
+    kernels are first defined), with the GPUs' NaN-dropping max and min (tests/gpu_max.py): a few dozen small calls,
+    since the interpreter is slow (about 15 s for 32 calls; slow run only: the default run checks the Triton
+    kernels under the interpreter in test_triton_interpret.py and test_triton_nonfinite.py)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, __file__, "--triton-interpreter"], env=env, capture_output=True,
@@ -1349,6 +1350,8 @@ def _triton_interpreter_main():
     test_fuzz_triton_interpreter_sees_planted_lse_and_causal_faults."""
     if "--quick" in sys.argv:
         return _triton_interpreter_quick(sys.argv[sys.argv.index("--plant") + 1] if "--plant" in sys.argv else None)
+    from gpu_max import drop_nan_in_max
+    drop_nan_in_max()  # the GPUs' max and min: a NaN operand dropped (tests/gpu_max.py)
     kernels = ["triton_int8_fp8", "triton_int8_fp16"]
     reasons = {k: get_backend(k).unavailable("cpu", None) for k in kernels}
     present = [k for k in kernels if reasons[k] is None]
@@ -1357,12 +1360,12 @@ def _triton_interpreter_main():
         sys.exit(0)
     rng = random.Random(SEED + 2)
     cases = []
-    # Small ones only (the interpreter runs every program instance in Python), two of each value kind so
+    # Small ones only (the interpreter runs every program instance in Python), four of each value kind so
     # NaN/Inf and near-max values are always among them; masks as drawn (key-only ones run, per-row ones are
     # refused with their reason).
     for values in ("normal", "scaled", "big_v", "k_offset", "constant_rows", "extreme", "nan", "inf"):
         found = 0
-        while found < 2:
+        while found < 4:
             c = random_case(rng, False)
             if c.batch * c.q_heads * max(c.q_len, c.kv_len) * max(c.head_dim, c.v_head_dim) <= 6000:
                 cases.append(dict_replace(c, values=values))

@@ -1,8 +1,8 @@
 """NaN and Inf in, NaN or Inf out, from the Triton kernels: the six calls the H100's GPU fuzz caught (2026-12-05)
 giving finite outputs where exact attention is not finite, replayed under Triton's interpreter on the CPU.
 
-Two interpreters: Triton's own, and one whose elementwise max/min drop a NaN operand as the GPUs' do (NVIDIA's
-max.f32, gfx12's v_max_num_f32; Triton's interpreter propagates NaN there, while its reductions already drop it).
+Two interpreters: Triton's own, and one whose elementwise max/min drop a NaN operand as the GPUs' do
+(tests/gpu_max.py).
 Before the kernel's epilogue kept a NaN row's NaN (a row whose running max stayed -inf, its NaN scores dropped by the
 max, was taken for a row that saw no key and zeroed), all 12 calls (six, both kernels) leaked with the GPU's max and
 10 of 12 with the interpreter's own."""
@@ -37,12 +37,10 @@ CALLS = [
 CHILD = """
 import sys
 sys.path.insert(0, {tests!r})
-import numpy as np
 import conftest  # noqa: F401  (loads the pack)
 if {gpu_max!r}:
-    from triton.runtime import interpreter
-    interpreter.InterpreterBuilder.create_maxnumf = lambda self, a, b: self.binary_op(a, b, np.fmax)
-    interpreter.InterpreterBuilder.create_minnumf = lambda self, a, b: self.binary_op(a, b, np.fmin)
+    from gpu_max import drop_nan_in_max
+    drop_nan_in_max()
 import torch
 import test_fuzz as F
 from comfyui_sage_rdna4.sage_patch import PatchConfig, SageAttentionOverride
