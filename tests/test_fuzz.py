@@ -1211,7 +1211,7 @@ def test_kernel_oracle_accepts_another_p_grid_and_reports_a_1_percent_scale():
 def test_fuzz_triton_interpreter_cpu(summary_lines):
     """The Triton backends under TRITON_INTERPRET=1, in a fresh process (the interpreter is chosen when the
     kernels are first defined), with the GPUs' NaN-dropping max and min (tests/gpu_max.py): a few dozen small calls,
-    since the interpreter is slow (about 15 s for 32 calls; slow run only: the default run checks the Triton
+    since the interpreter is slow (about 15 s for 64 calls; slow run only: the default run checks the Triton
     kernels under the interpreter in test_triton_interpret.py and test_triton_nonfinite.py)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
