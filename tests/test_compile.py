@@ -287,3 +287,38 @@ def test_inductor_never_sees_our_triton_kernels_on_a_gpu(kernel):
     compiled = torch.compile(f, backend="inductor", fullgraph=True)(q, k, v)
     assert dict(counters["graph_break"]) == {}
     assert torch.equal(compiled, eager)
+
+
+class PaddedPromptModel(torch.nn.Module):
+    """Builds one prompt-padding mask per evaluation and hands it to every block, as HunyuanVideo does."""
+
+    def __init__(self, blocks=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(blocks))
+
+    def forward(self, x, to):
+        n = x.shape[1]
+        mask = torch.zeros(1, 1, n, dtype=x.dtype, device=x.device)
+        mask[..., n - 8:] = -torch.finfo(x.dtype).max
+        for i, block in enumerate(self.blocks):
+            block.mask = mask
+            x = x + block(x, to, block_index=i)
+        return x
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_padding_mask_is_cut_inside_a_compiled_model_as_in_eager(backend):
+    """The op's body runs the override eagerly, and the graph hands every block's op the same mask object: from
+    its second call the padding is cut from K and V as in the eager run (kernels/padding_masks.py), with the same
+    output and counts, and no graph break."""
+    to, override = patched(PatchConfig(kernel="reference"))
+    model, x = PaddedPromptModel(), torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(1))
+    want, _ = run(model, to, x)
+    eager = override.stats.snapshot()["cuts"]
+    assert eager == {"padding mask: keys 40 -> 32, mask dropped": 3}
+    override.step_boundary()  # the evaluation's end: its mask is forgotten
+    override.stats.reset()
+    got, breaks = run(model, to, x, backend)
+    assert breaks == {} and override.stats.snapshot()["cuts"] == eager
+    assert torch.equal(got, want) if backend == "aot_eager" else torch.allclose(got, want, atol=1e-5, rtol=1e-5)
