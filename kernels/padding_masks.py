@@ -13,8 +13,7 @@ builds its mask once per evaluation and hands it to every block), never the firs
 costs no sync. Identity is the mask's own object (weakly held), its view and, outside inference mode, its version
 (an in-place write makes it a new mask). ComfyUI samples under inference mode, where tensors carry no version:
 there a mask is taken as unchanged within one model evaluation, and the owner forgets every mask at the end of
-each evaluation (`forget`). Never under CUDA graph capture, where a sync
-is not allowed.
+each evaluation (`forget`). Never read under CUDA graph capture, where a sync is not allowed.
 """
 from __future__ import annotations
 
@@ -103,7 +102,7 @@ class SeenMasks:
 
 
 def padding_cut(seen: SeenMasks, k: torch.Tensor, v: torch.Tensor, mask, token_dim: int):
-    """(k, v, mask, kept) with the keys `seen` knows to be dead cut , or the inputs and None when
+    """(k, v, mask, kept) with the keys `seen` knows to be dead cut along `token_dim`, or the inputs and None when
     nothing can go: no mask, a mask that differs between query rows, or one met for the first time."""
     if (mask is None or not isinstance(mask, torch.Tensor) or not 2 <= mask.dim() <= 4 or mask.requires_grad
             or not (mask.dtype == torch.bool or mask.is_floating_point()) or mask.device != k.device):

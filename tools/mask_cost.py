@@ -8,9 +8,9 @@ additive bf16 mask (1, 1, N) with -finfo.max on the padding (HunyuanVideo's, aft
 mask (1, 1, 1, N); both masks again with attention.PLAIN_MASK_ROWS on (their plain padding rows take the unmasked key
 loop: the setting this tool decides); the padding cut (the kept keys alone, unmasked: what the Patch node runs for
 such a mask from its second call in a model evaluation, kernels/padding_masks.py); and SDPA with the additive mask
-(what the call ran on before). Device time by
-CUDA events, median of the repeats; the ratio masked / unmasked is the figure (target: within 1.05). Also the time of
-the mask's preparation alone (its one launch), and each output's rel L1 against SDPA with the same mask.
+(what the call ran on before). Device time by CUDA events, median of the repeats; the ratio masked / unmasked is the
+figure (target: within 1.05). Also the time of the mask's preparation alone (its one launch), and each output's rel
+L1 against SDPA with the same mask.
 Writes JSON to --json, or to $OUT/mask_cost.json where $OUT is set."""
 import argparse
 import json

@@ -84,7 +84,7 @@ class CallRecorder:
             # attention on the same inputs (per-call rel L1, the figure beside the latent PSNR).
             with torch.no_grad():
                 own = func(*args, **kwargs)
-            row["rel_l1"] = float((out.float() - own.float()).abs().sum() / own.float().abs().sum().clamp_min(1e-30))
+            row["rel_l1"] = p.rel_l1(out, own)
         self.calls.append(row)
         return out
 
@@ -121,6 +121,7 @@ class Pack:
 
     def __init__(self):
         from comfyui_sage_rdna4.kernels.call_spec import mask_scope
+        from comfyui_sage_rdna4.kernels.metrics import rel_l1
         from comfyui_sage_rdna4.kernels.registry import get_backend
         from comfyui_sage_rdna4.sage_patch import ab_benchmark
         from comfyui_sage_rdna4.sage_patch.config import PatchConfig
@@ -130,7 +131,7 @@ class Pack:
         from comfyui_sage_rdna4.sage_patch.stats import PatchStats
         from comfyui_sage_rdna4.sage_patch.timing import step_timer_of
 
-        self.mask_scope, self.get_backend, self.ab = mask_scope, get_backend, ab_benchmark
+        self.mask_scope, self.get_backend, self.ab, self.rel_l1 = mask_scope, get_backend, ab_benchmark, rel_l1
         self.PatchConfig, self.OVERRIDE_KEY, self.patch_model = PatchConfig, OVERRIDE_KEY, patch_model
         self.expand_mask, self.bind_attention_args, self.summarize_steps = expand_mask, bind_attention_args, \
             summarize_steps
