@@ -111,6 +111,11 @@ else:
         """The FP8 shift as it was: fl(row_max - P_SHIFT), which can land below the exact value."""
         return row_max - tl.constexpr(8.8067)
 
+    @triton.jit
+    def _unraised_fp16_shift(row_max, EXACT_S: tl.constexpr):
+        """The FP16 shift as it was: fl(row_max - 15), with no room for an FMA's unrounded product."""
+        return row_max - tl.constexpr(15.0)
+
     from comfyui_sage_rdna4.kernels.backends.triton.attention import attention_from_quantized_triton
     from comfyui_sage_rdna4.kernels.backends.triton.configs import PV_ACCUMULATE, attention_config
     from comfyui_sage_rdna4.kernels.backends.triton.prologue import triton_quantize_qkv
@@ -772,6 +777,27 @@ else:
             assert float((out - 1).abs().max()) <= (2.0 ** -4 if kernel.endswith("fp8") else 2.0 ** -11)
             # The LSE carries the same shift as the row sum: logit + log(1 + 79 e^-logit), to FP32's grid.
             assert float((lse.double() - logit).abs().max()) <= max(1e-3, 4 * logit * 2.0 ** -24)
+
+    @pytest.mark.parametrize("logit", [1e8, 1e10, 1e20])
+    def test_scores_past_fp32_resolution_stay_finite_and_in_range(logit):
+        """Base-2 scores past ~1e7 have an FP32 ulp of 1 and more: the raised shifts keep P finite (FP8 <= 448, FP16
+        <= 65504) and the top P may vanish, which leaves the row 0 (in V's range), never Inf or NaN. The GPU fuzz
+        found FP16 P overflowing there (fp16 q 2e4, k 5.5e4, D48: all 960 outputs non-finite)."""
+        q, k, v = dominant_key(logit)
+        for kernel in ("triton_int8_fp8", "triton_int8_fp16"):
+            out = sage_attention(q, k, v, kernel=kernel, sm_scale=1.0, smooth_k=False)
+            assert bool(torch.isfinite(out).all()), (kernel, logit)
+            assert float(out.min()) >= 0.0 and float(out.max()) <= 1.0, (kernel, logit)
+
+    def test_fp16_p_overflows_without_the_raised_shift(monkeypatch):
+        """The check above can fail: with the FP16 shift as it was (fl(row_max - 15), no raise) P passes 65504 and
+        the row comes out Inf or NaN: at logit 1e8 (base 2: 1.44e8, an ulp of 16) the shift rounds to row_max - 16,
+        so the top P is 2^16 (on a GPU an FMA's unrounded s * q_scale adds up to half an ulp more)."""
+        from comfyui_sage_rdna4.kernels.backends.triton import attention as ta
+
+        monkeypatch.setattr(ta, "_fp16_shift", _unraised_fp16_shift)
+        out = sage_attention(*dominant_key(1e8), kernel="triton_int8_fp16", sm_scale=1.0, smooth_k=False)
+        assert not bool(torch.isfinite(out).all())
 
     def test_p_range_assertion_fires_on_the_old_shift(monkeypatch):
         """The check can fail: with the unrounded shift (the code before) P = 449.6 at logit 1e5 and 512 at 1e7

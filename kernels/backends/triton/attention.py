@@ -107,6 +107,19 @@ def _shifted_max(row_max, EXACT_S: tl.constexpr):
 
 
 @triton.jit
+def _fp16_shift(row_max, EXACT_S: tl.constexpr):
+    """fl(row_max - FP16_P_LOG2_TOP): FP16 P tops at 2^15 and FP16 holds up to 65504, a binade of headroom for the
+    shift's rounding and an FMA's unrounded s * q_scale (half an ulp of row_max each). From |row_max| = 2^23 on
+    (an ulp of 1) that headroom no longer covers them, and the shift is raised as _shifted_max raises FP8's, so P
+    stays finite at any finite score; below, P is the spec's to the bit."""
+    c = row_max - FP16_P_LOG2_TOP
+    raised = c + tl.abs(c) * 2.384185791015625e-07
+    if EXACT_S:
+        raised = tl.where(c == row_max, c, raised)
+    return tl.where((tl.abs(c) >= 8388608.0) & (c != float("-inf")), raised, c)
+
+
+@triton.jit
 def _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_base, start_n,
               offs_m, offs_n, offs_d, offs_dv, key_bound, skn, svn, svd,
               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
@@ -161,7 +174,7 @@ def _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_ba
         m_new = tl.maximum(tile_shift, m_run - FP8_TILE_SHIFT_RANGE)
     else:
         # FP16 P tops at 2^15: every weight above 2^-29 of the running max is an fp16 normal.
-        m_new = tl.maximum(m_i, row_max - FP16_P_LOG2_TOP)
+        m_new = tl.maximum(m_i, _fp16_shift(row_max, not FOLD_Q_SCALE))
     m_exp = m_new
     if HAS_BIAS:
         # A mask can hide every key of a row so far (max -inf): exp2(-inf - -inf) would be NaN, and the epilogue
@@ -337,15 +350,14 @@ def _sage_attn_fwd(Q8, QS, K8, KS, V, VS, VM, O, LSE, BIAS, KEND, PLAIN,
     inv_l = 1.0 / l_i
     # acc / l first, as the spec: inv_l * v_scale underflows FP32 for tiny V scales (down to 2**-126).
     out = (acc * inv_l[:, None]) * v_scale[None, :]
-    # A row that saw no key (m_i -inf, row sum 0) gives zeros. A NaN row keeps its NaN: its row sum is NaN (sums keep
-    # NaN everywhere), while m_i may have stayed -inf, since a GPU's max drops NaN operands.
-    saw_keys = (m_i != float("-inf")) | (l_i != l_i)
     if HAS_VMEAN:
         # smooth_v: each row of P sums to 1, so V's mean comes back whole.
         v_mean = tl.load(VM + (b64 * Hkv + hk64) * DV + offs_dv, mask=offs_dv < DV, other=0.0)
-        out = tl.where(saw_keys[:, None], out + v_mean[None, :], 0.0)
-    elif HAS_BIAS:
-        out = tl.where(saw_keys[:, None], out, 0.0)  # a row the mask leaves no key: 0 / 0
+        out = out + v_mean[None, :]
+    # A row with row sum 0 gives zeros: one the mask leaves no key (0 / 0), or one whose weights all underflowed
+    # (base-2 scores past ~1e8, where the raised shifts put the top P below FP32's range). A NaN row keeps its NaN:
+    # its row sum is NaN (sums keep NaN everywhere), even where m_i stayed -inf (a GPU's max drops NaN operands).
+    out = tl.where((l_i == 0.0)[:, None], 0.0, out)
     if O.dtype.element_ty == tl.float16:
         # Rounding P (FP8: up to 6%) can lift a convex combination of V just past max|V|; at 65504 that
         # is Inf in FP16. Bring that small overshoot back to the largest FP16; real Inf/NaN stay as they are.
