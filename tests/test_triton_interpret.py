@@ -107,14 +107,14 @@ else:
     import triton.language as tl
 
     @triton.jit
-    def _unrounded_shift(row_max, EXACT_S: tl.constexpr):
-        """The FP8 shift as it was: fl(row_max - P_SHIFT), which can land below the exact value."""
+    def _unrounded_shift(row_max, TOP: tl.constexpr, EXACT_S: tl.constexpr, MAY_BE_EMPTY: tl.constexpr = True):
+        """The FP8 shift as it was: fl(row_max - log2(447.8)), which can land below the exact value (FP8 calls only)."""
         return row_max - tl.constexpr(8.8067)
 
     @triton.jit
-    def _unraised_fp16_shift(row_max, EXACT_S: tl.constexpr):
-        """The FP16 shift as it was: fl(row_max - 15), with no room for an FMA's unrounded product."""
-        return row_max - tl.constexpr(15.0)
+    def _unraised_shift(row_max, TOP: tl.constexpr, EXACT_S: tl.constexpr, MAY_BE_EMPTY: tl.constexpr = True):
+        """The FP16 shift as it was: fl(row_max - 15), with no room for its rounding or an FMA's unrounded product."""
+        return row_max - TOP
 
     from comfyui_sage_rdna4.kernels.backends.triton.attention import attention_from_quantized_triton
     from comfyui_sage_rdna4.kernels.backends.triton.configs import PV_ACCUMULATE, attention_config
@@ -795,7 +795,7 @@ else:
         so the top P is 2^16 (on a GPU an FMA's unrounded s * q_scale adds up to half an ulp more)."""
         from comfyui_sage_rdna4.kernels.backends.triton import attention as ta
 
-        monkeypatch.setattr(ta, "_fp16_shift", _unraised_fp16_shift)
+        monkeypatch.setattr(ta, "_shifted_max", _unraised_shift)
         out = sage_attention(*dominant_key(1e8), kernel="triton_int8_fp16", sm_scale=1.0, smooth_k=False)
         assert not bool(torch.isfinite(out).all())
 

@@ -91,32 +91,24 @@ def _to_e4m3_gfx12(x):
 
 
 @triton.jit
-def _shifted_max(row_max, EXACT_S: tl.constexpr):
-    """fl(row_max - P_SHIFT) raised by 2**-22 of itself: at least the exact row_max - P_SHIFT plus the half ulp
-    an FMA's unrounded s * q_scale can exceed the rounded row max by (|c| * 2**-22 is >= 2 ulp of c). The top P
-    then sits up to 2**-22 |c| binades below 447.9953: nothing at ordinary scores, 3.4 binades at |s| = 1.4e7,
-    where the scores' own FP32 step is 1. A row with no key stays -inf.
-    EXACT_S (scores rounded to FP32 before the max, as without FOLD_Q_SCALE): where P_SHIFT vanishes in the
-    rounding (|row_max| >= 2**28) c is the row max itself, so P <= 1 with no raise; the raise would put every P of
-    a row near -FP32 max (a -finfo.max mask) to 0."""
-    c = row_max - P_SHIFT
+def _shifted_max(row_max, TOP: tl.constexpr, EXACT_S: tl.constexpr, MAY_BE_EMPTY: tl.constexpr = True):
+    """fl(row_max - TOP) raised by 2**-22 of itself: at least the exact row_max - TOP plus the half ulp an FMA's
+    unrounded s * q_scale can exceed the rounded row max by (|c| * 2**-22 is >= 2 ulp of c), so P <= 2**TOP
+    (FP8: 447.9953; FP16: 2**15, which without the raise passed 65504 at scores past 2**24). The top P then sits up
+    to 2**-22 |c| binades below 2**TOP: nothing at ordinary scores, 3.4 binades at |s| = 1.4e7, where the scores'
+    own FP32 step is 1; past ~1e8 it underflows and the row comes out 0. A row with no key stays -inf.
+    EXACT_S (scores rounded to FP32 before the max, as without FOLD_Q_SCALE): where TOP vanishes in the rounding
+    (|row_max| >= 2**28) c is the row max itself, so P <= 1 with no raise; the raise would put every P of a row
+    near -FP32 max (a -finfo.max mask) to 0.
+    MAY_BE_EMPTY off (a tile with neither a mask nor a bias: every row has a finite max, or an all-NaN row whose max
+    a GPU gives as -inf and whose shift then comes out NaN, which the running max drops) saves the -inf select."""
+    c = row_max - TOP
     raised = c + tl.abs(c) * 2.384185791015625e-07
     if EXACT_S:
         raised = tl.where(c == row_max, c, raised)
-    return tl.where(c == float("-inf"), c, raised)
-
-
-@triton.jit
-def _fp16_shift(row_max, EXACT_S: tl.constexpr):
-    """fl(row_max - FP16_P_LOG2_TOP): FP16 P tops at 2^15 and FP16 holds up to 65504, a binade of headroom for the
-    shift's rounding and an FMA's unrounded s * q_scale (half an ulp of row_max each). From |row_max| = 2^23 on
-    (an ulp of 1) that headroom no longer covers them, and the shift is raised as _shifted_max raises FP8's, so P
-    stays finite at any finite score; below, P is the spec's to the bit."""
-    c = row_max - FP16_P_LOG2_TOP
-    raised = c + tl.abs(c) * 2.384185791015625e-07
-    if EXACT_S:
-        raised = tl.where(c == row_max, c, raised)
-    return tl.where((tl.abs(c) >= 8388608.0) & (c != float("-inf")), raised, c)
+    if MAY_BE_EMPTY:
+        raised = tl.where(c == float("-inf"), c, raised)
+    return raised
 
 
 @triton.jit
@@ -169,12 +161,12 @@ def _key_tile(acc, l_i, m_i, m_run, q, q_scale, k_base, ks_base, v_base, bias_ba
         # This tile's own max is its P's top, floored FP8_TILE_SHIFT_RANGE below the running max: P <= 448 as
         # before (the shift is at least this tile's _shifted_max), and e4m3's normals reach 2^-14.8 of the tile's
         # max instead of the row's (m_new: this tile's shift, m_run: the running max's).
-        tile_shift = _shifted_max(row_max, not FOLD_Q_SCALE)
+        tile_shift = _shifted_max(row_max, P_SHIFT, not FOLD_Q_SCALE)
         m_run = tl.maximum(m_run, tile_shift)
         m_new = tl.maximum(tile_shift, m_run - FP8_TILE_SHIFT_RANGE)
     else:
         # FP16 P tops at 2^15: every weight above 2^-29 of the running max is an fp16 normal.
-        m_new = tl.maximum(m_i, _fp16_shift(row_max, not FOLD_Q_SCALE))
+        m_new = tl.maximum(m_i, _shifted_max(row_max, FP16_P_LOG2_TOP, not FOLD_Q_SCALE, MASKED or HAS_BIAS))
     m_exp = m_new
     if HAS_BIAS:
         # A mask can hide every key of a row so far (max -inf): exp2(-inf - -inf) would be NaN, and the epilogue
