@@ -11,6 +11,11 @@ One op whose body dispatches at run time, rather than one op per backend: a rout
 (auto deciding, the watch reverting, a self-check disabling a kernel), and a per-backend op baked into a graph
 could not follow it without recompiling.
 
+The op returns (b, h, n, d) and the graph itself reshapes it as the call site asked, as in the unpatched graph,
+where SDPA returns (b, h, n, d): inductor then fuses that reshape into what reads the output (Flux's single blocks
+concatenate it with their MLP). An op returning the call site's (b, n, h*d) made that copy itself, eagerly, once per
+call, on every call `auto` hands back to exact attention (1.9 % of a compiled Flux step on an H100).
+
 What does not cross: keyword arguments the op does not carry (another pack's) and a call site whose attention
 is not a module-level function (found again by its module and name at run time). Such a call runs the call
 site's own attention inside the graph, as without the patch, and is not counted.
@@ -74,20 +79,27 @@ def traced_call(override_id: int, func, args, kwargs, uses_steps: bool) -> torch
     to = kwargs.get("transformer_options") or {}
     block, total = to.get("block_index"), to.get("total_blocks")
     sigmas, schedule = (to.get("sigmas"), to.get("sample_sigmas")) if uses_steps else (None, None)
-    return attention_op(
+    out = attention_op(
         bound.q, bound.k, bound.v, bound.mask, sigmas, schedule, override_id,
-        site, int(bound.heads), bool(bound.skip_reshape), bool(bound.skip_output_reshape),
+        site, int(bound.heads), bool(bound.skip_reshape),
         bound.attn_precision, kwargs.get("scale"), bool(kwargs.get("enable_gqa", False)),
         kwargs.get("low_precision_attention", True) is not False,
         NO_BLOCK if block is None else int(block), NO_BLOCK if total is None else int(total))
+    return from_hnd(out, bool(bound.skip_output_reshape))
+
+
+def _hnd_output_shape(q, k, v, heads: int, skip_reshape: bool) -> torch.Size:
+    """(b, h, nq, dv) of the call (layouts' own rules), without running anything."""
+    qh, _, vh, _, _, _ = hnd_inputs(AttentionArgs(q, k, v, heads, skip_reshape=skip_reshape))
+    return torch.Size((*qh.shape[:3], vh.shape[-1]))
 
 
 def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
         sigmas: Optional[torch.Tensor], sample_sigmas: Optional[torch.Tensor], override_id: int, site: str,
-        heads: int, skip_reshape: bool, skip_output_reshape: bool, attn_precision: Optional[torch.dtype],
+        heads: int, skip_reshape: bool, attn_precision: Optional[torch.dtype],
         scale: Optional[float], enable_gqa: bool, low_precision: bool, block_index: int,
         total_blocks: int) -> torch.Tensor:
-    """At run time: the eager override, with the keywords the call carried."""
+    """At run time: the eager override, with the keywords the call carried, asked for (b, h, n, d)."""
     override = _OVERRIDES.get(override_id)
     if override is None:
         raise RuntimeError(f"sage_rdna4: a compiled graph names patch {override_id}, which no longer exists")
@@ -97,22 +109,24 @@ def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.
         if value is not None and not (isinstance(value, int) and value == NO_BLOCK):
             to[key] = value
     kwargs = dict(mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
-                  skip_output_reshape=skip_output_reshape, transformer_options=to, _inside_attn_wrapper=True)
+                  skip_output_reshape=True, transformer_options=to, _inside_attn_wrapper=True)
     if scale is not None:
         kwargs["scale"] = scale
     if enable_gqa:
         kwargs["enable_gqa"] = True
     if not low_precision:
         kwargs["low_precision_attention"] = False
-    return own_output(override(_site(site), q, k, v, heads, **kwargs), (q, k, v))
+    out = override(_site(site), q, k, v, heads, **kwargs)
+    if out.ndim == 3:  # a call site's attention that ignores skip_output_reshape gave (b, n, h*d)
+        b, h, n, dv = _hnd_output_shape(q, k, v, heads, skip_reshape)
+        out = out.view(b, n, h, dv).transpose(1, 2)
+    return own_output(out, (q, k, v))
 
 
-def _fake(q, k, v, mask, sigmas, sample_sigmas, override_id, site, heads, skip_reshape, skip_output_reshape,
+def _fake(q, k, v, mask, sigmas, sample_sigmas, override_id, site, heads, skip_reshape,
           attn_precision, scale, enable_gqa, low_precision, block_index, total_blocks):
-    """The output's shape, dtype and device without running anything (layouts' own rules)."""
-    qh, _, vh, _, _, _ = hnd_inputs(AttentionArgs(q, k, v, heads, skip_reshape=skip_reshape))
-    shape = from_hnd(qh.new_empty(*qh.shape[:3], vh.shape[-1]), skip_output_reshape).shape
-    return q.new_empty(shape)
+    """The output's shape, dtype and device without running anything."""
+    return q.new_empty(_hnd_output_shape(q, k, v, heads, skip_reshape))
 
 
 # One op per copy of the pack in the process; None (with the reason) where torch could not register it, and then

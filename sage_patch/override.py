@@ -63,7 +63,6 @@ class Turn(NamedTuple):
 
 
 BASELINE_TURN = Turn(Outcome(RAN, BASELINE_CALLS))
-TRACED_TURN = Turn(Outcome(RAN, "sage_rdna4::attention"))  # the op's body counts the call when it runs
 
 
 class SageAttentionOverride:
@@ -108,9 +107,9 @@ class SageAttentionOverride:
 
     def __call__(self, func, *args, **kwargs):
         """Who takes this call (`_turn`), that call, and its outcome counted once (`PatchStats.record`)."""
-        turn = self._turn(args, kwargs)
-        if turn is TRACED_TURN:  # inside a torch.compile trace: one opaque op
+        if TRACEABLE and torch.compiler.is_compiling():  # inside a torch.compile trace: one opaque op
             return traced_call(self.op_id, func, args, kwargs, self.policies.uses_steps)
+        turn = self._turn(args, kwargs)
         outcome, backend, plan, inputs, skip_output_reshape, trial, kernel, cut = turn
         timer, out = self.attention_timer, None
         if backend is not None:  # our kernel: the plan holds its answer, so it launches without asking again
@@ -158,8 +157,6 @@ class SageAttentionOverride:
         """Who takes this call: the traced op (under torch.compile), the call site's attention (the A/B baseline; a
         call unreadable, refused, or kept exact on purpose), or our kernel as the plan of its signature says
         (`auto`'s trial or watch may hand it to another candidate, or to SDPA)."""
-        if TRACEABLE and torch.compiler.is_compiling():
-            return TRACED_TURN
         if self.baseline:
             return BASELINE_TURN
         kernel = self.config.kernel

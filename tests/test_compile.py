@@ -188,6 +188,29 @@ def test_the_op_takes_the_hnd_layout_and_grouped_heads():
     assert override.stats.snapshot()["calls"] == {"reference": 2}  # the compiled call ran ours, as the eager one
 
 
+def test_the_graph_reshapes_the_ops_hnd_output_as_the_unpatched_graph_does():
+    """The op returns (b, h, n, d) and the reshape to the call site's (b, n, h*d) is the graph's own, where inductor
+    can fuse it into its reader, as after SDPA in the unpatched graph; a call site's attention that ignores
+    skip_output_reshape still gives the call site's shape."""
+    graphs = []
+
+    def keep_graph(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+    for config, site in ((PatchConfig(kernel="reference"), comfy_attention), (PatchConfig(kernel="sdpa"),
+                                                                               plain_attention)):
+        to, override = patched(config)
+        model, x = Model(site=site), torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(5))
+        want, _ = run(model, to, x)
+        graphs.clear()
+        got, breaks = run(model, to, x, keep_graph)
+        assert breaks == {} and got.shape == want.shape and torch.allclose(got, want, atol=1e-6)
+        ops = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "sage_rdna4" in str(n.target)]
+        assert len(ops) == 4
+        for node in ops:
+            assert tuple(node.meta["example_value"].shape) == (2, HEADS, 40, 64 // HEADS)
+
+
 @pytest.mark.parametrize("return_lse", [False, True])
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_the_public_api_inside_a_compiled_function(return_lse, layout):
