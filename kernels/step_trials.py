@@ -287,7 +287,10 @@ class Recheck(_AgainstSdpa):
     """A decision recalled from disk, checked in the first steps that run its kind of call: WATCH_CALLS adjacent
     pairs of SDPA and `backend` (the stored choice, or the best quantized candidate when SDPA was chosen) per step,
     timed as a watch times them, until WATCH_MIN of each. `on_result(agrees, ratio)` then says whether the ratio
-    measured now is the stored one within MARGIN (relative). Untimed calls take the route's default meanwhile."""
+    measured now is the stored one within MARGIN (relative). Untimed calls take the route's default meanwhile.
+
+    The first WARMUP_CALLS pairs are run but not kept, as in a trial: the check is often a backend's first call in
+    this process, which loads its kernels (17x SDPA on a Wan 14B call where the stored 1.25x still held)."""
 
     SDPA_TURN = "auto: checking a remembered choice (exact attention's turn, timed against it)"
 
@@ -298,6 +301,7 @@ class Recheck(_AgainstSdpa):
         self._failed: Optional[str] = None
         self._on_result = on_result
         self._calls = 0
+        self._unkept = {SDPA: WARMUP_CALLS, self.backend_name: WARMUP_CALLS}  # timed calls still to drop, per side
         self.done = False
 
     def fail(self, name: str, reason: str) -> None:
@@ -308,14 +312,17 @@ class Recheck(_AgainstSdpa):
         n = self._calls
         self._calls += 1
         pair, offset = divmod(n, 2)
-        if self.done or pair >= WATCH_CALLS:
+        if self.done or pair >= WATCH_CALLS + max(self._unkept.values()):
             return None
         return SDPA if (pair % 2 == 0) == (offset == 0) else self.backend_name
 
     def end_step(self) -> Optional[bool]:
         calls, self._calls = self._calls, 0
         for name, ms in self._read():
-            self.samples[name].append(ms)
+            if self._unkept[name]:
+                self._unkept[name] -= 1
+            else:
+                self.samples[name].append(ms)
         if self.done or (calls == 0 and self._failed is None):
             return None
         sdpa, mine = self.samples[SDPA], self.samples[self.backend_name]

@@ -34,6 +34,10 @@ from .step_trials import DeviceEvents, Measurement, Recheck, StepTrial, Watch
 log = logging.getLogger(__name__)
 
 TIMED_REPEATS = 3  # alone: timed calls per candidate after its warm-up; the median is kept
+# A remembered SDPA choice is checked in the step only when its best quantized candidate was stored within this share
+# of SDPA: farther out, the spread between processes (a few %) cannot flip it, SDPA is exact either way, and the
+# check's calls (the kernels' first loads in the process) cost a later session's first step 37-49 % on Wan 14B.
+SDPA_RECHECK_BAND = 0.10
 
 # timer(fn, device) -> milliseconds of one call of fn; injectable so tests need no GPU.
 Timer = Callable[[Callable[[], object], torch.device], float]
@@ -133,7 +137,8 @@ class Tuner:
                  recalled: bool = False) -> None:
         """What measures this kind of call from now on (under the lock). Without a decision, a trial among
         `candidates`. A decision is kept in memory; one `recalled` from disk is first checked against this step's
-        own timings (Recheck: kept when they agree, measured again when not); a quantized choice is then watched."""
+        own timings (Recheck: kept when they agree, measured again when not), unless it chose SDPA by more than
+        SDPA_RECHECK_BAND; a quantized choice is then watched."""
         if decision is None:
             self._measuring[key] = StepTrial(key[3], device, candidates, passed_over, self.events,
                                              partial(self._decided, key, device, candidates))
@@ -142,6 +147,8 @@ class Tuner:
         if recalled:
             best = decision.best_quantized[0] if decision.best_quantized else None
             name = decision.chosen if decision.chosen != SDPA else best
+            if decision.chosen == SDPA and best is not None and decision.ratio(best) > 1 + SDPA_RECHECK_BAND:
+                name = None  # SDPA by a wide margin: the decision stands unchecked
             backend = next((b for b in candidates if b.name == name), None)
             if backend is not None:  # else nothing quantized to time against SDPA: the decision stands
                 self._measuring[key] = Recheck(decision, backend, device, self.events,
