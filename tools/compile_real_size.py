@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -112,6 +113,8 @@ def profile_step(m, positive, negative, latent, cfg, steps) -> dict:
 
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     _, times = sample_timed(m, positive, negative, latent, cfg, max(steps, 2), profiler=prof)
+    if os.environ.get("OUT"):  # the whole step, to see where the GPU waits (chrome://tracing, Perfetto)
+        prof.export_chrome_trace(os.path.join(os.environ["OUT"], f"trace_{len(os.listdir(os.environ['OUT']))}.json"))
     events = prof.key_averages()
     gpu = sorted((e for e in events if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
     ours = [e for e in events if e.key.startswith("sage_rdna4::")]

@@ -8,9 +8,9 @@ additive bf16 mask (1, 1, N) with -finfo.max on the padding (HunyuanVideo's, aft
 mask (1, 1, 1, N); both masks again with attention.PLAIN_MASK_ROWS on (their plain padding rows take the unmasked key
 loop: the setting this tool decides); the padding cut (the kept keys alone, unmasked: what the Patch node runs for
 such a mask from its second call in a model evaluation, kernels/padding_masks.py); and SDPA with the additive mask
-(what the call ran on before). Device time by CUDA events, median of the repeats; the ratio masked / unmasked is the
-figure (target: within 1.05). Also the time of the mask's preparation alone (its one launch), and each output's rel
-L1 against SDPA with the same mask.
+(what the call ran on before). Device time by CUDA events over BACK_TO_BACK calls in a row, median of the
+repeats; the ratio masked / unmasked is the figure (target: within 1.05). Also the time of the mask's preparation
+alone (its one launch), and each output's rel L1 against SDPA with the same mask.
 Writes JSON to --json, or to $OUT/mask_cost.json where $OUT is set."""
 import argparse
 import json
@@ -22,6 +22,11 @@ import time
 import torch
 
 from pack_loader import load_pack
+
+# Calls timed per event pair, back to back: a lone call's events also time the host's work before its first launch
+# (about 300 us of an 880 us FP8 call on an H100, where its kernels take 584 us), which a model's queue hides. Timed
+# one at a time, the cut call's extra host work (two slices) read as 1.12x the unmasked call; its kernels took 0.976x.
+BACK_TO_BACK = 5
 
 # name: (image tokens, text tokens)
 SHAPES = {"hunyuan_544p": (4096, 256), "hunyuan_720p": (16 * 1024, 256), "hunyuan_small": (1024, 256)}
@@ -40,6 +45,19 @@ def cuda_time(fn, reps_inner: int = 1) -> float:
 def rel_l1(a, b) -> float:
     a, b = a.float(), b.float()
     return float((a - b).abs().sum() / b.abs().sum().clamp_min(1e-30))
+
+
+def print_profile(title: str, calls: dict, reps: int = 5) -> None:
+    """Device kernels and host time of each call, apart: which launches differ between two calls."""
+    from torch.profiler import ProfilerActivity, profile
+    for label, fn in calls.items():
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        print(f"--- profile {title} {label} ({reps} calls)")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
 
 
 def main(argv=None) -> int:
@@ -68,6 +86,8 @@ def main(argv=None) -> int:
     parser.add_argument("--pad", type=int, default=200, help="padding keys among the text tokens")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", action="store_true",
+                        help="also print the torch profiler's kernel table for the unmasked and the cut call")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("mask_cost: needs a CUDA or ROCm GPU", file=sys.stderr)
@@ -119,8 +139,10 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             for _ in range(args.reps):
                 for label, fn in calls.items():
-                    times[label].append(cuda_time(fn))
+                    times[label].append(cuda_time(fn, BACK_TO_BACK))
             med = {label: statistics.median(ts) for label, ts in times.items()}
+            if args.profile:
+                print_profile(f"{name} {backend}", {k: calls[k] for k in ("unmasked", "padding_cut")})
             entry["backends"][backend] = {
                 "median_us": med,
                 "additive_vs_unmasked": med["additive"] / med["unmasked"],
