@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import faulthandler
+import json
 import math
 import os
 import random
@@ -1306,6 +1307,64 @@ def test_the_gpu_fuzz_draws_its_kernels_from_a_fixed_set():
     assert any(c.layout == "hnd" and c.kv_heads != c.q_heads for c in api)
 
 
+# Distinct Triton compiles the GPU fuzz costs per Triton backend, counted on the CPU (--count-compiles below). 127
+# with sm_90's launch plans on 2026-12-05: 92 for its own calls (83 of them the prologue's kernels, which the
+# layouts' strides and the dtypes specialize) and 35 more for its three variants' self-checks (53 alone). At 0.5-1 s
+# a compile on the H100's host that is most of the fuzz's ~100 s per backend (a profile: docs/MEASUREMENTS.md).
+GPU_FUZZ_MAX_COMPILES = 130
+
+
+def test_the_gpu_fuzz_compiles_a_bounded_number_of_triton_kernels():
+    """The GPU fuzz's time is mostly Triton compiles: its calls and its variants' self-checks, replayed on the CPU
+    with every launch's compile key recorded for sm_90 (kernels/verify/compile_keys.py; nothing compiled or run),
+    make at most GPU_FUZZ_MAX_COMPILES distinct compiles per Triton backend, and no fewer than the self-checks
+    alone (the count sees the calls)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    for kernel in ("triton_int8_fp8", "triton_int8_fp16"):
+        proc = subprocess.run([sys.executable, __file__, "--triton-interpreter", "--count-compiles", kernel],
+                              env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        counts = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(kernel, counts)
+        assert counts["calls"] >= 2 * GPU_FUZZ_CALLS * 0.9
+        assert 0 < counts["self_checks"] < counts["fuzz"] < counts["total"] <= GPU_FUZZ_MAX_COMPILES, counts
+
+
+def _count_gpu_fuzz_compiles(kernel: str) -> None:
+    """Prints (last line, JSON) the distinct compiles of the GPU fuzz's calls for `kernel` with its self-check off
+    (so every call reaches the kernel), then with its three variants' self-checks added."""
+    import dataclasses
+
+    from comfyui_sage_rdna4.kernels.self_check import (
+        DEFAULT_CASES,
+        Variant,
+        backend_attention,
+        case_call,
+        run_self_check,
+    )
+    from comfyui_sage_rdna4.kernels.verify.compile_keys import CompileKeys
+
+    os.environ["SAGE_RDNA4_SELF_CHECK"] = "0"
+    backend = get_backend(kernel)
+    like = dataclasses.replace(describe_call(*[torch.zeros(1, 1, 1, 64)] * 3), device_type="cuda", device_index=0,
+                               arch="sm_90")
+    with CompileKeys("sm_90") as alone:
+        for prologue, qk_group, smooth_k, smooth_v in GPU_VARIANTS:
+            variant = Variant("triton" if prologue == "auto" else prologue, qk_group, smooth_k, smooth_v)
+            run_self_check(backend_attention(backend, variant), "cpu", DEFAULT_CASES,
+                           lambda case, variant=variant: backend.refuse(case_call(case, like, variant)) is None,
+                           stop_at_first=False)
+    with CompileKeys("sm_90") as keys:
+        tallies = run_api_fuzz([kernel], n_random=GPU_FUZZ_CALLS, device="cpu", long_calls=0, tweak=gpu_case)
+        tallies += run_override_fuzz([kernel], n_random=GPU_FUZZ_CALLS, device="cpu", long_calls=0,
+                                     tweak=lambda case: gpu_case(case, for_comfy=True))
+        fuzz = keys.count()
+        keys.launches.extend(alone.launches)
+        print(json.dumps({"calls": sum(t.calls for t in tallies), "fuzz": fuzz, "self_checks": alone.count(),
+                          "total": keys.count(), "per_kernel": keys.per_kernel()}))
+
+
 INTERPRETER_FAULTS = ("LSE + 0.05", "causal one key late")
 
 
@@ -1347,7 +1406,10 @@ def test_fuzz_gpu(monkeypatch, summary_lines, kernel):
 
 def _triton_interpreter_main():
     """Runs inside the subprocess of test_fuzz_triton_interpreter_cpu, or with --quick (and --plant FAULT) of
-    test_fuzz_triton_interpreter_sees_planted_lse_and_causal_faults."""
+    test_fuzz_triton_interpreter_sees_planted_lse_and_causal_faults, or with --count-compiles KERNEL of
+    test_the_gpu_fuzz_compiles_a_bounded_number_of_triton_kernels."""
+    if "--count-compiles" in sys.argv:
+        return _count_gpu_fuzz_compiles(sys.argv[sys.argv.index("--count-compiles") + 1])
     if "--quick" in sys.argv:
         return _triton_interpreter_quick(sys.argv[sys.argv.index("--plant") + 1] if "--plant" in sys.argv else None)
     from gpu_max import drop_nan_in_max
