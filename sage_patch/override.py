@@ -154,9 +154,9 @@ class SageAttentionOverride:
         return out
 
     def _turn(self, args, kwargs) -> Turn:
-        """Who takes this call: the traced op (under torch.compile), the call site's attention (the A/B baseline; a
-        call unreadable, refused, or kept exact on purpose), or our kernel as the plan of its signature says
-        (`auto`'s trial or watch may hand it to another candidate, or to SDPA)."""
+        """Who takes this (eager) call: the call site's attention (the A/B baseline; a call unreadable, refused, or
+        kept exact on purpose), or our kernel as the plan of its signature says (`auto`'s trial or watch may hand it
+        to another candidate, or to SDPA)."""
         if self.baseline:
             return BASELINE_TURN
         kernel = self.config.kernel
