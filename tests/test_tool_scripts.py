@@ -64,3 +64,21 @@ def test_compile_real_size_times_eager_and_compiled_runs_of_a_tiny_model(tmp_pat
     assert compiled["stats"]["calls"] == {"reference": 6} and not compiled["stats"]["fallbacks"]
     assert compiled["latent_psnr_vs_aot_eager_sdpa_db"] > 60 and compiled["latent_psnr_vs_eager_sdpa_db"] > 60
     assert "latent_psnr_vs_eager_sdpa_db" in rows[("aot_eager", "sdpa")]
+
+
+@pytest.mark.comfyui
+def test_moe_routing_counts_expert_flips_and_replays_the_routing():
+    """tools/moe_routing.py --tiny on the CPU: one JSON line per run, each with per-call rel L1 for the specs (FP16
+    P.V's below FP8's), a count of expert-choice flips, and a PSNR with the routing replayed that is at least the
+    free run's (replaying the exact run's choices removes flips, never adds error)."""
+    proc = subprocess.run([sys.executable, str(TOOLS / "moe_routing.py"), "--tiny", "--side", "8", "--steps", "2"],
+                          capture_output=True, text=True, timeout=600, cwd=str(TOOLS))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = {r["run"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
+    assert list(runs) == ["FP8 P.V spec", "FP16 P.V spec", "exact, bf16-rounded"]
+    fp8, fp16 = runs["FP8 P.V spec"], runs["FP16 P.V spec"]
+    assert fp8["rel_l1_per_call"] and len(fp8["rel_l1_per_call"]) == len(fp16["rel_l1_per_call"])
+    assert max(fp16["rel_l1_per_call"]) < min(fp8["rel_l1_per_call"])
+    for r in runs.values():
+        assert r["gate_tokens"] > 0 and 0 <= r["routing_flips"] <= r["gate_tokens"]
+        assert r["routing_replayed_psnr_db"] >= r["latent_psnr_db"] - 0.5
