@@ -1334,27 +1334,16 @@ def test_the_gpu_fuzz_compiles_a_bounded_number_of_triton_kernels():
 def _count_gpu_fuzz_compiles(kernel: str) -> None:
     """Prints (last line, JSON) the distinct compiles of the GPU fuzz's calls for `kernel` with its self-check off
     (so every call reaches the kernel), then with its three variants' self-checks added."""
-    import dataclasses
+    from test_triton_compile_keys import _self_check
 
-    from comfyui_sage_rdna4.kernels.self_check import (
-        DEFAULT_CASES,
-        Variant,
-        backend_attention,
-        case_call,
-        run_self_check,
-    )
+    from comfyui_sage_rdna4.kernels.self_check import Variant
     from comfyui_sage_rdna4.kernels.verify.compile_keys import CompileKeys
 
     os.environ["SAGE_RDNA4_SELF_CHECK"] = "0"
-    backend = get_backend(kernel)
-    like = dataclasses.replace(describe_call(*[torch.zeros(1, 1, 1, 64)] * 3), device_type="cuda", device_index=0,
-                               arch="sm_90")
     with CompileKeys("sm_90") as alone:
         for prologue, qk_group, smooth_k, smooth_v in GPU_VARIANTS:
-            variant = Variant("triton" if prologue == "auto" else prologue, qk_group, smooth_k, smooth_v)
-            run_self_check(backend_attention(backend, variant), "cpu", DEFAULT_CASES,
-                           lambda case, variant=variant: backend.refuse(case_call(case, like, variant)) is None,
-                           stop_at_first=False)
+            _self_check(kernel, "sm_90", Variant("triton" if prologue == "auto" else prologue, qk_group, smooth_k,
+                                                 smooth_v))
     with CompileKeys("sm_90") as keys:
         tallies = run_api_fuzz([kernel], n_random=GPU_FUZZ_CALLS, device="cpu", long_calls=0, tweak=gpu_case)
         tallies += run_override_fuzz([kernel], n_random=GPU_FUZZ_CALLS, device="cpu", long_calls=0,

@@ -8,6 +8,7 @@ FLOAT_DTYPES = ("torch.float16", "torch.bfloat16", "torch.float32")
 class ReferenceBackend(Backend):
     name = "reference"
     description = "torch reference of the quantized algorithm (INT8 Q.K, FP8 P.V); the spec, not a speed path"
+    pv = "fp8"  # P.V precision of the spec it runs: FP8 as triton_int8_fp8 (a tool may set "fp16" to compare)
 
     def _unavailable(self, device_type, index):
         return None
@@ -19,5 +20,5 @@ class ReferenceBackend(Backend):
 
     def launch(self, q, k, v, call, sm_scale, attn_mask):
         return reference_attention(q, k, v, is_causal=call.is_causal, sm_scale=sm_scale, smooth_k=call.smooth_k,
-                                   pv="fp8", qk_group=call.qk_group, attn_mask=attn_mask,
+                                   pv=self.pv, qk_group=call.qk_group, attn_mask=attn_mask,
                                    return_lse=call.return_lse, smooth_v=call.smooth_v)
