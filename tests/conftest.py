@@ -160,11 +160,58 @@ def summary_lines(request):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    lines = config.stash.get(_SUMMARY, [])
+    lines = config.stash.get(_SUMMARY, []) + emulated_build_lines()
     if lines:
         terminalreporter.section("sage_rdna4 counts")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+# The emulated builds (kernels/verify/cupy_runner.py: part, verification options) the GPU tests ask for. Each is
+# 1-25 s of nvrtc; asked for one after another by the tests, they were a third of `pytest -m gpu tests`. A GPU run
+# compiles them in background threads from its start instead (nvrtc runs through ctypes, so threads overlap),
+# heaviest first. A build missing here is still compiled when asked for; the run's summary lists those.
+_ALL_PARTS = ("attention", "prologue", "probes")
+EMULATED_BUILDS = tuple(
+    [(part, options) for options in ({}, {"acc_trunc_bits": 13, "f16_acc_trunc_bits": 13}, {"fp8_nonsat": 1},
+                                     {"emu_flush_subnormal": 1}) for part in _ALL_PARTS]
+    + [(part, {"acc_trunc_bits": 13, "pv_single_chain": 1}) for part in ("attention", "prologue")]
+    + [("probes", {"wmma_k_fault": 1}), ("probes", {"wmma_k_fault": 2}),
+       ("probes", {"acc_trunc_bits": 16, "f16_acc_trunc_bits": 16}),
+       ("probes", {"acc_trunc_bits": 24, "f16_acc_trunc_bits": 24})])
+EMULATED_BUILDS = tuple(sorted(EMULATED_BUILDS, key=lambda b: _ALL_PARTS.index(b[0])))  # attention: the heaviest
+
+
+def pytest_collection_finish(session):
+    """A run with GPU tests on an NVIDIA GPU starts compiling the emulated builds at once (see EMULATED_BUILDS)."""
+    if os.environ.get("SAGE_TEST_PREWARM", "1").strip() == "0" or session.config.option.collectonly:
+        return
+    if not any("gpu" in item.keywords for item in session.items):
+        return
+    if torch is None or not torch.cuda.is_available() or getattr(torch.version, "hip", None):
+        return
+    load_pack()
+    from comfyui_sage_rdna4.kernels.verify import cuda_twin, cupy_runner
+
+    cuda_twin.prewarm_loader_build(torch.cuda.current_device())  # the HIP backends' module, as the loader builds it
+    if cupy_runner.harness_missing() is None:
+        # A quarter of the cores: with half (8 of 16 on an H100 host) the Triton tests running beside them took
+        # 1.5x as long while the builds ran (docs/MEASUREMENTS.md, "The GPU suite's length").
+        cupy_runner.prewarm(EMULATED_BUILDS, torch.cuda.current_device(), workers=max(1, (os.cpu_count() or 4) // 4))
+
+
+def emulated_build_lines() -> list:
+    """What the emulated builds cost this run: compiled in the background ahead of the tests, or when asked."""
+    cupy_runner = sys.modules.get(f"{PACK}.kernels.verify.cupy_runner")
+    if cupy_runner is None or not cupy_runner.COMPILED:
+        return []
+    done = list(cupy_runner.COMPILED)
+    ahead = [c for c in done if c.prewarmed]
+    lines = [f"[emulated builds] {len(done)} compiled, {sum(c.seconds for c in done):.1f} s of nvrtc; "
+             f"{len(ahead)} in the background ahead of the tests ({sum(c.seconds for c in ahead):.1f} s)"]
+    lines += [f"[emulated builds] compiled when asked (not in EMULATED_BUILDS): {c.part} {dict(c.options)} "
+              f"{c.seconds:.1f} s" for c in done if not c.prewarmed]
+    return lines
 
 
 @pytest.fixture(scope="session")

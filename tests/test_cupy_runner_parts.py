@@ -65,3 +65,84 @@ def test_the_harness_compiles_a_part_without_a_gpu():
 def test_the_harness_says_why_it_cannot_run():
     reason = cupy_runner.harness_missing()
     assert reason is None or reason.startswith(("cupy unavailable", "nvrtc unavailable"))
+
+
+@pytest.fixture
+def fake_compiles(monkeypatch):
+    """cupy_runner's build cache empty, its compiler a stand-in: each compile records its thread and may wait on
+    its part's gate (a barrier the test sets in state["gates"]), then returns the part and options as bytes."""
+    import threading
+
+    monkeypatch.setattr(cupy_runner, "_CODE", {})
+    monkeypatch.setattr(cupy_runner, "COMPILED", [])
+    compiler = type("Compiler", (), {"target_for_device": lambda self, index: "sm_90"})()
+    monkeypatch.setattr(cupy_runner, "harness_compiler", lambda: compiler)
+    state = {"calls": [], "gates": {}, "fail": set()}
+
+    def compile_part(compiler, part, target, **options):
+        state["calls"].append((part, tuple(sorted(options.items())), threading.current_thread().name))
+        if part in state["gates"]:
+            state["gates"][part].wait(timeout=10)
+        if part in state["fail"]:
+            raise RuntimeError(f"planted nvrtc failure in {part}")
+        return f"{part} {sorted(options.items())}".encode()
+
+    monkeypatch.setattr(cupy_runner, "compile_part", compile_part)
+    return state
+
+
+def test_prewarm_compiles_builds_side_by_side_and_each_once(fake_compiles):
+    """Two builds that can only finish together (a barrier of 2) finish: the prewarm's threads compile at the same
+    time. The build a test then asks for is the prewarm's (compiled once, from a prewarm thread), with the options
+    it was asked with; the log says which were compiled ahead."""
+    import threading
+
+    gate = threading.Barrier(2)
+    fake_compiles["gates"] = {"attention": gate, "prologue": gate}
+    builds = [("attention", {"acc_trunc_bits": 13}), ("prologue", {})]
+    threads = cupy_runner.prewarm(builds, device_index=0, workers=2)
+    for thread in threads:
+        thread.join(timeout=20)
+    assert not any(t.is_alive() for t in threads)
+    key = (0, "attention", (("acc_trunc_bits", 13),))
+    assert cupy_runner._code(key).result() == b"attention [('acc_trunc_bits', 13)]"
+    assert cupy_runner._code((0, "prologue", ())).result() == b"prologue []"
+    assert len(fake_compiles["calls"]) == 2  # asked again: nothing compiled twice
+    assert {name.startswith("sage-emulated-prewarm") for *_, name in fake_compiles["calls"]} == {True}
+    assert [c.prewarmed for c in cupy_runner.COMPILED] == [True, True]
+    assert cupy_runner._code((0, "probes", ())).result() == b"probes []"  # not prewarmed: compiled when asked
+    assert cupy_runner.COMPILED[-1].prewarmed is False and cupy_runner.COMPILED[-1].part == "probes"
+
+
+def test_a_build_asked_for_while_the_prewarm_compiles_it_is_waited_for(fake_compiles):
+    """A test asking for a build a prewarm thread is compiling gets that compile's result, not a second compile;
+    a failed compile reaches every asker as the error it was."""
+    import threading
+
+    gate = threading.Barrier(2)  # the attention compile waits until the main thread arrives too
+    fake_compiles["gates"] = {"attention": gate}
+    threads = cupy_runner.prewarm([("attention", {}), ("probes", {})], device_index=0, workers=1)
+    fake_compiles["fail"].add("probes")
+    while not fake_compiles["calls"]:
+        threading.Event().wait(0.01)
+    future = cupy_runner._code((0, "attention", ()))  # in flight: the same future
+    gate.wait(timeout=10)
+    assert future.result(timeout=10) == b"attention []"
+    for thread in threads:
+        thread.join(timeout=20)
+    with pytest.raises(RuntimeError, match="planted nvrtc failure in probes"):
+        cupy_runner._code((0, "probes", ())).result()
+    assert [c[0] for c in fake_compiles["calls"]] == ["attention", "probes"]
+
+
+def test_the_gpu_runs_prewarmed_builds_are_valid_builds():
+    """Every build the GPU test run compiles ahead (tests/conftest.py) names a part and options the harness
+    takes, and none twice."""
+    from conftest import EMULATED_BUILDS
+
+    keys = [(part, tuple(sorted(options.items()))) for part, options in EMULATED_BUILDS]
+    assert len(set(keys)) == len(keys)
+    for part, options in EMULATED_BUILDS:
+        assert part in cupy_runner.PARTS
+        kernel_abi.option_defines(**options)  # unknown options or values out of range raise
+    assert EMULATED_BUILDS[0][0] == "attention"  # the heaviest first

@@ -819,3 +819,29 @@ def test_smooth_v_reaches_the_prologue_and_the_attention(cpu_hip_backend, monkey
     assert seen == [True]
     want, _ = reference_attention(q, k, v, sm_scale=0.1, pv="fp8", smooth_v=True)
     assert torch.equal(out, want)
+
+
+def test_a_gpu_runs_prewarm_builds_the_module_the_loader_then_takes_from_its_cache(tmp_path, monkeypatch):
+    """tests/conftest.py compiles the backends' module ahead (cuda_twin.prewarm_loader_build) with the loader's own
+    cache key: the first kernel call afterwards loads that build and compiles nothing; nothing is loaded ahead. A
+    prewarm that fails leaves the failure to that first call and raises nothing itself."""
+    from comfyui_sage_rdna4.kernels.verify import cuda_twin
+
+    comp, rt = FakeCompiler(), FakeRuntime()
+    loader = runtime.KernelLoader(rt, comp, code_objects(tmp_path))
+    monkeypatch.setattr(runtime, "get_loader", lambda: loader)
+    monkeypatch.setattr(runtime, "kernel_bundle", lambda: SRC)
+    thread = cuda_twin.prewarm_loader_build(0)
+    thread.join(timeout=30)
+    assert not thread.is_alive() and comp.compiles == 1 and rt.loaded == []
+    loader.kernel(0, SRC, "k", ["ptr"])
+    assert comp.compiles == 1 and len(rt.loaded) == 1
+
+    class Broken(FakeCompiler):
+        def compile(self, source, target, extra_flags=()):
+            raise compiler.CompileError("planted")
+
+    monkeypatch.setattr(runtime, "get_loader", lambda: runtime.KernelLoader(rt, Broken(), code_objects(tmp_path / "b")))
+    failed = cuda_twin.prewarm_loader_build(0)
+    failed.join(timeout=30)
+    assert not failed.is_alive()

@@ -147,6 +147,38 @@ class Pack:
             return False
 
 
+SYNC_OPS = ("Synchronize", "aten::_local_scalar_dense", "aten::item", "cudaMemcpy ", "aten::nonzero")
+
+
+def profile_summary(prof, steps: int) -> dict:
+    """Where a profiled sampling run spent host and device time, per step: the busiest host ops by self time, the
+    busiest GPU kernels, and every op that waits for the device (a sync stalls a host-bound step)."""
+    events = prof.key_averages()
+    per_step = max(steps, 1)
+    cpu = sorted(events, key=lambda e: -e.self_cpu_time_total)
+    gpu = sorted((e for e in events if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
+    return {"host_ms_per_step": sum(e.self_cpu_time_total for e in events) / 1e3 / per_step,
+            "gpu_ms_per_step": sum(e.self_device_time_total for e in events) / 1e3 / per_step,
+            "top_host": [(e.key[:80], e.count, round(e.self_cpu_time_total / 1e3 / per_step, 3)) for e in cpu[:25]],
+            "top_gpu": [(e.key[:80], e.count, round(e.self_device_time_total / 1e3 / per_step, 3)) for e in gpu[:15]],
+            "syncs": [(e.key[:80], e.count, round(e.cpu_time_total / 1e3 / per_step, 3)) for e in events
+                      if any(s in e.key for s in SYNC_OPS)]}
+
+
+@contextlib.contextmanager
+def profiled(enabled: bool, steps: int, into: dict):
+    """torch.profiler over the block when `enabled`; its summary lands in into["profile"]."""
+    if not enabled:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        yield
+    into["profile"] = profile_summary(prof, steps)
+
+
 def sample_run(pack: Pack, model, config, baseline: bool, inputs, steps: int, seed: int = 0):
     """One sampling run through the override, recorded call by call."""
     positive, negative, latent, cfg = inputs
@@ -212,10 +244,15 @@ def calls_seen(calls: List[dict]) -> dict:
             "attention_tflop_per_step": flop / 1e12}
 
 
-def measure_family(pack: Pack, model, inputs, kernels: List[str], steps: int, say, auto_priming: int = 0) -> dict:
+def measure_family(pack: Pack, model, inputs, kernels: List[str], steps: int, say, auto_priming: int = 0,
+                   profile: bool = False) -> dict:
+    """`profile`: each timed run again under torch.profiler (after the timed one, which it would slow)."""
     base_config = pack.PatchConfig(kernel="sdpa")
     t = time.time()
     base_latent, base_run, base_calls, outside, _ = sample_run(pack, model, base_config, True, inputs, steps)
+    base_profile: dict = {}
+    with profiled(profile, steps, base_profile):
+        sample_run(pack, model, base_config, True, inputs, steps)
     seen = calls_seen(base_calls)
     say(f"  unpatched: {time.time() - t:.1f} s, {len(base_calls)} attention calls through the override, "
         f"{outside} SDPA calls outside it; {seen['attention_tflop_per_step']:.2f} TFLOP of attention per step")
@@ -224,7 +261,7 @@ def measure_family(pack: Pack, model, inputs, kernels: List[str], steps: int, sa
            "sdpa_outside_override": outside,
            "comfy_attention": pack.ab.comfy_attention_name(),
            "baseline_median_step_ms": statistics.median(s["step_ms"] for s in base_steps[WARMUP:] or base_steps),
-           "kernels": {}}
+           "kernels": {}, **({"baseline_profile": base_profile["profile"]} if profile else {})}
     for kernel in kernels:
         t = time.time()
         decided, config = [], pack.PatchConfig(kernel=kernel)
@@ -235,6 +272,9 @@ def measure_family(pack: Pack, model, inputs, kernels: List[str], steps: int, sa
                 # decide, as the first step of a full-depth model does; the timed run then uses its decisions.
                 decided = sample_run(pack, model, config, False, inputs, auto_priming)[4]
             latent, run, calls, _, decisions = sample_run(pack, model, config, False, inputs, steps)
+            kernel_profile: dict = {}
+            with profiled(profile, steps, kernel_profile):  # a settled auto: its decisions are the process's
+                sample_run(pack, model, config, False, inputs, steps)
         except Exception as exc:  # one kernel's failure must not cost the others
             row["kernels"][kernel] = {"error": f"{type(exc).__name__}: {exc}"}
             say(f"  {kernel}: failed: {type(exc).__name__}: {exc}")
@@ -249,7 +289,7 @@ def measure_family(pack: Pack, model, inputs, kernels: List[str], steps: int, sa
                  "fallbacks": run.fallbacks, "routed": run.routed, "passed_over": run.passed_over,
                  "first_use": [{"part": part, "seconds": s} for part, s in run.first_use],
                  "auto_decisions": decided + [d for d in decisions if d not in decided],
-                 "seconds": time.time() - t}
+                 "seconds": time.time() - t, **kernel_profile}
         row["kernels"][kernel] = entry
         say(f"  {kernel}: {time.time() - t:.1f} s; calls quantized {_pct(entry['call_share'])}, time "
             f"{_pct(entry['time_share'])}; step ratio {_num(entry['median_step_ratio'], '.3f')}; latent PSNR "
@@ -320,7 +360,7 @@ def markdown(rows: List[dict], kernels: List[str], meta: dict) -> str:
 
 
 def run_table(families: List[str], kernels: List[str], out: Path, steps: int, tiny: bool, harness,
-              say=print, auto_priming: int = 0) -> List[dict]:
+              say=print, auto_priming: int = 0, profile: bool = False) -> List[dict]:
     pack = Pack()
     import comfyui_version  # noqa: F401  (ComfyUI's own version file, on sys.path with it)
 
@@ -347,7 +387,7 @@ def run_table(families: List[str], kernels: List[str], out: Path, steps: int, ti
             inputs = family.inputs(tiny)
             row["latent_shape"] = list(inputs[2]["samples"].shape)
             row["cfg"] = inputs[3]
-            row.update(measure_family(pack, model, inputs, kernels, steps, say, auto_priming))
+            row.update(measure_family(pack, model, inputs, kernels, steps, say, auto_priming, profile))
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"
             row["traceback"] = traceback.format_exc(limit=8)
@@ -382,6 +422,8 @@ def main() -> int:
     ap.add_argument("--auto-priming", type=int, default=12,
                     help="steps of an untimed auto run before auto's timed one, for its in-step trials to decide "
                          "on the cut model (0: none)")
+    ap.add_argument("--profile", action="store_true",
+                    help="run each timed run once more under torch.profiler; its host/GPU summary goes in the JSON")
     args = ap.parse_args()
     families = [f for f in args.families.split(",") if f]
     unknown = [f for f in families if f not in harness.FAMILIES]
@@ -394,7 +436,7 @@ def main() -> int:
     harness.comfy_import(cpu=args.tiny)
     t0 = time.time()
     run_table(families, [k for k in args.kernels.split(",") if k], Path(args.out), args.steps, args.tiny, harness,
-              say=lambda s: print(s, flush=True), auto_priming=args.auto_priming)
+              say=lambda s: print(s, flush=True), auto_priming=args.auto_priming, profile=args.profile)
     print(f"table done in {time.time() - t0:.1f} s", flush=True)
     return 0
 

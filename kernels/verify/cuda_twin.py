@@ -216,3 +216,22 @@ class NvrtcCompiler(RtcCompiler):
 
 register_compiler("nvrtc", NvrtcCompiler)
 register_platform(Platform("cuda", "nvrtc", CudaRuntime, "cuda"))
+
+
+def prewarm_loader_build(device_index: int = 0) -> threading.Thread:
+    """Compile the emulated HIP backends' module into the loader's disk cache in a background (daemon) thread, as
+    the loader would build it at the backends' first call (the same source, target, flags and runtime version, so
+    the same cache key): a GPU test run then loads it instead of compiling it in whichever test comes first.
+    Nothing is loaded on the device here. A failure is left for that first call to meet and report."""
+    from ..backends.hip.runtime import get_loader, kernel_bundle
+
+    def build():
+        with contextlib.suppress(Exception):
+            loader = get_loader()
+            comp = loader.compiler
+            comp.build_cached(loader.cache, kernel_bundle(), comp.target_for_device(device_index), (),
+                              loader.runtime.version())
+
+    thread = threading.Thread(target=build, name="sage-emulated-prewarm-loader", daemon=True)
+    thread.start()
+    return thread

@@ -7,15 +7,29 @@ from __future__ import annotations
 import re
 import tempfile
 import threading
+import time
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, List, NamedTuple, Sequence
 
 from ..backends.hip import kernel_abi
 from .emulation_env import with_env
 
-_MODULES = {}
+_MODULES = {}  # build key -> the loaded CuPy module
+_CODE = {}     # build key -> Future of its code (compiled once, by whichever thread asked first)
 _LOCK = threading.Lock()
+
+
+class Compiled(NamedTuple):
+    """One build this process compiled: for a test run's summary (which builds a prewarm missed, and their cost)."""
+    part: str
+    options: tuple
+    seconds: float
+    prewarmed: bool
+
+
+COMPILED: List[Compiled] = []
 
 
 def harness_missing():
@@ -78,15 +92,56 @@ def module(device_index: int = 0, part: str = "all", **options):
     say."""
     import cupy as cp
     key = (device_index, part, _key(with_env(options)))
+    code = _code(key).result()  # compiled here, or waited for where a prewarm thread is compiling it
     with _LOCK:
         if key not in _MODULES:
-            compiler = harness_compiler()
-            code = compile_part(compiler, part, compiler.target_for_device(device_index), **dict(key[2]))
             path = _build_dir() / f"{part}-{len(_MODULES)}.bin"
             path.write_bytes(code)
             with cp.cuda.Device(device_index):
                 _MODULES[key] = cp.RawModule(path=str(path))
         return _MODULES[key]
+
+
+def _code(key, prewarm: bool = False) -> Future:
+    """The Future of a build's code; the first thread to ask compiles it (outside the lock: nvrtc runs through
+    ctypes, which lets other threads run), later askers wait on the same Future. A failed compile fails it for every
+    asker, as it would have failed each one."""
+    with _LOCK:
+        found = _CODE.get(key)
+        if found is not None:
+            return found
+        future = _CODE[key] = Future()
+    device_index, part, options = key
+    start = time.perf_counter()
+    try:
+        compiler = harness_compiler()
+        future.set_result(compile_part(compiler, part, compiler.target_for_device(device_index), **dict(options)))
+    except BaseException as exc:  # handed to every asker, the one that compiled included
+        future.set_exception(exc)
+    COMPILED.append(Compiled(part, options, time.perf_counter() - start, prewarm))
+    return future
+
+
+def prewarm(builds: Sequence[tuple], device_index: int = 0, workers: int = 4) -> List[threading.Thread]:
+    """Compile `builds` ((part, options dict) pairs, as `module` takes them) in `workers` background threads, so
+    a GPU test run's tests find them compiled: each build is tens of seconds of nvrtc, paid one after another
+    otherwise. Daemon threads: a run that ends first does not wait for them. Returns the threads."""
+    pending = [(device_index, part, _key(with_env(dict(options)))) for part, options in builds]
+    lock = threading.Lock()
+
+    def work():
+        while True:
+            with lock:
+                if not pending:
+                    return
+                key = pending.pop(0)
+            _code(key, prewarm=True)
+
+    threads = [threading.Thread(target=work, name=f"sage-emulated-prewarm-{i}", daemon=True)
+               for i in range(max(1, min(workers, len(pending))))]
+    for thread in threads:
+        thread.start()
+    return threads
 
 
 # nvrtc's own default, stated: FP32 subnormals are kept, as on gfx12 (HIP flushes none unless asked). CuPy's compile
