@@ -1354,6 +1354,73 @@ def _count_gpu_fuzz_compiles(kernel: str) -> None:
                           "total": keys.count(), "per_kernel": keys.per_kernel()}))
 
 
+def collect_gpu_fuzz_launches(kernel: str, n: int, device) -> list:
+    """The Triton launches the GPU fuzz's random calls make through `kernel`, as (fn, grid, args, meta), none of them
+    run (kernels/backends/triton/precompile.collect_launches): compiled side by side before the fuzz, they spare it
+    compiling them one by one as its calls meet them. The pass runs the calls with the self-check off (a variant's
+    self-check compiles its own kernels side by side when it runs) and judges nothing (the outputs are garbage); the
+    backend's verdicts are put back after it, so the fuzz's calls are self-checked as a user's are. The four long
+    calls are left out: their few kernels compile when they run."""
+    from comfyui_sage_rdna4.kernels.backends.triton import precompile
+
+    verdicts = get_backend(kernel).verdicts
+    recorded, disabled = dict(verdicts.recorded), dict(verdicts.disabled)
+    judge_, self_check = globals()["judge"], os.environ.get("SAGE_RDNA4_SELF_CHECK")
+    globals()["judge"] = lambda *args, **kwargs: None
+    os.environ["SAGE_RDNA4_SELF_CHECK"] = "0"
+    try:
+        return precompile.collect_launches(lambda: (
+            run_api_fuzz([kernel], n_random=n, device=device, long_calls=0, tweak=gpu_case),
+            run_override_fuzz([kernel], n_random=n, device=device, long_calls=0,
+                              tweak=lambda case: gpu_case(case, for_comfy=True))))
+    finally:
+        globals()["judge"] = judge_
+        if self_check is None:
+            os.environ.pop("SAGE_RDNA4_SELF_CHECK", None)
+        else:
+            os.environ["SAGE_RDNA4_SELF_CHECK"] = self_check
+        verdicts.recorded.clear()
+        verdicts.recorded.update(recorded)
+        verdicts.disabled.clear()
+        verdicts.disabled.update(disabled)
+
+
+def _compare_collected_launches(kernel: str) -> None:
+    """Prints (last line, JSON) the distinct compile keys of the GPU fuzz's random calls as the compile counter
+    records them (every launch replaced by a recorder) and as collect_gpu_fuzz_launches collects them."""
+    from comfyui_sage_rdna4.kernels.verify.compile_keys import CompileKeys, compile_key
+
+    os.environ["SAGE_RDNA4_SELF_CHECK"] = "0"
+    with CompileKeys() as keys:
+        run_api_fuzz([kernel], n_random=GPU_FUZZ_CALLS, device="cpu", long_calls=0, tweak=gpu_case)
+        run_override_fuzz([kernel], n_random=GPU_FUZZ_CALLS, device="cpu", long_calls=0,
+                          tweak=lambda case: gpu_case(case, for_comfy=True))
+    os.environ.pop("SAGE_RDNA4_SELF_CHECK")
+    verdicts = get_backend(kernel).verdicts
+    verdicts.recorded[("cpu", None, "planted")] = "kept"
+    collected = collect_gpu_fuzz_launches(kernel, GPU_FUZZ_CALLS, "cpu")
+    got = {compile_key(fn, args, meta) for fn, _, args, meta in collected}
+    print(json.dumps({"recorded": keys.count(), "collected": len(got), "same": got == set(keys.distinct()),
+                      "verdicts_kept": verdicts.recorded == {("cpu", None, "planted"): "kept"},
+                      "self_check_env": os.environ.get("SAGE_RDNA4_SELF_CHECK")}))
+
+
+def test_the_gpu_fuzz_warm_up_collects_every_kernel_its_calls_launch():
+    """collect_gpu_fuzz_launches, run under Triton's interpreter: the launches it collects have exactly the compile
+    keys the fuzz's random calls launch (what is compiled ahead is what the calls need, nothing missed), and it
+    leaves the backend's verdicts and the self-check setting as they were."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    env.pop("SAGE_RDNA4_SELF_CHECK", None)
+    proc = subprocess.run([sys.executable, __file__, "--triton-interpreter", "--compare-collected", "triton_int8_fp8"],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"recorded": result["recorded"], "collected": result["recorded"], "same": True,
+                      "verdicts_kept": True, "self_check_env": None}, result
+    assert result["recorded"] >= 80  # the fuzz's calls launch most of the 92 kernels counted above
+
+
 INTERPRETER_FAULTS = ("LSE + 0.05", "causal one key late")
 
 
@@ -1385,6 +1452,15 @@ def test_fuzz_gpu(monkeypatch, summary_lines, kernel):
     if reason:
         pytest.skip(f"{kernel} is not available on this GPU: {reason}")
     n = gpu_fuzz_calls()
+    # Its ~90 kernels compiled side by side first, not one by one as the calls meet them (SAGE_TEST_PREWARM=0: off).
+    if kernel.startswith("triton") and os.environ.get("SAGE_TEST_PREWARM", "1").strip() != "0":
+        from comfyui_sage_rdna4.kernels.backends.triton import precompile
+
+        start = time.perf_counter()
+        launches = collect_gpu_fuzz_launches(kernel, n, "cuda")
+        submitted = precompile.compile_concurrently(launches, min(precompile.MAX_WORKERS, os.cpu_count() or 1))
+        summary_lines.append(f"[gpu fuzz {kernel}] {len(launches)} launches collected, {submitted} compiled side by "
+                             f"side first, in {time.perf_counter() - start:.1f} s")
     # A 70k x 70k call for the Triton kernels; the HIP emulation (WMMA lane by lane) gets 8k.
     square = 70_000 if kernel.startswith("triton") else 8192
     tallies = run_api_fuzz([kernel], n_random=n, device="cuda", square=square, tweak=gpu_case)
@@ -1399,6 +1475,8 @@ def _triton_interpreter_main():
     test_the_gpu_fuzz_compiles_a_bounded_number_of_triton_kernels."""
     if "--count-compiles" in sys.argv:
         return _count_gpu_fuzz_compiles(sys.argv[sys.argv.index("--count-compiles") + 1])
+    if "--compare-collected" in sys.argv:
+        return _compare_collected_launches(sys.argv[sys.argv.index("--compare-collected") + 1])
     if "--quick" in sys.argv:
         return _triton_interpreter_quick(sys.argv[sys.argv.index("--plant") + 1] if "--plant" in sys.argv else None)
     from gpu_max import drop_nan_in_max
