@@ -211,6 +211,9 @@ def emulated_build_lines() -> list:
              f"{len(ahead)} in the background ahead of the tests ({sum(c.seconds for c in ahead):.1f} s)"]
     lines += [f"[emulated builds] compiled when asked (not in EMULATED_BUILDS): {c.part} {dict(c.options)} "
               f"{c.seconds:.1f} s" for c in done if not c.prewarmed]
+    if cupy_runner.ASKED:  # a run that asked for none (a -k selection) says nothing of the list's use
+        lines += [f"[emulated builds] compiled ahead, never asked for in this run: {c.part} {dict(c.options)} "
+                  f"{c.seconds:.1f} s" for c in ahead if (c.part, c.options) not in cupy_runner.ASKED]
     return lines
 
 

@@ -146,3 +146,24 @@ def test_the_gpu_runs_prewarmed_builds_are_valid_builds():
         assert part in cupy_runner.PARTS
         kernel_abi.option_defines(**options)  # unknown options or values out of range raise
     assert EMULATED_BUILDS[0][0] == "attention"  # the heaviest first
+
+
+def test_the_runs_summary_names_builds_compiled_when_asked_and_prewarmed_ones_never_asked_for(monkeypatch):
+    """The GPU run's summary lines: the builds' total, each build a test asked for that the prewarm list lacks, and
+    each prewarmed build no test asked for (so the list can be kept to what the tests use)."""
+    from conftest import emulated_build_lines
+
+    acc = (("acc_trunc_bits", 13),)
+    monkeypatch.setattr(cupy_runner, "COMPILED", [cupy_runner.Compiled("attention", (), 20.0, True),
+                                                  cupy_runner.Compiled("probes", acc, 1.5, True),
+                                                  cupy_runner.Compiled("prologue", acc, 4.0, False)])
+    monkeypatch.setattr(cupy_runner, "ASKED", {("attention", ()), ("prologue", acc)})
+    lines = emulated_build_lines()
+    assert lines[0] == ("[emulated builds] 3 compiled, 25.5 s of nvrtc; 2 in the background ahead of the tests "
+                        "(21.5 s)")
+    assert lines[1:] == ["[emulated builds] compiled when asked (not in EMULATED_BUILDS): prologue "
+                         "{'acc_trunc_bits': 13} 4.0 s",
+                         "[emulated builds] compiled ahead, never asked for in this run: probes "
+                         "{'acc_trunc_bits': 13} 1.5 s"]
+    monkeypatch.setattr(cupy_runner, "ASKED", set())  # nothing asked (a run of Triton tests only): no verdict on use
+    assert len(emulated_build_lines()) == 2

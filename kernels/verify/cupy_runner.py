@@ -30,6 +30,7 @@ class Compiled(NamedTuple):
 
 
 COMPILED: List[Compiled] = []
+ASKED: set = set()  # (part, options) of the builds `module` was asked for: a prewarmed build never asked for is waste
 
 
 def harness_missing():
@@ -92,6 +93,7 @@ def module(device_index: int = 0, part: str = "all", **options):
     say."""
     import cupy as cp
     key = (device_index, part, _key(with_env(options)))
+    ASKED.add(key[1:])
     code = _code(key).result()  # compiled here, or waited for where a prewarm thread is compiling it
     with _LOCK:
         if key not in _MODULES:
