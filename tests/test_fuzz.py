@@ -1457,10 +1457,13 @@ def test_fuzz_gpu(monkeypatch, summary_lines, kernel):
         from comfyui_sage_rdna4.kernels.backends.triton import precompile
 
         start = time.perf_counter()
-        launches = collect_gpu_fuzz_launches(kernel, n, "cuda")
-        submitted = precompile.compile_concurrently(launches, min(precompile.MAX_WORKERS, os.cpu_count() or 1))
-        summary_lines.append(f"[gpu fuzz {kernel}] {len(launches)} launches collected, {submitted} compiled side by "
-                             f"side first, in {time.perf_counter() - start:.1f} s")
+        try:
+            launches = collect_gpu_fuzz_launches(kernel, n, "cuda")
+            submitted = precompile.compile_concurrently(launches, min(precompile.MAX_WORKERS, os.cpu_count() or 1))
+            done = f"{len(launches)} launches collected, {submitted} compiled side by side first"
+        except Exception as exc:  # noqa: BLE001  (only time is at stake: the calls then compile as they come)
+            done = f"the warm-up failed ({type(exc).__name__}: {exc}); the calls compile as they come"
+        summary_lines.append(f"[gpu fuzz {kernel}] {done}, in {time.perf_counter() - start:.1f} s")
     # A 70k x 70k call for the Triton kernels; the HIP emulation (WMMA lane by lane) gets 8k.
     square = 70_000 if kernel.startswith("triton") else 8192
     tallies = run_api_fuzz([kernel], n_random=n, device="cuda", square=square, tweak=gpu_case)
