@@ -182,19 +182,29 @@ EMULATED_BUILDS = tuple(
 EMULATED_BUILDS = tuple(sorted(EMULATED_BUILDS, key=lambda b: _ALL_PARTS.index(b[0])))  # attention: the heaviest
 
 
+def _gpu_modules_mentioning(items, words) -> bool:
+    """Whether a selected GPU test's module mentions one of `words` (how a run tells it will need the emulation)."""
+    files = {str(item.fspath) for item in items if "gpu" in item.keywords}
+    return any(any(word in Path(f).read_text(errors="replace") for word in words) for f in sorted(files))
+
+
 def pytest_collection_finish(session):
-    """A run with GPU tests on an NVIDIA GPU starts compiling the emulated builds at once (see EMULATED_BUILDS)."""
+    """A run with GPU tests on an NVIDIA GPU that use the HIP emulation starts compiling its builds at once (see
+    EMULATED_BUILDS); a run of other GPU tests compiles none (the threads would only slow its Triton compiles)."""
     if os.environ.get("SAGE_TEST_PREWARM", "1").strip() == "0" or session.config.option.collectonly:
         return
-    if not any("gpu" in item.keywords for item in session.items):
-        return
     if torch is None or not torch.cuda.is_available() or getattr(torch.version, "hip", None):
+        return
+    builds = _gpu_modules_mentioning(session.items, ("cupy_runner", "emulated_run"))
+    backends = _gpu_modules_mentioning(session.items, ("HIP_EMULATE", "hip_int8"))
+    if not (builds or backends):
         return
     load_pack()
     from comfyui_sage_rdna4.kernels.verify import cuda_twin, cupy_runner
 
-    cuda_twin.prewarm_loader_build(torch.cuda.current_device())  # the HIP backends' module, as the loader builds it
-    if cupy_runner.harness_missing() is None:
+    if backends:
+        cuda_twin.prewarm_loader_build(torch.cuda.current_device())  # the HIP backends' module, as the loader builds it
+    if builds and cupy_runner.harness_missing() is None:
         # A quarter of the cores: with half (8 of 16 on an H100 host) the Triton tests running beside them took
         # 1.5x as long while the builds ran (docs/MEASUREMENTS.md, "The GPU suite's length").
         cupy_runner.prewarm(EMULATED_BUILDS, torch.cuda.current_device(), workers=max(1, (os.cpu_count() or 4) // 4))

@@ -167,3 +167,21 @@ def test_the_runs_summary_names_builds_compiled_when_asked_and_prewarmed_ones_ne
                          "{'acc_trunc_bits': 13} 1.5 s"]
     monkeypatch.setattr(cupy_runner, "ASKED", set())  # nothing asked (a run of Triton tests only): no verdict on use
     assert len(emulated_build_lines()) == 2
+
+
+def test_a_gpu_run_prewarms_only_for_the_tests_that_use_the_emulation(tmp_path):
+    """tests/conftest.py starts the nvrtc threads only when a selected GPU test's module uses the emulated builds
+    (or the emulated HIP backends); GPU tests of the Triton kernels alone start none, and CPU tests never count."""
+    from conftest import _gpu_modules_mentioning
+
+    class Item:
+        def __init__(self, path, gpu=True):
+            self.fspath, self.keywords = path, {"gpu": True} if gpu else {}
+
+    emulated, triton_only = tmp_path / "test_a_gpu.py", tmp_path / "test_b_gpu.py"
+    emulated.write_text("from x import cupy_runner\n")
+    triton_only.write_text("import triton\n")
+    words = ("cupy_runner", "emulated_run")
+    assert _gpu_modules_mentioning([Item(triton_only), Item(emulated)], words)
+    assert not _gpu_modules_mentioning([Item(triton_only)], words)
+    assert not _gpu_modules_mentioning([Item(emulated, gpu=False)], words)
