@@ -1,6 +1,6 @@
 """Why a mixture-of-experts family's latent PSNR is low: HiDream's expert routing, with and without attention's error.
 
-    COMFYUI_PATH=/path/to/ComfyUI python3 tools/moe_routing.py [--side 16] [--steps 2] [--tiny]
+    COMFYUI_PATH=/path/to/ComfyUI python3 tools/moe_routing.py [--side 16] [--steps 2] [--tiny] [--smooth-v]
 
 HiDream (tests/comfy_harness.py, real width and heads, depth cut as in the model table, random weights, fp32 on the
 CPU, a small latent of --side x --side) is sampled with exact attention, then with the spec of each P.V precision
@@ -63,6 +63,7 @@ def main() -> int:
     ap.add_argument("--side", type=int, default=16, help="latent side (the real one is 128: too slow on a CPU)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="the tiny HiDream of the CPU tests")
+    ap.add_argument("--smooth-v", action="store_true", help="one more run: the FP8 P.V spec with smooth_v")
     args = ap.parse_args()
     harness = load_harness()
     load_pack()
@@ -119,11 +120,13 @@ def main() -> int:
 
     routing.start("record")
     exact = sample()
-    runs = (("FP8 P.V spec", "fp8", None), ("FP16 P.V spec", "fp16", None), ("exact, bf16-rounded", None, bf16))
-    for label, pv, attention in runs:
+    runs = [("FP8 P.V spec", "fp8", None, False), ("FP16 P.V spec", "fp16", None, False),
+            ("exact, bf16-rounded", None, bf16, False)] + ([("FP8 P.V spec, smooth_v", "fp8", None, True)]
+                                                             if args.smooth_v else [])
+    for label, pv, attention, smooth_v in runs:
         if pv is not None:
             reference.pv, reference.launch = pv, measured_launch
-        config = PatchConfig(kernel="reference") if pv is not None else None
+        config = PatchConfig(kernel="reference", smooth_v=smooth_v) if pv is not None else None
         try:
             rel_l1.clear()
             routing.start("free")
