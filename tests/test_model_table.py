@@ -48,8 +48,8 @@ if {broken!r}:  # 256 wide in 3 heads: ComfyUI's Flux refuses to build it
     harness.FAMILIES["broken"] = harness.Family("broken", "Broken", "Flux", dict(flux.real), cut={{}}, full_depth="-",
                                                 tiny=dict(flux.tiny, num_heads=3), inputs=flux.inputs, masks="none",
                                                 size="-")
-tool.run_table({families!r}, [{kernel!r}], Path({out!r}), steps=1, tiny=True, harness=harness, say=lambda s: None,
-               profile={profile!r})
+tool.run_table({families!r}, [{kernel!r}], Path({out!r}), steps={steps!r}, tiny=True, harness=harness,
+               say=lambda s: None, profile={profile!r}, rounds={rounds!r})
 """
 
 
@@ -63,9 +63,10 @@ def family_names():
     return list(harness.FAMILIES)
 
 
-def run_families(tmp_path, families, broken=False, profile=False):
+def run_families(tmp_path, families, broken=False, profile=False, steps=1, rounds=1):
     code = CHILD.format(tools=str(TOOLS), tests=str(ROOT / "tests"), tool=str(TOOLS / "model_table.py"),
-                        broken=broken, families=families, kernel=KERNEL, out=str(tmp_path), profile=profile)
+                        broken=broken, families=families, kernel=KERNEL, out=str(tmp_path), profile=profile,
+                        steps=steps, rounds=rounds)
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -130,15 +131,23 @@ def test_every_family_builds_samples_and_reports(family_names, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_family_that_fails_is_a_row_and_the_run_goes_on(family_names, tmp_path):
-    rows = run_families(tmp_path, ["broken", "flux"], broken=True, profile=True)
+    rows = run_families(tmp_path, ["broken", "flux"], broken=True)
     # 256 wide in 3 heads: ComfyUI's Flux refuses to build it
     assert rows["broken"]["error"].startswith("ValueError") and "traceback" in rows["broken"]
     check_family("flux", rows["flux"])
-    # --profile: each timed run again under torch.profiler, its host time and busiest ops per step (the table's
-    # step ratios of cut models follow the host's speed: docs/MEASUREMENTS.md).
-    for profile in (rows["flux"]["baseline_profile"], rows["flux"]["kernels"][KERNEL]["profile"]):
+    assert "failed:" in (tmp_path / "model_table.md").read_text()
+
+
+@pytest.mark.timeout(300)
+def test_the_table_profiles_its_runs_and_takes_the_median_of_rounds(family_names, tmp_path):
+    """--profile: each timed run again under torch.profiler, its host time and busiest ops per step (a cut model's
+    step ratio follows the host's speed: docs/MEASUREMENTS.md). --rounds 2: a second unpatched run and kernel run,
+    each round's ratio kept, the reported one their median."""
+    flux = run_families(tmp_path, ["flux"], profile=True, steps=2, rounds=2)["flux"]
+    for profile in (flux["baseline_profile"], flux["kernels"][KERNEL]["profile"]):
         assert profile["host_ms_per_step"] > 0 and profile["top_host"]
         assert all(count > 0 and ms >= 0 for _, count, ms in profile["top_host"])
-    ops = {name for name, _, _ in rows["flux"]["baseline_profile"]["top_host"]}
-    assert any(name.startswith("aten::") for name in ops), ops
-    assert "failed:" in (tmp_path / "model_table.md").read_text()
+    assert any(name.startswith("aten::") for name, _, _ in flux["baseline_profile"]["top_host"])
+    entry = flux["kernels"][KERNEL]
+    assert len(entry["round_ratios"]) == 2 and all(r > 0 for r in entry["round_ratios"]), entry["round_ratios"]
+    assert entry["median_step_ratio"] == pytest.approx(sum(entry["round_ratios"]) / 2)

@@ -2,7 +2,7 @@
 dim and token counts (random weights, depth cut to a few blocks), sampled unpatched and patched with each kernel.
 
     COMFYUI_PATH=/path/to/ComfyUI python3 tools/model_table.py --out DIR [--kernels auto,triton_int8_fp8]
-        [--families flux,ltxv] [--steps 4] [--tiny]
+        [--families flux,ltxv] [--steps 4] [--tiny] [--profile] [--rounds 3]
 
 Per family and kernel: the share of attention calls and of attention time a quantized kernel served, the head dims
 and masks seen (none / keys / rows), the median step ratio against the unpatched run, the latent PSNR against it,
@@ -10,6 +10,8 @@ and why calls fell back. Attention that never reaches ComfyUI's override (a call
 is counted too, from torch's SDPA calls in the unpatched run. DIR/model_table.json and DIR/model_table.md are
 rewritten after each family, so a run cut short keeps its rows; a family that fails is a row with its error.
 --tiny: the tiny CPU versions (the CPU test); there, set TRITON_INTERPRET=1 for the Triton kernels to run.
+A cut model's step is mostly host time, whose speed drifts between runs: --rounds N times N rounds (unpatched, then
+each kernel) and reports the median of the rounds' ratios; --profile adds each run's host and GPU profile.
 The families and their inputs are in tests/comfy_harness.py (loaded by path).
 """
 from __future__ import annotations
@@ -244,9 +246,38 @@ def calls_seen(calls: List[dict]) -> dict:
             "attention_tflop_per_step": flop / 1e12}
 
 
+def step_ratio(pack: Pack, base_steps: List[dict], steps: List[dict]) -> Optional[float]:
+    """The median of the per-step ratios patched / unpatched, warm-up left out."""
+    summary = pack.summarize_steps(base_steps, steps, WARMUP)
+    ratios = [s["ratio"] for s in summary["per_step"] if not s["warmup"] and s["ratio"] is not None]
+    return statistics.median(ratios) if ratios else None
+
+
+def repeat_rounds(pack: Pack, model, inputs, row: dict, steps: int, rounds: int, say) -> None:
+    """Rounds 2..`rounds`: the unpatched run again, then each kernel's timed run again, each kernel's step ratio
+    against the unpatched run of its own round. A cut model's step is mostly host time, and the host's speed drifts
+    between runs (docs/MEASUREMENTS.md, model table): runs next to each other share it. The reported ratio becomes
+    the median of the rounds'."""
+    entries = {k: e for k, e in row["kernels"].items() if "error" not in e}
+    for entry in entries.values():
+        entry["round_ratios"] = [entry["median_step_ratio"]]
+    for _ in range(rounds - 1):
+        base_steps = [s.as_dict() for s in sample_run(pack, model, pack.PatchConfig(kernel="sdpa"), True, inputs,
+                                                      steps)[1].steps]
+        for kernel, entry in entries.items():
+            run = sample_run(pack, model, pack.PatchConfig(kernel=kernel), False, inputs, steps)[1]
+            entry["round_ratios"].append(step_ratio(pack, base_steps, [s.as_dict() for s in run.steps]))
+    for kernel, entry in entries.items():
+        ratios = [r for r in entry["round_ratios"] if r is not None]
+        entry["median_step_ratio"] = statistics.median(ratios) if ratios else None
+        say(f"  {kernel}: step ratio per round {', '.join(_num(r, '.3f') for r in entry['round_ratios'])}; "
+            f"median {_num(entry['median_step_ratio'], '.3f')}")
+
+
 def measure_family(pack: Pack, model, inputs, kernels: List[str], steps: int, say, auto_priming: int = 0,
-                   profile: bool = False) -> dict:
-    """`profile`: each timed run again under torch.profiler (after the timed one, which it would slow)."""
+                   profile: bool = False, rounds: int = 1) -> dict:
+    """`profile`: each timed run again under torch.profiler (after the timed one, which it would slow). `rounds`:
+    more rounds of timed runs, unpatched then each kernel (`repeat_rounds`)."""
     base_config = pack.PatchConfig(kernel="sdpa")
     t = time.time()
     base_latent, base_run, base_calls, outside, _ = sample_run(pack, model, base_config, True, inputs, steps)
@@ -280,10 +311,9 @@ def measure_family(pack: Pack, model, inputs, kernels: List[str], steps: int, sa
             say(f"  {kernel}: failed: {type(exc).__name__}: {exc}")
             continue
         summary = pack.summarize_steps(base_steps, [s.as_dict() for s in run.steps], WARMUP)
-        ratios = [s["ratio"] for s in summary["per_step"] if not s["warmup"] and s["ratio"] is not None]
         fid = pack.ab.fidelity(base_latent, latent)
         entry = {**call_summary(pack, calls, base_calls),
-                 "median_step_ratio": statistics.median(ratios) if ratios else None,
+                 "median_step_ratio": step_ratio(pack, base_steps, [s.as_dict() for s in run.steps]),
                  "per_step_ms": [s["patched_ms"] for s in summary["per_step"]],
                  "latent_psnr_db": fid["latent_psnr_db"], "latent_cosine": fid["latent_cosine"],
                  "fallbacks": run.fallbacks, "routed": run.routed, "passed_over": run.passed_over,
@@ -295,6 +325,8 @@ def measure_family(pack: Pack, model, inputs, kernels: List[str], steps: int, sa
             f"{_pct(entry['time_share'])}; step ratio {_num(entry['median_step_ratio'], '.3f')}; latent PSNR "
             f"{_num(entry['latent_psnr_db'], '.1f')} dB; fallbacks {entry['fallbacks'] or 'none'}")
     row["baseline_per_step_ms"] = [s["step_ms"] for s in base_steps]
+    if rounds > 1:
+        repeat_rounds(pack, model, inputs, row, steps, rounds, say)
     return row
 
 
@@ -360,7 +392,7 @@ def markdown(rows: List[dict], kernels: List[str], meta: dict) -> str:
 
 
 def run_table(families: List[str], kernels: List[str], out: Path, steps: int, tiny: bool, harness,
-              say=print, auto_priming: int = 0, profile: bool = False) -> List[dict]:
+              say=print, auto_priming: int = 0, profile: bool = False, rounds: int = 1) -> List[dict]:
     pack = Pack()
     import comfyui_version  # noqa: F401  (ComfyUI's own version file, on sys.path with it)
 
@@ -368,7 +400,7 @@ def run_table(families: List[str], kernels: List[str], out: Path, steps: int, ti
     meta = {"device": "CPU (tiny sizes)" if tiny else torch.cuda.get_device_name(0),
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "comfyui": comfyui_version.__version__,
             "steps": steps, "tiny": tiny, "kernels": kernels, "torch": torch.__version__,
-            "auto_priming_steps": auto_priming}
+            "auto_priming_steps": auto_priming, "rounds": rounds}
     rows: List[dict] = []
     out.mkdir(parents=True, exist_ok=True)
     for name in families:
@@ -387,7 +419,7 @@ def run_table(families: List[str], kernels: List[str], out: Path, steps: int, ti
             inputs = family.inputs(tiny)
             row["latent_shape"] = list(inputs[2]["samples"].shape)
             row["cfg"] = inputs[3]
-            row.update(measure_family(pack, model, inputs, kernels, steps, say, auto_priming, profile))
+            row.update(measure_family(pack, model, inputs, kernels, steps, say, auto_priming, profile, rounds))
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"
             row["traceback"] = traceback.format_exc(limit=8)
@@ -424,7 +456,11 @@ def main() -> int:
                          "on the cut model (0: none)")
     ap.add_argument("--profile", action="store_true",
                     help="run each timed run once more under torch.profiler; its host/GPU summary goes in the JSON")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds of timed runs (unpatched, then each kernel); the step ratio is the rounds' median")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be 1 or more")
     families = [f for f in args.families.split(",") if f]
     unknown = [f for f in families if f not in harness.FAMILIES]
     if unknown:
@@ -436,7 +472,8 @@ def main() -> int:
     harness.comfy_import(cpu=args.tiny)
     t0 = time.time()
     run_table(families, [k for k in args.kernels.split(",") if k], Path(args.out), args.steps, args.tiny, harness,
-              say=lambda s: print(s, flush=True), auto_priming=args.auto_priming, profile=args.profile)
+              say=lambda s: print(s, flush=True), auto_priming=args.auto_priming, profile=args.profile,
+              rounds=args.rounds)
     print(f"table done in {time.time() - t0:.1f} s", flush=True)
     return 0
 
