@@ -290,7 +290,7 @@ class Recheck(_AgainstSdpa):
     measured now is the stored one within MARGIN (relative). Untimed calls take the route's default meanwhile.
 
     The first WARMUP_CALLS pairs are run but not kept, as in a trial: the check is often a backend's first call in
-    this process, which loads its kernels (17x SDPA on a Wan 14B call where the stored 1.25x still held)."""
+    this process, which loads its kernels and would read as many times slower than it is."""
 
     SDPA_TURN = "auto: checking a remembered choice (exact attention's turn, timed against it)"
 

@@ -36,8 +36,7 @@ log = logging.getLogger(__name__)
 TIMED_REPEATS = 3  # alone: timed calls per candidate after its warm-up; the median is kept
 # A remembered SDPA choice is checked in the step only when its best quantized candidate was stored within this share
 # of SDPA: farther out, the spread between processes (a few %) cannot flip it, SDPA is exact either way, and the
-# check's calls load the kernels in the process (a later session's first step took 1.37-1.49x SDPA's with it on Wan
-# 14B, an H200, where the best quantized kernel was stored at 1.23x).
+# check's calls would load the kernels into a later session's first step (docs/POLICIES.md).
 SDPA_RECHECK_BAND = 0.10
 
 # timer(fn, device) -> milliseconds of one call of fn; injectable so tests need no GPU.

@@ -13,8 +13,8 @@ could not follow it without recompiling.
 
 The op returns (b, h, n, d) and the graph itself reshapes it as the call site asked, as in the unpatched graph,
 where SDPA returns (b, h, n, d): inductor then fuses that reshape into what reads the output (Flux's single blocks
-concatenate it with their MLP). An op returning the call site's (b, n, h*d) made that copy itself, eagerly, once per
-call, on every call `auto` hands back to exact attention (1.9 % of a compiled Flux step on an H100).
+concatenate it with their MLP). An op returning the call site's (b, n, h*d) would make that copy itself, eagerly,
+on every call `auto` hands back to exact attention.
 
 What does not cross: keyword arguments the op does not carry (another pack's) and a call site whose attention
 is not a module-level function (found again by its module and name at run time). Such a call runs the call

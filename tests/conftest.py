@@ -167,10 +167,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             terminalreporter.write_line(line)
 
 
-# The emulated builds (kernels/verify/cupy_runner.py: part, verification options) the GPU tests ask for. Each is
-# 1-25 s of nvrtc; asked for one after another by the tests, they were a third of `pytest -m gpu tests`. A GPU run
-# compiles them in background threads from its start instead (nvrtc runs through ctypes, so threads overlap),
-# heaviest first. A build missing here is still compiled when asked for; the run's summary lists those.
+# The emulated builds (kernels/verify/cupy_runner.py: part, verification options) the GPU tests ask for, seconds of
+# nvrtc each. A GPU run compiles them in background threads from its start rather than one after another as tests
+# ask (nvrtc runs through ctypes, so threads overlap), heaviest first. A build missing here is still compiled when
+# asked for; the run's summary lists those (docs/MEASUREMENTS.md, "Test time limits").
 _ALL_PARTS = ("attention", "prologue", "probes")
 EMULATED_BUILDS = tuple(
     [(part, options) for options in ({}, {"acc_trunc_bits": 13, "f16_acc_trunc_bits": 13}, {"fp8_nonsat": 1},
@@ -205,8 +205,8 @@ def pytest_collection_finish(session):
     if backends:
         cuda_twin.prewarm_loader_build(torch.cuda.current_device())  # the HIP backends' module, as the loader builds it
     if builds and cupy_runner.harness_missing() is None:
-        # A quarter of the cores: with half (8 of 16 on an H100 host) the Triton tests running beside them took
-        # 1.5x as long while the builds ran (docs/MEASUREMENTS.md, "The GPU suite's length").
+        # A quarter of the cores: more threads slow the Triton compiles of the tests running beside them
+        # (docs/MEASUREMENTS.md, "Test time limits").
         cupy_runner.prewarm(EMULATED_BUILDS, torch.cuda.current_device(), workers=max(1, (os.cpu_count() or 4) // 4))
 
 

@@ -23,9 +23,8 @@ import torch
 
 from pack_loader import load_pack
 
-# Calls timed per event pair, back to back: a lone call's events also time the host's work before its first launch
-# (about 300 us of an 880 us FP8 call on an H100, where its kernels take 584 us), which a model's queue hides. Timed
-# one at a time, the cut call's extra host work (two slices) read as 1.12x the unmasked call; its kernels took 0.976x.
+# Calls timed per event pair, back to back: a lone call's events also time the host's work before its first launch,
+# which a model's queue hides (docs/MEASUREMENTS.md, "The padding cut at 544p, explained").
 BACK_TO_BACK = 5
 
 # name: (image tokens, text tokens)
