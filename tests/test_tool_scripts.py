@@ -84,3 +84,14 @@ def test_moe_routing_counts_expert_flips_and_replays_the_routing():
     for r in runs.values():
         assert r["gate_tokens"] > 0 and 0 <= r["routing_flips"] <= r["gate_tokens"]
         assert r["routing_replayed_psnr_db"] >= r["latent_psnr_db"] - 0.5
+
+
+def test_override_overhead_times_masked_calls_through_the_padding_cut():
+    """tools/override_overhead.py --masks: one line per case (no mask, a padded end of the keys, kept keys that are
+    not a prefix), each with both timings and the overhead; the override ran every call (the tool asserts it)."""
+    proc = subprocess.run([sys.executable, str(TOOLS / "override_overhead.py"), "--masks", "--calls", "40"],
+                          capture_output=True, text=True, timeout=300, cwd=str(TOOLS))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if "overhead" in line]
+    assert [line.split(" cpu:")[0] for line in lines] == ["no mask", "padded end", "kept keys not a prefix"]
+    assert all(re.search(r"overhead +-?\d+\.\d us/call", line) for line in lines), lines
