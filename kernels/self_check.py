@@ -410,7 +410,7 @@ def call_case(attention: Callable, case: Case, device, inputs=None, mask=None):
     return (got[0] if isinstance(got, tuple) else got), None
 
 
-def _call_each(attention: Callable, cases: Sequence[Case], device) -> None:
+def call_each(attention: Callable, cases: Sequence[Case], device) -> None:
     """Each case called once, any failure left for its check to judge (a warm-up's pass: run_self_check)."""
     for case in cases:
         try:
@@ -513,6 +513,19 @@ def check_case(attention: Callable, case: Case, device, bounds: Optional["CaseBo
     return done(None, **worst)
 
 
+def runnable_cases(attention: Callable, cases: Sequence[Case] = DEFAULT_CASES,
+                   accepts: Optional[Callable[[Case], bool]] = None) -> Tuple[List[Case], List[Case]]:
+    """(the cases `run_self_check` runs, those it skips). `accepts`: as there. A GQA case the callable declines
+    runs with as many kv heads as q heads instead."""
+    accepts = accepts or getattr(attention, "accepts", None) or default_accepts
+    to_run, skipped = [], []
+    for case in cases:
+        if not accepts(case) and case.gqa and accepts(replace(case, kv_heads=case.q_heads)):
+            case = replace(case, kv_heads=case.q_heads)  # GQA declined: the same case with one kv head per q head
+        (to_run if accepts(case) else skipped).append(case)
+    return to_run, skipped
+
+
 def run_self_check(attention: Callable, device, cases: Sequence[Case] = DEFAULT_CASES,
                    accepts: Optional[Callable[[Case], bool]] = None, stop_at_first: bool = True,
                    variant: Optional["Variant"] = None) -> SelfCheckResult:
@@ -523,22 +536,14 @@ def run_self_check(attention: Callable, device, cases: Sequence[Case] = DEFAULT_
     A GQA case the callable declines runs with as many kv heads as q heads instead. Running out of memory
     (`out_of_memory`) is no verdict: it is raised."""
     device = torch.device(device)
-    accepts = accepts or getattr(attention, "accepts", None) or default_accepts
     bounds = bounds_for(variant if variant is not None else getattr(attention, "variant", None))
     t0 = time.perf_counter()
     result = SelfCheckResult(None)
-    to_run = []
-    for case in cases:
-        if not accepts(case) and case.gqa and accepts(replace(case, kv_heads=case.q_heads)):
-            case = replace(case, kv_heads=case.q_heads)  # GQA declined: the same case with one kv head per q head
-        if accepts(case):
-            to_run.append(case)
-        else:
-            result.skipped.append(case)
+    to_run, result.skipped = runnable_cases(attention, cases, accepts)
     warm_up = getattr(attention, "warm_up", None)
     if warm_up is not None and to_run:
         # Each case called once, for the kernels it needs (a Triton backend compiles them side by side first).
-        result.warm_up = warm_up(lambda: _call_each(attention, to_run, device))
+        result.warm_up = warm_up(lambda: call_each(attention, to_run, device))
     for case in to_run:
         r = check_case(attention, case, device, bounds)
         result.results.append(r)

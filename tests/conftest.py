@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import triton_prewarm
 
 try:
     import torch
@@ -159,8 +160,12 @@ def summary_lines(request):
     return request.config.stash.setdefault(_SUMMARY, [])
 
 
+def pytest_sessionfinish(session, exitstatus):
+    triton_prewarm.stop_all()
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    lines = config.stash.get(_SUMMARY, []) + emulated_build_lines()
+    lines = config.stash.get(_SUMMARY, []) + triton_prewarm.summary_lines() + emulated_build_lines()
     if lines:
         terminalreporter.section("sage_rdna4 counts")
         for line in lines:
@@ -189,11 +194,19 @@ def _gpu_modules_mentioning(items, words) -> bool:
 
 
 def pytest_collection_finish(session):
-    """A run with GPU tests on an NVIDIA GPU that use the HIP emulation starts compiling its builds at once (see
-    EMULATED_BUILDS); a run of other GPU tests compiles none (the threads would only slow its Triton compiles)."""
+    """A GPU run starts its background compiles at once: the Triton GPU fuzz's kernels in a few processes, those
+    tests moved to the run's end (tests/triton_prewarm.py); and on an NVIDIA GPU, if tests use the HIP emulation,
+    its builds (see EMULATED_BUILDS); a run of other GPU tests compiles none (the threads would only slow its
+    Triton compiles). SAGE_TEST_PREWARM=0: neither."""
     if os.environ.get("SAGE_TEST_PREWARM", "1").strip() == "0" or session.config.option.collectonly:
         return
-    if torch is None or not torch.cuda.is_available() or getattr(torch.version, "hip", None):
+    if torch is None or not torch.cuda.is_available():
+        return
+    fuzz_kernels = triton_prewarm.fuzz_kernels(item.nodeid for item in session.items)
+    if fuzz_kernels and not os.environ.get("PYTEST_XDIST_WORKER"):  # under xdist every worker would start them
+        session.items[:] = triton_prewarm.fuzz_last(session.items)
+        triton_prewarm.start(fuzz_kernels, triton_prewarm.processes_per_kernel())
+    if getattr(torch.version, "hip", None):
         return
     builds = _gpu_modules_mentioning(session.items, ("cupy_runner", "emulated_run"))
     backends = _gpu_modules_mentioning(session.items, ("HIP_EMULATE", "hip_int8"))

@@ -62,6 +62,8 @@ import torch
 if __name__ == "__main__":  # the Triton-interpreter subprocess, tests/ first on sys.path: conftest loads the pack
     import conftest  # noqa: F401
 
+import triton_prewarm
+
 from comfyui_sage_rdna4.kernels import KernelRefused, sage_attention
 from comfyui_sage_rdna4.kernels.call_spec import describe_call, key_mask, mask_scope
 from comfyui_sage_rdna4.kernels.metrics import cosine
@@ -1385,6 +1387,56 @@ def collect_gpu_fuzz_launches(kernel: str, n: int, device) -> list:
         verdicts.disabled.update(disabled)
 
 
+def gpu_fuzz_compile_set(kernel: str, n: int, device) -> list:
+    """Every Triton launch `test_fuzz_gpu[kernel]` makes, none run: the self-checks of the variants its calls use
+    (as kernels/gating.py runs them on first use) and its calls (collect_gpu_fuzz_launches)."""
+    from comfyui_sage_rdna4.kernels.backends.triton import precompile
+    from comfyui_sage_rdna4.kernels.self_check import backend_attention, call_each, runnable_cases
+
+    backend = get_backend(kernel)
+    launches = []
+    for prologue, qk_group, smooth_k, smooth_v in GPU_VARIANTS:
+        like = describe_call(*[torch.zeros(1, 1, 1, 64, device=device)] * 3, prologue=prologue, qk_group=qk_group,
+                             smooth_k=smooth_k, smooth_v=smooth_v)
+        attention = backend_attention(backend, backend.variant(like), like)
+        cases, _ = runnable_cases(attention, backend.verdicts.cases)
+        launches += precompile.collect_launches(lambda a=attention, c=cases: call_each(a, c, device))
+    return launches + collect_gpu_fuzz_launches(kernel, n, device)
+
+
+def _prewarm_shard_main():
+    """`--prewarm-shard KERNEL INDEX COUNT [--keys]` (tests/triton_prewarm.py starts it): compiles shard INDEX of
+    COUNT of the kernels gpu_fuzz_compile_set collects into Triton's cache, then prints one JSON line (with --keys,
+    the compile keys of its shard and a digest of them all)."""
+    import hashlib
+
+    from comfyui_sage_rdna4.kernels.backends.triton import precompile
+    from comfyui_sage_rdna4.kernels.verify.compile_keys import compile_key, shard
+
+    if hasattr(os, "nice"):
+        os.nice(10)  # below the tests running beside it
+    at = sys.argv.index("--prewarm-shard")
+    kernel, index, count = sys.argv[at + 1], int(sys.argv[at + 2]), int(sys.argv[at + 3])
+    t0 = time.perf_counter()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    launches = gpu_fuzz_compile_set(kernel, gpu_fuzz_calls(), device)
+    everything = shard(launches, 0, 1)
+    with_keys = "--keys" in sys.argv
+    calls_alone = shard(collect_gpu_fuzz_launches(kernel, gpu_fuzz_calls(), device), 0, 1) if with_keys else []
+    mine = shard(launches, index, count)
+    collected = time.perf_counter() - t0
+    compiled = precompile.compile_concurrently(mine, workers=1)
+    result = {"kernel": kernel, "shard": index, "of": count, "launches": len(launches), "distinct": len(everything),
+              "mine": len(mine), "compiled": compiled, "collect_s": round(collected, 2),
+              "seconds": round(time.perf_counter() - t0, 2)}
+    if with_keys:
+        keys = sorted(repr(compile_key(fn, args, meta)) for fn, _, args, meta in everything)
+        result["digest"] = hashlib.sha256("\n".join(keys).encode()).hexdigest()
+        result["calls_alone"] = len(calls_alone)  # distinct kernels of the calls without the self-checks
+        result["keys"] = sorted(repr(compile_key(fn, args, meta)) for fn, _, args, meta in mine)
+    print(json.dumps(result))
+
+
 def _compare_collected_launches(kernel: str) -> None:
     """Prints (last line, JSON) the distinct compile keys of the GPU fuzz's random calls as the compile counter
     records them (every launch replaced by a recorder) and as collect_gpu_fuzz_launches collects them."""
@@ -1419,6 +1471,27 @@ def test_the_gpu_fuzz_warm_up_collects_every_kernel_its_calls_launch():
     assert result == {"recorded": result["recorded"], "collected": result["recorded"], "same": True,
                       "verdicts_kept": True, "self_check_env": None}, result
     assert result["recorded"] >= 80  # the fuzz's calls launch most of the 92 kernels counted above
+
+
+def test_prewarm_processes_split_the_gpu_fuzz_kernels_between_them():
+    """Two `--prewarm-shard` processes (tests/triton_prewarm.py starts them on a GPU run), under Triton's
+    interpreter: they collect the same kernels (one digest), their shards share none and together hold all of them,
+    and the set covers more than the fuzz's calls alone (the variants' self-checks too)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    procs = [subprocess.Popen([sys.executable, __file__, "--prewarm-shard", "triton_int8_fp16", str(i), "2", "--keys"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out[-2000:] + err[-4000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    first, second = results
+    assert first["digest"] == second["digest"] and first["distinct"] == second["distinct"]
+    assert not set(first["keys"]) & set(second["keys"])
+    assert len(first["keys"]) + len(second["keys"]) == first["distinct"] == first["mine"] + second["mine"]
+    assert abs(first["mine"] - second["mine"]) <= 1
+    assert 0 < first["calls_alone"] < first["distinct"], first
 
 
 INTERPRETER_FAULTS = ("LSE + 0.05", "causal one key late")
@@ -1456,6 +1529,7 @@ def test_fuzz_gpu(monkeypatch, summary_lines, kernel):
     if kernel.startswith("triton") and os.environ.get("SAGE_TEST_PREWARM", "1").strip() != "0":
         from comfyui_sage_rdna4.kernels.backends.triton import precompile
 
+        triton_prewarm.wait(kernel)  # its background processes (conftest), if the run started them
         start = time.perf_counter()
         try:
             launches = collect_gpu_fuzz_launches(kernel, n, "cuda")
@@ -1546,3 +1620,5 @@ def _triton_interpreter_quick(fault: Optional[str]):
 
 if __name__ == "__main__" and "--triton-interpreter" in sys.argv:
     _triton_interpreter_main()
+elif __name__ == "__main__" and "--prewarm-shard" in sys.argv:
+    _prewarm_shard_main()

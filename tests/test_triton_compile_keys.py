@@ -99,3 +99,41 @@ def test_the_first_use_tool_says_it_needs_a_gpu_on_the_cpu():
     tool = Path(__file__).resolve().parents[1] / "tools" / "first_use_cost.py"
     proc = subprocess.run([sys.executable, str(tool), "--shape", "sdxl"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr.strip() == "first_use_cost.py: needs a GPU", proc.stderr
+
+
+
+class _KeepLaunches(CompileKeys):
+    """The recorder, keeping each launch as well, as precompile.collect_launches gives them."""
+
+    def __init__(self, arch):
+        super().__init__(arch)
+        self.kept = []
+
+    def _record(self, fn, grid, args, meta, key):
+        self.kept.append((fn, grid, args, meta))
+        return super()._record(fn, grid, args, meta, key)
+
+
+def test_shards_deal_out_each_distinct_kernel_once():
+    """compile_keys.shard: the shards of a set of launches hold every distinct compile key exactly once between them,
+    one launch per key, sizes within one of each other, the same whatever order the launches were collected in."""
+    from comfyui_sage_rdna4.kernels.verify.compile_keys import compile_key, shard
+
+    with _KeepLaunches("sm_90") as keys:
+        _nhd_call("triton_int8_fp16", 2, 130, 333)
+        _nhd_call("triton_int8_fp16", 2, 130, 333, d=64)
+        _nhd_call("triton_int8_fp16", 1, 256, 512)  # no new kernel: the first call's keys again
+    launches = keys.kept
+
+    def texts(part):
+        return [repr(compile_key(fn, args, meta)) for fn, _, args, meta in part]
+
+    distinct = set(texts(launches))
+    assert len(launches) > len(distinct) == keys.count() >= 4
+    for count in (1, 2, 3, len(distinct) + 2):
+        parts = [shard(launches, i, count) for i in range(count)]
+        assert sorted(k for part in parts for k in texts(part)) == sorted(distinct)  # each key once, none missed
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+        assert [texts(p) for p in parts] == [texts(shard(launches[::-1], i, count)) for i in range(count)]
+    with pytest.raises(ValueError, match="shard 2 of 2"):
+        shard(launches, 2, 2)

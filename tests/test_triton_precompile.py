@@ -53,7 +53,7 @@ def test_the_collecting_pass_sees_every_kernel_the_checks_compile():
                                arch="sm_90")
     cases = [c for c in sc.DEFAULT_CASES if backend.refuse(sc.case_call(c, like, ACCURATE)) is None]
     attention = sc.backend_attention(backend, ACCURATE)
-    launches = precompile.collect_launches(lambda: sc._call_each(attention, cases, "cpu"))
+    launches = precompile.collect_launches(lambda: sc.call_each(attention, cases, "cpu"))
     collected = {compile_key(fn, args, meta) for fn, grid, args, meta in launches}
     with CompileKeys() as keys:  # the same calls, launched (recorded) as the checks launch them
         for case in cases:
@@ -84,7 +84,7 @@ def test_a_failed_warm_up_is_no_verdict():
     whose call raises during the warm-up is judged by its own check."""
     backend = get_backend("triton_int8_fp16")
     case = sc.DEFAULT_CASES[0]
-    result = precompile.warm_up(lambda: sc._call_each(sc.backend_attention(backend, ACCURATE), [case], "cpu"))
+    result = precompile.warm_up(lambda: sc.call_each(sc.backend_attention(backend, ACCURATE), [case], "cpu"))
     assert result.launches >= 3 and result.error  # collected, then Triton's compile path had no device
 
     ref = sc.backend_attention(get_backend("reference"), sc.Variant("auto", "token", True, False))
