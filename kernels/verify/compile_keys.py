@@ -14,7 +14,7 @@ allocated). With `arch` the launch plans are those of that GPU (e.g. "sm_90", "g
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
@@ -40,16 +40,15 @@ def compile_key(fn, args, meta) -> Tuple:
     return fn_name(fn), tuple(sorted((k, repr(v)) for k, v in meta.items())), spec
 
 
-def shard(launches: List[Tuple], index: int, count: int, key: Callable = None) -> List[Tuple]:
+def shard(launches: List[Tuple], index: int, count: int) -> List[Tuple]:
     """One launch per distinct compile key of `launches` ((fn, grid, args, meta), as precompile.collect_launches
     gives them), those of shard `index` of `count`: the keys in the order of their text, dealt out in turn. Processes
     that collect the same launches each compile a part, none twice, whatever order they collected them in."""
     if not 0 <= index < count:
         raise ValueError(f"shard {index} of {count}: give 0 <= index < count")
-    key = key or (lambda launch: compile_key(launch[0], launch[2], launch[3]))
     by_key = {}
-    for launch in launches:
-        by_key.setdefault(repr(key(launch)), launch)
+    for fn, grid, args, meta in launches:
+        by_key.setdefault(repr(compile_key(fn, args, meta)), (fn, grid, args, meta))
     return [by_key[k] for k in sorted(by_key)[index::count]]
 
 
