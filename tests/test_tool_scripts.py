@@ -95,3 +95,23 @@ def test_override_overhead_times_masked_calls_through_the_padding_cut():
     lines = [line for line in proc.stdout.splitlines() if "overhead" in line]
     assert [line.split(" cpu:")[0] for line in lines] == ["no mask", "padded end", "kept keys not a prefix"]
     assert all(re.search(r"overhead +-?\d+\.\d us/call", line) for line in lines), lines
+
+
+GIL_TOOL = ROOT / "kernels" / "verify" / "triton_compile_gil.py"
+
+
+def test_triton_compile_gil_times_each_mode_on_the_cpu():
+    """kernels/verify/triton_compile_gil.py (AOT sm_90 compiles, no GPU): one JSON line per mode asked, each with its
+    wall time, the busy-thread mode with the share of its rate the spinner kept."""
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, str(GIL_TOOL), "--kernels", "1", "--modes", "serial,busy_thread"],
+                          capture_output=True, text=True, cwd=str(ROOT), timeout=300)
+    if proc.returncode == 2 and "NVIDIA backend" in proc.stderr:
+        pytest.skip(proc.stderr.strip())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["mode"] for r in rows] == ["serial", "busy_thread"] and all(r["kernels"] == 1 for r in rows)
+    assert all(r["wall_s"] > 0 for r in rows) and 0 < rows[1]["spinner_rate_kept"] <= 1.5, rows
+    bad = subprocess.run([sys.executable, str(GIL_TOOL), "--modes", "fast"], capture_output=True, text=True,
+                         cwd=str(ROOT), timeout=120)
+    assert bad.returncode == 2 and "modes from serial" in bad.stderr
