@@ -1,13 +1,13 @@
 """The Triton GPU fuzz's kernels compiled in background processes while the rest of a GPU run goes on.
 
-`test_fuzz_gpu` for a Triton backend needs some 130 kernels (its calls' and its three variants' self-checks); compiled
-in the test's own process, side by side on threads, they took about half its time (Triton's compile holds the GIL
-for much of its work: docs/MEASUREMENTS.md, "Test time limits"). A GPU run that selects those tests starts, at
-its beginning, a few processes per backend (`tests/test_fuzz.py --prewarm-shard`): each collects the same launches,
-compiles its shard of their distinct kernels (kernels/verify/compile_keys.shard) into Triton's cache on disk, and
-prints one JSON line. The run moves those fuzz tests to its end; each waits for its backend's processes (a bounded
-wait, then they are stopped) before its own calls, which then load the kernels instead of compiling them. Nothing
-here judges anything: a process that fails costs only time, and the summary says so.
+`test_fuzz_gpu` for a Triton backend needs some 130 kernels (its calls' and its three variants' self-checks);
+compiled in the test's own process, side by side on threads, they took about half its time (a compile beside other
+Python threads keeps waiting for the GIL: docs/MEASUREMENTS.md, "Test time limits"). A GPU run that selects those
+tests starts, at its beginning, a few processes per backend (`tests/test_fuzz.py --prewarm-shard`): each collects the
+same launches, compiles its shard of their distinct kernels (kernels/verify/compile_keys.shard) into Triton's cache
+on disk, and prints one JSON line. The run moves those fuzz tests to its end; each waits for its backend's processes
+(a bounded wait, then they are stopped) before its own calls, which then load the kernels instead of compiling them.
+Nothing here judges anything: a process that fails costs only time, and the summary says so.
 """
 from __future__ import annotations
 
@@ -23,8 +23,6 @@ from typing import Callable, Dict, List, Optional
 
 TEST_FUZZ = Path(__file__).resolve().parent / "test_fuzz.py"
 WAIT_S = 90  # a test waits this long at most for its backend's processes, then stops them and compiles the rest
-
-
 FUZZ_TEST = "test_fuzz_gpu[triton_"
 
 
