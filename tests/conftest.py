@@ -198,7 +198,7 @@ def pytest_collection_finish(session):
     tests moved to the run's end (tests/triton_prewarm.py); and on an NVIDIA GPU, if tests use the HIP emulation,
     its builds (see EMULATED_BUILDS); a run of other GPU tests compiles none (the threads would only slow its
     Triton compiles). SAGE_TEST_PREWARM=0: neither."""
-    if os.environ.get("SAGE_TEST_PREWARM", "1").strip() == "0" or session.config.option.collectonly:
+    if not triton_prewarm.enabled() or session.config.option.collectonly:
         return
     if torch is None or not torch.cuda.is_available():
         return

@@ -1526,7 +1526,7 @@ def test_fuzz_gpu(monkeypatch, summary_lines, kernel):
         pytest.skip(f"{kernel} is not available on this GPU: {reason}")
     n = gpu_fuzz_calls()
     # Its ~90 kernels compiled side by side first, not one by one as the calls meet them (SAGE_TEST_PREWARM=0: off).
-    if kernel.startswith("triton") and os.environ.get("SAGE_TEST_PREWARM", "1").strip() != "0":
+    if kernel.startswith("triton") and triton_prewarm.enabled():
         from comfyui_sage_rdna4.kernels.backends.triton import precompile
 
         triton_prewarm.wait(kernel)  # its background processes (conftest), if the run started them

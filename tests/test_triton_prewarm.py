@@ -87,3 +87,11 @@ def test_an_unreadable_result_line_is_an_error_not_a_crash(fresh):
     shard, = fresh.wait("triton_int8_fp8", timeout=60)
     assert shard.result() == {"error": "unreadable result line: {not json"}
     assert json.loads(json.dumps(shard.result()))  # the summary can always print it
+
+
+def test_one_switch_turns_every_prewarm_off(monkeypatch):
+    for value, on in (("0", False), (" 0 ", False), ("1", True), ("", True)):
+        monkeypatch.setenv("SAGE_TEST_PREWARM", value)
+        assert triton_prewarm.enabled() is on
+    monkeypatch.delenv("SAGE_TEST_PREWARM")
+    assert triton_prewarm.enabled()

@@ -26,6 +26,12 @@ WAIT_S = 90  # a test waits this long at most for its backend's processes, then 
 FUZZ_TEST = "test_fuzz_gpu[triton_"
 
 
+def enabled() -> bool:
+    """SAGE_TEST_PREWARM=0 turns off every compile ahead of the tests (these processes, the emulated builds, the GPU
+    fuzz's own warm-up)."""
+    return os.environ.get("SAGE_TEST_PREWARM", "1").strip() != "0"
+
+
 def _is_triton_fuzz(nodeid: str) -> bool:
     return nodeid.rsplit("::", 1)[-1].startswith(FUZZ_TEST)
 
