@@ -50,7 +50,8 @@ def settled_route(call: AttentionCall, kernel: str = "auto", *, quantized_only: 
                 tuner.begin_in_step(found, call, tensors[0].device)
             else:
                 tuner.measure_alone(found, call, tensors, sm_scale, attn_mask)
-            checked.update({b.name: None for b in found.candidates})  # just found ready for this very call
+            # just found ready for this very call (an unchecked one is not: a decision naming it asks VERIFY)
+            checked.update({b.name: None for b in found.candidates if b not in found.unchecked})
         else:
             return found
     raise RuntimeError(f"the route of {call.short()} did not settle in {MAX_ROUNDS} rounds")

@@ -1,7 +1,8 @@
 """What first uses cost in this process, part by part: each self-check (its kernels' compiles included), each
-device's hardware probes, each kind of call `auto` measured alone. A sampling run reports the parts added while it
-ran (sage_patch/timing.py), so a user sees what made the first step slow. (auto's measuring in the step is spread
-over the model's own calls and shows in the step times, not here.)"""
+device's hardware probes, each kind of call `auto` measured alone, and the host time of each kernel's first call
+while `auto` measures in the step (where its compiles land when it is timed before its self-check). A sampling run
+reports the parts added while it ran (sage_patch/timing.py), so a user sees what made the first step slow. (The
+rest of auto's measuring in the step is spread over the model's own calls and shows in the step times.)"""
 from __future__ import annotations
 
 import threading

@@ -121,6 +121,12 @@ class Backend:
             return False
         return (call.device_type, call.device_index, self.variant(call)) not in self.verdicts.recorded
 
+    def timed_before_check(self) -> bool:
+        """Whether auto may time this backend in the step before its self-check (its answer unused, exact attention
+        answering that call), and check it only if it wins. Not a backend with hardware probes (HIP): its code has
+        never run on the user's card, so it runs on no model call before both have passed."""
+        return self.probe is None
+
     def verify(self, call: AttentionCall) -> Optional[str]:
         """The first-use step (kernels/gating.py): the device's probes, then the self-check of this call's device
         and variant, each run once (or recalled)."""

@@ -3,7 +3,9 @@
 `route(call, kernel, ...)` answers with one `Route`, and changes nothing. Where the answer needs something that
 has not happened yet it says so, and the caller takes that step itself, then asks again:
   * VERIFY: these backends have not passed their first-use checks on this device and variant
-    (`gating.first_use_checks` runs the probes and self-checks);
+    (`gating.first_use_checks` runs the probes and self-checks). Measuring in the step asks it only of the backends
+    with hardware probes; the others are timed unchecked (`Route.unchecked`) and checked once a decision picks
+    them, so a backend that loses to SDPA costs no self-check;
   * MEASURE without a measurement: auto has no decision for this kind of call (`Tuner.begin_in_step` or
     `Tuner.measure_alone` measures, or recalls a stored decision).
 Otherwise the route is final: RUN a backend (with the watch kept on auto's choice, if any), EXACT attention by
@@ -43,8 +45,9 @@ class Route:
     why exact attention (EXACT, or RUN of an exact backend), or why the call cannot run (REFUSE). `kernel`: what
     was asked for, named when a refusal is raised.
     `passed_over`: the candidates not taken, and why each. `decision`: auto's measured decision, if one decided.
-    `measurement`: MEASURE's trial, or the watch on auto's quantized choice (RUN). `candidates`: the ready backends
-    a measuring step weighs; `unverified`: the backends whose first-use checks must run first (VERIFY)."""
+    `measurement`: MEASURE's trial, or the watch on auto's quantized choice (RUN). `candidates`: the backends a
+    measuring step weighs; `unchecked`: those of them it times before their first-use checks (their turns answer
+    with exact attention); `unverified`: the backends whose first-use checks must run first (VERIFY)."""
     kind: str
     backend: Optional[Backend] = None
     reason: Optional[str] = None
@@ -54,6 +57,7 @@ class Route:
     measurement: Optional[Measurement] = None
     candidates: Tuple[Backend, ...] = ()
     unverified: Tuple[Backend, ...] = ()
+    unchecked: Tuple[Backend, ...] = ()
 
     @property
     def final(self) -> bool:
@@ -127,17 +131,20 @@ def route(call: AttentionCall, kernel: str = "auto", *, quantized_only: bool = F
         if tuner.may_measure_now(call, attn_mask) and readiness(yardstick, call, checked) is None:
             candidates = quantized_candidates(call)
             states = [(b, readiness(b, call, checked)) for b in candidates]
-            unverified = tuple(b for b, state in states if state is PENDING)
-            if unverified:  # every candidate is judged before it is measured
+            pending = [b for b, state in states if state is PENDING]
+            # In the step a candidate without hardware probes is timed first and checked only if it wins (its turns
+            # answer with exact attention); any other is judged before it is measured.
+            unchecked = tuple(b for b in pending if method == IN_STEP and b.timed_before_check())
+            unverified = tuple(b for b in pending if b not in unchecked)
+            if unverified:
                 return Route(VERIFY, unverified=unverified)
-            ready = tuple(b for b, state in states if state is None)
-            weighed = {b.name: state for b, state in states if state is not None}
+            ready = tuple(b for b, state in states if state is None) + unchecked
+            weighed = {b.name: state for b, state in states if state is not None and state is not PENDING}
             # A check that could not run (memory ran out) left no verdict: a decision made without that candidate
             # would leave it out for the rest of the process, so this call takes the static order instead.
-            unchecked = any(checked.get(b.name) is not None and b.why_not(call) is None for b in candidates)
-            if ready and not unchecked:
-                passed_over = {b.name: state for b, state in states if state is not None}
-                return Route(MEASURE, yardstick, passed_over=passed_over, candidates=ready)
+            not_checked = any(checked.get(b.name) is not None and b.why_not(call) is None for b in candidates)
+            if ready and not not_checked:
+                return Route(MEASURE, yardstick, passed_over=weighed, candidates=ready, unchecked=unchecked)
 
     # The static order: the first backend in the device's preference that is ready.
     passed_over = {}

@@ -2,8 +2,9 @@
 
 A transformer step calls attention with one shape once per block (Flux 57 times per model call, Wan 40). While a
 kind of call (decisions.TuneKey) is undecided, a `StepTrial` hands its calls in turn to SDPA (the call site's own
-attention) and to each candidate that accepts it and passed its self-check, so every call still returns a
-correct output: the one of the backend that ran it. Each call is bracketed by two device events on the model's
+attention) and to each candidate that accepts it, so every call still returns a correct output: the one of the
+backend that ran it, or, for a candidate not yet through its self-check (`unchecked`), exact attention's, run after
+it (only the candidate is timed). Each call is bracketed by two device events on the model's
 current stream; nothing waits for them inside the step. At the step boundary (sage_patch/timing.py) the events
 are read, after one wait for the last of them. Once every backend has SAMPLES timed calls, their trimmed means
 decide (decisions.Decision: SDPA unless a quantized backend measured at most 1 - MARGIN times SDPA). Deciding only
@@ -81,9 +82,15 @@ class Measurement:
         self.events = events
         self._pending: List[tuple] = []  # (backend name, start mark, end mark)
         self._lock = threading.Lock()
+        self._launched: set = set()  # backends that have had a call here
 
     SDPA_TURN = ""  # why a call handed to exact attention runs it (the stats count the call under this)
+    # Why exact attention answers a call on which an unchecked candidate was timed (the stats count it under this).
+    UNCHECKED_TURN = "auto: timing a candidate before its self-check (exact attention's answer)"
     passed_over: Dict[str, str]  # the candidates not measured, and why
+    # Candidates timed before their first-use self-check: each of their timed calls is answered by exact attention
+    # (the call site's), run after them; a decision that picks one checks it first (routing.route).
+    unchecked: frozenset = frozenset()
 
     def pick(self) -> Optional[str]:
         """Who runs (and times) this call; None: the untimed default."""
@@ -100,6 +107,14 @@ class Measurement:
 
     def begin(self):
         return self.events.mark(self.device)
+
+    def first_launch(self, name: str) -> bool:
+        """Whether this is `name`'s first call handed out here: the one that compiles or loads its kernels, which
+        the caller reports as a first-use cost (kernels/first_use_costs.py)."""
+        with self._lock:
+            first = name not in self._launched
+            self._launched.add(name)
+        return first
 
     def record(self, name: str, start) -> None:
         end = self.events.mark(self.device)
@@ -127,9 +142,11 @@ class StepTrial(Measurement):
 
     SDPA_TURN = "auto: measuring this kind of call in the step (exact attention's turn)"
 
-    def __init__(self, key: TuneKey, device, candidates: Sequence, passed_over: Dict[str, str], events, on_decided):
+    def __init__(self, key: TuneKey, device, candidates: Sequence, passed_over: Dict[str, str], events, on_decided,
+                 unchecked: Sequence[str] = ()):
         super().__init__(device, events)
         self.key = key
+        self.unchecked = frozenset(unchecked)
         self.passed_over = dict(passed_over)
         self.backends = {b.name: b for b in candidates}
         self.names = [SDPA] + [b.name for b in candidates]
@@ -294,8 +311,9 @@ class Recheck(_AgainstSdpa):
 
     SDPA_TURN = "auto: checking a remembered choice (exact attention's turn, timed against it)"
 
-    def __init__(self, decision: Decision, backend, device, events, on_result):
+    def __init__(self, decision: Decision, backend, device, events, on_result, unchecked: Sequence[str] = ()):
         super().__init__(decision, backend, device, events)
+        self.unchecked = frozenset(unchecked) & {backend.name}
         self.stored_ratio = decision.ratio(backend.name)
         self.measured_ratio: Optional[float] = None
         self._failed: Optional[str] = None

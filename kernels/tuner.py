@@ -83,6 +83,7 @@ class Tuner:
         self._enabled = enabled
         self._on_change = on_change or invalidate_decisions
         self._measuring: Dict[tuple, Measurement] = {}  # in the step: a key's trial, or the watch of its choice
+        self._unchecked: Dict[tuple, frozenset] = {}  # in the step: a key's candidates timed before their self-check
         self._lock = threading.Lock()
 
     # -- what routing reads (no side effect) ---------------------------------------------------------
@@ -116,16 +117,19 @@ class Tuner:
         with self._lock:
             self.book.clear()
             self._measuring.clear()
+            self._unchecked.clear()
 
     # -- measuring in the step ------------------------------------------------------------------
     def begin_in_step(self, route, call, device) -> None:
         """The measuring step of a route that asks for it (routing.MEASURE without a measurement): the decision
-        stored for this kind of call, rechecked in the step, or a new trial among `route.candidates`."""
+        stored for this kind of call, rechecked in the step, or a new trial among `route.candidates` (those in
+        `route.unchecked` timed before their self-check)."""
         key = DecisionBook.key(IN_STEP, call)
         names = tuple(b.name for b in route.candidates)
         with self._lock:
             if self.book.get(key) is not NOT_DECIDED or key in self._measuring:  # another thread got here first
                 return
+            self._unchecked[key] = frozenset(b.name for b in route.unchecked)
             decision = self.store.load(device, key[3], names, IN_STEP)
             if decision is not None:
                 decision.passed_over, decision.candidates = dict(route.passed_over), names
@@ -139,9 +143,10 @@ class Tuner:
         `candidates`. A decision is kept in memory; one `recalled` from disk is first checked against this step's
         own timings (Recheck: kept when they agree, measured again when not), unless it chose SDPA by more than
         SDPA_RECHECK_BAND; a quantized choice is then watched."""
+        unchecked = self._unchecked.get(key, frozenset())
         if decision is None:
             self._measuring[key] = StepTrial(key[3], device, candidates, passed_over, self.events,
-                                             partial(self._decided, key, device, candidates))
+                                             partial(self._decided, key, device, candidates), unchecked)
             return
         self.book.put(key, decision)
         if recalled:
@@ -151,8 +156,11 @@ class Tuner:
                 name = None  # SDPA by a wide margin: the decision stands unchecked
             backend = next((b for b in candidates if b.name == name), None)
             if backend is not None:  # else nothing quantized to time against SDPA: the decision stands
+                # A quantized choice is checked before it serves (routing.route); the best of an SDPA choice may be
+                # timed unchecked, as in a trial.
                 self._measuring[key] = Recheck(decision, backend, device, self.events,
-                                               partial(self._rechecked, key, device, candidates, backend.name))
+                                               partial(self._rechecked, key, device, candidates, backend.name),
+                                               unchecked if decision.chosen == SDPA else ())
                 return
         chosen = next((b for b in candidates if b.name == decision.chosen), None)
         if chosen is None:

@@ -22,11 +22,12 @@ What newer ComfyUI versions add, read from their source (2026, up to 0.38):
 from __future__ import annotations
 
 import logging
+import time
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from ..kernels import settings
+from ..kernels import first_use_costs, settings
 from ..kernels.padding_masks import SeenMasks, padding_cut
 from ..kernels.registry import Backend, KernelRefused
 from ..kernels.routing import RUN
@@ -44,6 +45,8 @@ log = logging.getLogger("sage_rdna4")
 
 # How the stats count the calls of an A/B baseline run (every call goes where it went without this patch).
 BASELINE_CALLS = "own attention"
+# A first call taking this long on the host compiled or loaded kernels (a launch alone takes well under 1 ms).
+FIRST_CALL_REPORTED_S = 0.01
 
 
 class Turn(NamedTuple):
@@ -51,7 +54,9 @@ class Turn(NamedTuple):
     attention takes it, counted as `outcome`; with one, our kernel runs on the HND `inputs` (q, k, v, mask) as the
     `plan` says, and `outcome` is what the stats count if it succeeds. `trial`: auto's trial or watch that times
     this call with device events. `kernel`: what a raised refusal names (config on_unsupported="raise"). `cut`: what
-    the call's padding mask let the kernel leave out (kernels/padding_masks.py), counted if the kernel runs."""
+    the call's padding mask let the kernel leave out (kernels/padding_masks.py), counted if the kernel runs.
+    `unchecked`: the backend is only timed (it has not passed its self-check yet); the call site's attention then
+    answers the call, as `outcome` says."""
     outcome: Outcome
     backend: Optional[Backend] = None
     plan: Optional[CallPlan] = None
@@ -60,6 +65,7 @@ class Turn(NamedTuple):
     trial: Optional[Measurement] = None
     kernel: str = ""
     cut: str = ""
+    unchecked: bool = False
 
 
 BASELINE_TURN = Turn(Outcome(RAN, BASELINE_CALLS))
@@ -110,13 +116,15 @@ class SageAttentionOverride:
         if TRACEABLE and torch.compiler.is_compiling():  # inside a torch.compile trace: one opaque op
             return traced_call(self.op_id, func, args, kwargs, self.policies.uses_steps)
         turn = self._turn(args, kwargs)
-        outcome, backend, plan, inputs, skip_output_reshape, trial, kernel, cut = turn
+        outcome, backend, plan, inputs, skip_output_reshape, trial, kernel, cut, unchecked = turn
         timer, out = self.attention_timer, None
         if backend is not None:  # our kernel: the plan holds its answer, so it launches without asking again
             q, k, v, mask = inputs
             scale = kwargs.get("scale")
             sm_scale = float(scale) if scale is not None else plan.default_scale
             start = trial.begin() if trial is not None else None  # a trial's (or watch's) call, between events
+            # A kernel's first call while auto measures compiles or loads it: reported as a first-use cost.
+            first = time.perf_counter() if trial is not None and trial.first_launch(backend.name) else None
             try:
                 if timer is None:
                     out = backend.launch(q, k, v, plan.call, sm_scale, mask)[0]
@@ -135,15 +143,23 @@ class SageAttentionOverride:
             else:
                 if trial is not None:
                     trial.record(backend.name, start)
-                if cut:
+                if unchecked:  # timed only: its answer is not used before its self-check has passed
+                    out = None
+                elif cut:
                     self.stats.record_cut(cut)
-        if out is None and outcome.kind == FELL_BACK and self.config.on_unsupported == "raise":
+            seconds = time.perf_counter() - first if first is not None else 0.0
+            if seconds >= FIRST_CALL_REPORTED_S:
+                first_use_costs.record(f"first call of {backend.name} while auto measures ({plan.call.short()})",
+                                       seconds)
+        # (an unchecked candidate's failure only leaves it out: exact attention was to answer that call anyway)
+        if out is None and outcome.kind == FELL_BACK and self.config.on_unsupported == "raise" and not unchecked:
             raise KernelRefused(backend.name if backend is not None else kernel, outcome.label)
         self.stats.record(outcome)  # counted before a call site's attention that may raise
         if out is not None:
             return out
         # The call site's own attention: what the call runs without this patch (the previous override, or func).
-        start = trial.begin() if trial is not None else None  # exact attention's turn in auto's trial or watch
+        timed = trial is not None and not unchecked  # exact attention's turn in auto's trial or watch
+        start = trial.begin() if timed else None
         if turn is BASELINE_TURN and timer is not None:  # the A/B baseline is timed as a kernel call is
             with timer.measure():
                 out = self.previous(func, *args, **kwargs) if self.previous is not None else func(*args, **kwargs)
@@ -221,6 +237,9 @@ class SageAttentionOverride:
         if name is not None:
             if name == "sdpa":  # SDPA's turn is the call site's own attention, as when SDPA is chosen
                 return Turn(Outcome(ROUTED, trial.SDPA_TURN, route.passed_over, name, choice), trial=trial)
+            if name in trial.unchecked:  # timed before its self-check: the call site's attention answers
+                return Turn(Outcome(ROUTED, trial.UNCHECKED_TURN, route.passed_over, name, choice),
+                            trial.backend(name), plan, inputs, reshape, trial, unchecked=True)
             return Turn(Outcome(RAN, name, route.passed_over, None, choice), trial.backend(name), plan, inputs,
                         reshape, trial, cut=cut)
         if route.kind == RUN:
