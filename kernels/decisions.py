@@ -88,6 +88,9 @@ class Decision:
     samples: Dict[str, int] = field(default_factory=dict)
     reverted: Optional[str] = None
     candidates: Tuple[str, ...] = ()  # the quantized backends it was measured among (the disk entry's key)
+    # Timed again in a later step (of this process or the one that measured it) and found to hold: an SDPA choice
+    # with it is not timed again in later processes (kernels/tuner.py, `Tuner._checked_against`).
+    confirmed: bool = False
 
     def __post_init__(self):
         sdpa_ms = self.timings[SDPA]
@@ -141,7 +144,7 @@ class Decision:
 
     def to_json(self, candidates: Sequence[str]) -> dict:
         return {"timings": self.timings, "failed": self.failed, "candidates": sorted(candidates),
-                "method": self.method, "samples": self.samples, "reverted": self.reverted}
+                "method": self.method, "samples": self.samples, "reverted": self.reverted, "confirmed": self.confirmed}
 
     @classmethod
     def from_json(cls, key: TuneKey, entry: dict) -> "Decision":
@@ -150,7 +153,7 @@ class Decision:
         samples = {str(n): int(c) for n, c in (entry.get("samples") or {}).items()}
         reverted = entry.get("reverted")
         return cls(key, timings, failed, source="disk", method=str(entry.get("method", ALONE)), samples=samples,
-                   reverted=str(reverted) if reverted else None)
+                   reverted=str(reverted) if reverted else None, confirmed=entry.get("confirmed") is True)
 
 
 def implausible(timings: Dict[str, float]) -> Optional[str]:

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .decisions import IN_STEP, MARGIN, SDPA, Decision, TuneKey
+from .decisions import IN_STEP, MARGIN, QUANTIZED_MUST_BEAT, SDPA, Decision, TuneKey
 
 log = logging.getLogger(__name__)
 
@@ -138,15 +138,17 @@ class Measurement:
 
 class StepTrial(Measurement):
     """Measures one kind of call on the model's own calls; decides through `on_decided(decision, keep)` (`keep`:
-    whether the decision may be stored on disk)."""
+    whether the decision may be stored on disk). `confirmed`: this trial measures again a decision that a check in
+    a later step disagreed with, so its own decision is that decision's second measurement (Decision.confirmed)."""
 
     SDPA_TURN = "auto: measuring this kind of call in the step (exact attention's turn)"
 
     def __init__(self, key: TuneKey, device, candidates: Sequence, passed_over: Dict[str, str], events, on_decided,
-                 unchecked: Sequence[str] = ()):
+                 unchecked: Sequence[str] = (), confirmed: bool = False):
         super().__init__(device, events)
         self.key = key
         self.unchecked = frozenset(unchecked)
+        self.confirmed = confirmed
         self.passed_over = dict(passed_over)
         self.backends = {b.name: b for b in candidates}
         self.names = [SDPA] + [b.name for b in candidates]
@@ -211,7 +213,7 @@ class StepTrial(Measurement):
         timings = {n: trimmed_mean(self.samples[n]) for n in active}
         decision = Decision(self.key, timings, dict(self.failed), dict(self.passed_over), method=IN_STEP,
                             samples={n: len(self.samples[n]) for n in active},
-                            candidates=tuple(n for n in self.names if n != SDPA))
+                            candidates=tuple(n for n in self.names if n != SDPA), confirmed=self.confirmed)
         self.done = True
         # An out-of-memory is this moment's, not the shape's: such a decision is not kept on disk.
         transient = any("OutOfMemoryError" in reason for reason in self.failed.values())
@@ -295,24 +297,29 @@ class Watch(_AgainstSdpa):
         decision = Decision(old.key, {SDPA: sdpa_ms, self.backend_name: chosen_ms}, dict(old.failed),
                             dict(old.passed_over), method=IN_STEP,
                             samples={SDPA: len(sdpa), self.backend_name: len(chosen)}, reverted=reason,
-                            candidates=old.candidates)
+                            candidates=old.candidates, confirmed=True)
         self._on_revert(decision, True)
         return decision
 
 
 class Recheck(_AgainstSdpa):
-    """A decision recalled from disk, checked in the first steps that run its kind of call: WATCH_CALLS adjacent
-    pairs of SDPA and `backend` (the stored choice, or the best quantized candidate when SDPA was chosen) per step,
-    timed as a watch times them, until WATCH_MIN of each. `on_result(agrees, ratio)` then says whether the ratio
-    measured now is the stored one within MARGIN (relative). Untimed calls take the route's default meanwhile.
+    """A decision timed again: one recalled from disk, in the first steps that run its kind of call, or an SDPA
+    choice made in this process, in the steps after it. WATCH_CALLS adjacent pairs of SDPA and `backend` (the
+    choice, or the best quantized candidate when SDPA was chosen) per step, timed as a watch times them, until
+    WATCH_MIN of each. `on_result(agrees, ratio)` then says whether the decision holds: for a quantized choice,
+    whether the ratio measured now is the stored one within MARGIN (relative); for SDPA, whether the best quantized
+    candidate still misses the bar (QUANTIZED_MUST_BEAT), since reading it slower than stored says nothing against
+    SDPA. Untimed calls take the route's default meanwhile.
 
     The first WARMUP_CALLS pairs are run but not kept, as in a trial: the check is often a backend's first call in
     this process, which loads its kernels and would read as many times slower than it is."""
 
-    SDPA_TURN = "auto: checking a remembered choice (exact attention's turn, timed against it)"
+    REMEMBERED_TURN = "auto: checking a remembered choice (exact attention's turn, timed against it)"
+    LATER_TURN = "auto: checking its choice again in a later step (exact attention's turn, timed against it)"
 
     def __init__(self, decision: Decision, backend, device, events, on_result, unchecked: Sequence[str] = ()):
         super().__init__(decision, backend, device, events)
+        self.SDPA_TURN = self.REMEMBERED_TURN if decision.source == "disk" else self.LATER_TURN
         self.unchecked = frozenset(unchecked) & {backend.name}
         self.stored_ratio = decision.ratio(backend.name)
         self.measured_ratio: Optional[float] = None
@@ -349,7 +356,10 @@ class Recheck(_AgainstSdpa):
         agrees = False
         if self._failed is None:
             self.measured_ratio = trimmed_mean(mine) / trimmed_mean(sdpa)
-            agrees = abs(self.measured_ratio / self.stored_ratio - 1.0) <= MARGIN
+            if self.decision.chosen == SDPA:
+                agrees = self.measured_ratio > QUANTIZED_MUST_BEAT
+            else:
+                agrees = abs(self.measured_ratio / self.stored_ratio - 1.0) <= MARGIN
         self.done = True
         self._on_result(agrees, self.measured_ratio)
         return agrees

@@ -138,30 +138,27 @@ class Tuner:
             log.info("%s", decision.summary)
 
     def _measure(self, key, device, candidates, decision: Optional[Decision], passed_over=None,
-                 recalled: bool = False) -> None:
+                 recalled: bool = False, on_disk: bool = False, confirmed: bool = False) -> None:
         """What measures this kind of call from now on (under the lock). Without a decision, a trial among
-        `candidates`. A decision is kept in memory; one `recalled` from disk is first checked against this step's
-        own timings (Recheck: kept when they agree, measured again when not), unless it chose SDPA by more than
-        SDPA_RECHECK_BAND; a quantized choice is then watched."""
+        `candidates` (`confirmed`: it measures again a decision a check disagreed with). A decision is kept in
+        memory. One `recalled` from disk, or an SDPA choice just made and kept `on_disk` (which a later process may
+        then trust unchecked), is timed again in a step where `_checked_against` names a backend (Recheck: kept when
+        it holds, measured again when not). A quantized choice is then watched."""
         unchecked = self._unchecked.get(key, frozenset())
         if decision is None:
             self._measuring[key] = StepTrial(key[3], device, candidates, passed_over, self.events,
-                                             partial(self._decided, key, device, candidates), unchecked)
+                                             partial(self._decided, key, device, candidates), unchecked, confirmed)
             return
         self.book.put(key, decision)
-        if recalled:
-            best = decision.best_quantized[0] if decision.best_quantized else None
-            name = decision.chosen if decision.chosen != SDPA else best
-            if decision.chosen == SDPA and best is not None and decision.ratio(best) > 1 + SDPA_RECHECK_BAND:
-                name = None  # SDPA by a wide margin: the decision stands unchecked
-            backend = next((b for b in candidates if b.name == name), None)
-            if backend is not None:  # else nothing quantized to time against SDPA: the decision stands
-                # A quantized choice is checked before it serves (routing.route); the best of an SDPA choice may be
-                # timed unchecked, as in a trial.
-                self._measuring[key] = Recheck(decision, backend, device, self.events,
-                                               partial(self._rechecked, key, device, candidates, backend.name),
-                                               unchecked if decision.chosen == SDPA else ())
-                return
+        fresh_sdpa = on_disk and decision.chosen == SDPA  # a later process may trust it once it is confirmed
+        backend = self._checked_against(decision, candidates) if recalled or fresh_sdpa else None
+        if backend is not None:
+            # A quantized choice is checked before it serves (routing.route); the best of an SDPA choice may be
+            # timed unchecked, as in a trial.
+            self._measuring[key] = Recheck(decision, backend, device, self.events,
+                                           partial(self._rechecked, key, device, candidates, backend.name),
+                                           unchecked if decision.chosen == SDPA else ())
+            return
         chosen = next((b for b in candidates if b.name == decision.chosen), None)
         if chosen is None:
             self._measuring.pop(key, None)
@@ -169,26 +166,47 @@ class Tuner:
             self._measuring[key] = Watch(decision, chosen, device, self.events,
                                          partial(self._decided, key, device, candidates))
 
+    @staticmethod
+    def _checked_against(decision: Decision, candidates) -> Optional[object]:
+        """The backend `decision` is timed against SDPA on before it stands, or None. A quantized choice: itself. An
+        SDPA choice: its best quantized candidate, unless that was more than SDPA_RECHECK_BAND slower (no spread
+        between runs could flip it) or a check in a later step already confirmed the choice."""
+        if decision.chosen != SDPA:
+            name = decision.chosen
+        elif decision.confirmed or decision.best_quantized is None or \
+                decision.ratio(decision.best_quantized[0]) > 1 + SDPA_RECHECK_BAND:
+            return None
+        else:
+            name = decision.best_quantized[0]
+        return next((b for b in candidates if b.name == name), None)
+
     # -- what a trial, a recheck and a watch report at a step boundary (sage_patch/timing.py) ---------
     def _rechecked(self, key, device, candidates, name: str, agrees: bool, ratio: Optional[float]) -> None:
-        """A recheck's result: the remembered decision is kept, or its kind of call is measured again."""
+        """A recheck's result: the decision is kept (and stored as confirmed), or its kind of call is measured
+        again (a trial whose decision is then the second measurement)."""
         with self._lock:
             decision = self.book.get(key)
+            newly_confirmed = agrees and not decision.confirmed
             if agrees:
+                decision.confirmed = True
                 self._measure(key, device, candidates, decision)
-            else:  # the stored timings no longer hold here: this kind of call is measured again
+            else:  # the timings no longer hold here: this kind of call is measured again
                 self.book.forget(key)
-                self._measure(key, device, candidates, None, decision.passed_over)
+                self._measure(key, device, candidates, None, decision.passed_over, confirmed=True)
+        if newly_confirmed:
+            self.store.save(device, decision, decision.candidates)
         if not agrees:
             now = f"{ratio:.2f}x SDPA" if ratio is not None else "a failure"
-            log.warning("auto's remembered choice for (%s) is measured again: %s gave %s in this step, %.2fx "
-                        "stored", key[3].label(), name, now, decision.ratio(name))
+            which = "remembered choice" if decision.source == "disk" else "choice"
+            log.warning("auto's %s for (%s) is measured again: %s gave %s in this step, %.2fx %s", which,
+                        key[3].label(), name, now, decision.ratio(name),
+                        "stored" if decision.source == "disk" else "in its trial")
         self._on_change()
 
     def _decided(self, key, device, candidates, decision: Decision, keep: bool) -> None:
         """A trial decided, or a watch reverted: kept in memory and (with `keep`) on disk; plans are remade."""
         with self._lock:
-            self._measure(key, device, candidates, decision)
+            self._measure(key, device, candidates, decision, on_disk=keep and self.store.enabled)
         if keep:
             self.store.save(device, decision, decision.candidates)
         log.log(logging.WARNING if decision.reverted else logging.INFO, "%s", decision.summary)
