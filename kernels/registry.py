@@ -16,10 +16,12 @@ verification bumps it.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from . import first_use_costs
 from .call_spec import AUTOGRAD_REFUSAL, AttentionCall
 from .gating import first_use_check
 
@@ -72,11 +74,16 @@ class Backend:
         if self.verdicts is not None and key in self.verdicts.disabled:  # failed its self-check there
             return self.verdicts.disabled[key]
         if key not in self._availability:
+            started = time.perf_counter()
             try:
                 reason = self._unavailable(device_type, index)
             except Exception as exc:  # a probe must never take the process down
                 reason = f"availability probe failed: {type(exc).__name__}: {exc}"
             self._availability[key] = reason
+            # A peer's check imports its package: a first-use cost, as a kernel's compile is.
+            where = device_type if index is None else f"{device_type}:{index}"
+            first_use_costs.record_if_slow(f"checking that {self.name} is available on {where}",
+                                           time.perf_counter() - started)
         return self._availability[key]
 
     def disable(self, device_type: str, index: Optional[int], reason: str) -> None:
@@ -185,10 +192,12 @@ def get_backend(name: str) -> Backend:
     with _CREATION_LOCKS[name]:
         if name not in _REGISTRY:  # another thread may have made it while this one waited
             # Every name has a loader: importing the package runs backends/__init__.py, which registers them all.
+            started = time.perf_counter()
             try:
                 backend = _LOADERS[name]()
             except Exception as exc:
                 backend = _BrokenBackend(name, f"failed to load: {type(exc).__name__}: {exc}")
+            first_use_costs.record_if_slow(f"loading {name} (its modules)", time.perf_counter() - started)
             _REGISTRY[name] = backend
         return _REGISTRY[name]
 

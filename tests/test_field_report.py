@@ -94,13 +94,16 @@ def test_root_script_on_the_cpu_end_to_end(tmp_path):
     positions = [md.index(h) for h in HEADINGS]
     assert positions == sorted(positions), "every section, in order"
     assert probes["note"] in md and fr.CPU_NOTE in md and "| tiny | reference |" in md
-    # The first-use ledger: the spec's self-check, with the seconds its section gives it.
+    # The first-use ledger: the spec's self-check, with the seconds its section gives it; beside it only loading
+    # backends and checking their availability, where one took 10 ms or more on this machine.
     parts = report["first_use"]["parts"]
-    assert [p["part"] for p in parts] == ["self-check reference (the spec, CPU) (torch prologue, per-token INT8, "
-                                          "smooth_k on) on cpu"], parts
-    assert abs(parts[0]["seconds"] - spec["seconds"]) < 2e-3 and parts[0]["seconds"] > 0
-    assert report["first_use"]["total_seconds"] == parts[0]["seconds"]
-    assert f"| {parts[0]['part']} | {parts[0]['seconds']:.2f} |" in md.split("## First use")[1]
+    checks = [p for p in parts if p["part"].startswith("self-check")]
+    assert [p["part"] for p in checks] == ["self-check reference (the spec, CPU) (torch prologue, per-token INT8, "
+                                           "smooth_k on) on cpu"], parts
+    assert all(p["part"].startswith(("loading ", "checking that ")) for p in parts if p not in checks), parts
+    assert abs(checks[0]["seconds"] - spec["seconds"]) < 2e-3 and checks[0]["seconds"] > 0
+    assert report["first_use"]["total_seconds"] == pytest.approx(sum(p["seconds"] for p in parts), abs=2e-3)
+    assert f"| {checks[0]['part']} | {checks[0]['seconds']:.2f} |" in md.split("## First use")[1]
 
 
 def test_planted_failure_and_errors_show_in_both_files(tmp_path, monkeypatch, capsys):
