@@ -174,16 +174,20 @@ class DecisionStore:
     """Decisions on disk: one entry per TuneKey, way of measuring, GPU identity, pack version and code digest, in
     the cache folder's auto_decisions/ (kernels/disk_cache.py; `root`: another folder for them). A corrupt entry
     is a miss and is removed; one measured among other candidates, or with implausible timings, is measured again
-    and replaced."""
+    and replaced. Given `installed` (what is installed now: `registry.installed_packages`, which the tuner hands
+    it), each entry also keeps that, and `load_unchanged` compares it."""
 
     LABEL = "autotune"
 
     def __init__(self, root: Optional[str] = None, enabled: Optional[bool] = None,
-                 identity: Callable[[torch.device], Optional[dict]] = gpu_identity):
+                 identity: Callable[[torch.device], Optional[dict]] = gpu_identity,
+                 installed: Optional[Callable[[], Dict[str, str]]] = None):
         self._root = root
         self._enabled = enabled
         self._identity = identity
+        self._installed = installed
         self._entries: Optional[EntryStore] = None
+
 
     @property
     def enabled(self) -> bool:
@@ -213,20 +217,34 @@ class DecisionStore:
     def load(self, device: torch.device, key: TuneKey, candidates: Sequence[str],
              method: str = ALONE) -> Optional[Decision]:
         """The stored decision for key, if it was measured among exactly these candidates."""
+        return self._load(device, key, method, lambda entry: entry.get("candidates") == sorted(candidates))
+
+    def load_unchanged(self, device: torch.device, key: TuneKey, method: str = ALONE) -> Optional[Decision]:
+        """The stored decision for key, whatever it was measured among, if every package a backend rests on is
+        installed as it was when the decision was stored: no candidate is asked anything. Its `candidates` are the
+        stored ones."""
+        if self._installed is None:
+            return None
+        # Quiet about an implausible entry: the candidates' own recall (`load`) follows and says it once.
+        return self._load(device, key, method, lambda entry: entry.get("installed") == self._installed(), warn=False)
+
+    def _load(self, device, key, method, still_valid, warn: bool = True) -> Optional[Decision]:
         try:
             entry_key, _ = self._entry_key(device, key, method)
             if entry_key is None:
                 return None
             entry = self.entries().load_json(entry_key, self.LABEL)
-            if not isinstance(entry, dict) or entry.get("candidates") != sorted(candidates):
+            if not isinstance(entry, dict) or not isinstance(entry.get("candidates"), list) or not still_valid(entry):
                 return None  # a backend came or went since: measure again
             decision = Decision.from_json(key, entry)
+            decision.candidates = tuple(str(name) for name in entry["candidates"])
             problem = implausible(decision.timings)
             if problem:
-                log.warning("auto's stored decision for (%s) is implausible (%s); measuring again", key.label(),
-                            problem)
+                if warn:
+                    log.warning("auto's stored decision for (%s) is implausible (%s); measuring again",
+                                key.label(), problem)
                 return None
-            return decision if set(decision.timings) <= set(candidates) | {SDPA} else None
+            return decision if set(decision.timings) <= set(decision.candidates) | {SDPA} else None
         except Exception:  # a corrupt cache is never a reason to fail a call
             return None
 
@@ -236,7 +254,10 @@ class DecisionStore:
             entry_key, header = self._entry_key(device, decision.key, decision.method)
             if entry_key is None:
                 return None
-            return self.entries().store_json(entry_key, self.LABEL, decision.to_json(candidates),
+            entry = decision.to_json(candidates)
+            if self._installed is not None:
+                entry["installed"] = self._installed()
+            return self.entries().store_json(entry_key, self.LABEL, entry,
                                              {"header": header, "tune_key": decision.key.ident()})
         except Exception as exc:
             log.info("could not write the autotune cache: %s: %s", type(exc).__name__, exc)

@@ -39,6 +39,8 @@ def settled_route(call: AttentionCall, kernel: str = "auto", *, quantized_only: 
     GPU; `in_step`: measure on the model's own calls inside the sampling step, the ComfyUI override's way)."""
     tuner = tuner or default_tuner()
     method = measuring_method(tuner, call, tensors, in_step) if kernel == "auto" else None
+    if method == IN_STEP and tuner.may_measure_now(call, attn_mask):
+        tuner.recall_settled(call, tensors[0].device)  # a remembered choice that needs no candidate
     checked: Dict[str, Optional[str]] = {}
     for _ in range(MAX_ROUNDS):
         found = route(call, kernel, quantized_only=quantized_only, tuner=tuner, method=method, attn_mask=attn_mask,

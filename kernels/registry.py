@@ -15,6 +15,8 @@ verification bumps it.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 import threading
 import time
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -156,11 +158,34 @@ class Backend:
 
 _REGISTRY: Dict[str, Backend] = {}
 _LOADERS: Dict[str, Callable[[], Backend]] = {}
+_PACKAGES: Dict[str, Tuple[str, ...]] = {}
 
 
-def register_lazy(name: str, loader: Callable[[], Backend]) -> None:
-    """Backends are built on first use so importing the package stays cheap and never fails."""
+def register_lazy(name: str, loader: Callable[[], Backend], packages: Sequence[str] = ()) -> None:
+    """Backends are built on first use so importing the package stays cheap and never fails. `packages`: the
+    installed Python packages whose presence decides whether the backend can be available (`installed_packages`)."""
     _LOADERS[name] = loader
+    _PACKAGES[name] = tuple(packages)
+
+
+def installed_packages() -> Dict[str, str]:
+    """Per package a backend rests on: its file and that file's size and time, or 'absent'. It finds and never
+    imports (a peer's import costs up to 0.5 s), so auto can tell that nothing was installed, upgraded or removed
+    since it stored a decision (kernels/tuner.py, `Tuner.recall_settled`)."""
+    return {package: _where_installed(package) for package in sorted({p for ps in _PACKAGES.values() for p in ps})}
+
+
+def _where_installed(package: str) -> str:
+    try:
+        spec = importlib.util.find_spec(package)
+        if spec is None:
+            return "absent"
+        if not spec.origin or not os.path.isfile(spec.origin):  # a namespace package: where it is, no file to date
+            return ", ".join(spec.submodule_search_locations or ()) or "no origin"
+        stat = os.stat(spec.origin)
+        return f"{spec.origin} {stat.st_size} {stat.st_mtime_ns}"
+    except Exception as exc:  # a package whose lookup fails is stated as such: it then matches nothing stored
+        return f"lookup failed: {type(exc).__name__}"
 
 
 class _BrokenBackend(Backend):

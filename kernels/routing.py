@@ -100,7 +100,8 @@ def route(call: AttentionCall, kernel: str = "auto", *, quantized_only: bool = F
 
     # auto, measured: the fastest backend of the decision that is ready for this very call; SDPA after those.
     if isinstance(decision, Decision):
-        by_name = {b.name: b for b in quantized_candidates(call)}
+        # Only a ranking with quantized backends in it loads them: an SDPA choice asks no candidate anything.
+        by_name = {b.name: b for b in quantized_candidates(call)} if len(decision.ranking) > 1 else {}
         passed_over = {**decision.passed_over, **decision.failed}
         for name in decision.ranking[:-1]:  # the ranking ends with SDPA
             backend = by_name.get(name)

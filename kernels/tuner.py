@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from . import first_use_costs, settings
+from . import first_use_costs, registry, settings
 from .decisions import ALONE, IN_STEP, NOT_DECIDED, SDPA, Decision, DecisionBook, DecisionStore
 from .generation import invalidate_decisions
 from .quant import default_sm_scale
@@ -76,7 +76,7 @@ class Tuner:
                  enabled: Optional[bool] = None, require_cuda: bool = True, events=None,
                  on_change: Optional[Callable[[], None]] = None):
         self.timer = timer or cuda_event_ms
-        self.store = store if store is not None else DecisionStore()
+        self.store = store if store is not None else DecisionStore(installed=registry.installed_packages)
         self.events = events if events is not None else DeviceEvents()
         self.book = DecisionBook()
         self.require_cuda = require_cuda
@@ -84,6 +84,7 @@ class Tuner:
         self._on_change = on_change or invalidate_decisions
         self._measuring: Dict[tuple, Measurement] = {}  # in the step: a key's trial, or the watch of its choice
         self._unchecked: Dict[tuple, frozenset] = {}  # in the step: a key's candidates timed before their self-check
+        self._recall_tried: set = set()  # keys `recall_settled` has looked up on disk (once per process each)
         self._lock = threading.Lock()
 
     # -- what routing reads (no side effect) ---------------------------------------------------------
@@ -118,8 +119,26 @@ class Tuner:
             self.book.clear()
             self._measuring.clear()
             self._unchecked.clear()
+            self._recall_tried.clear()
 
     # -- measuring in the step ------------------------------------------------------------------
+    def recall_settled(self, call, device) -> None:
+        """Before any candidate is asked whether it can take this kind of call: keep the stored SDPA choice that no
+        check would time again (`_checked_name`), if the packages the candidates rest on are installed as they were
+        when it was stored. Such a choice runs no candidate, so a later session then loads none and imports no peer
+        (checking that comfy-kitchen is available imports it: 0.5 s, docs/MEASUREMENTS.md). Looked up once per kind
+        of call; without it, `begin_in_step` recalls by the candidates found ready."""
+        key = DecisionBook.key(IN_STEP, call)
+        with self._lock:
+            if key in self._recall_tried or self.book.get(key) is not NOT_DECIDED or key in self._measuring:
+                return
+            self._recall_tried.add(key)
+            decision = self.store.load_unchanged(device, key[3], IN_STEP)
+            if decision is None or self._checked_name(decision) is not None:
+                return
+            self.book.put(key, decision)
+        log.info("%s", decision.summary)
+
     def begin_in_step(self, route, call, device) -> None:
         """The measuring step of a route that asks for it (routing.MEASURE without a measurement): the decision
         stored for this kind of call, rechecked in the step, or a new trial among `route.candidates` (those in
@@ -167,18 +186,22 @@ class Tuner:
                                          partial(self._decided, key, device, candidates))
 
     @staticmethod
-    def _checked_against(decision: Decision, candidates) -> Optional[object]:
+    def _checked_name(decision: Decision) -> Optional[str]:
         """The backend `decision` is timed against SDPA on before it stands, or None. A quantized choice: itself. An
         SDPA choice: its best quantized candidate, unless that was more than SDPA_RECHECK_BAND slower (no spread
         between runs could flip it) or a check in a later step already confirmed the choice."""
         if decision.chosen != SDPA:
-            name = decision.chosen
-        elif decision.confirmed or decision.best_quantized is None or \
+            return decision.chosen
+        if decision.confirmed or decision.best_quantized is None or \
                 decision.ratio(decision.best_quantized[0]) > 1 + SDPA_RECHECK_BAND:
             return None
-        else:
-            name = decision.best_quantized[0]
-        return next((b for b in candidates if b.name == name), None)
+        return decision.best_quantized[0]
+
+    @classmethod
+    def _checked_against(cls, decision: Decision, candidates) -> Optional[object]:
+        """`_checked_name`'s backend among `candidates` (None where it is not one now)."""
+        name = cls._checked_name(decision)
+        return next((b for b in candidates if b.name == name), None) if name is not None else None
 
     # -- what a trial, a recheck and a watch report at a step boundary (sage_patch/timing.py) ---------
     def _rechecked(self, key, device, candidates, name: str, agrees: bool, ratio: Optional[float]) -> None:

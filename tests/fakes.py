@@ -135,6 +135,7 @@ class FakeBackend(registry.Backend):
     """A registry Backend with no kernel, available on every device.
 
     refuse(call) answers `refuse`: None (takes every call), a reason, or a function of the call giving either.
+    `availability_checks` counts how often it was asked whether it can run on a device (once per device: cached).
     launch() counts `runs`, appends its name to the list `ran` (shared between backends to see their order),
     raises `raises` when set, and returns attention(q, k, v, is_causal=...) or, without `attention`, q itself
     (a copy). `default_scale_only`: launch asserts it was given the default scale 1/sqrt(head_dim)."""
@@ -146,8 +147,10 @@ class FakeBackend(registry.Backend):
         self._refuse, self._raises, self._default_scale_only = refuse, raises, default_scale_only
         self.ran = ran if ran is not None else []
         self.runs = 0
+        self.availability_checks = 0
 
     def _unavailable(self, device_type, index):
+        self.availability_checks += 1
         return None
 
     def refuse(self, call):

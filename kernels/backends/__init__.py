@@ -13,9 +13,9 @@ def _lazy(module: str, factory: str, *args):
 
 register_lazy("reference", _lazy(".reference", "ReferenceBackend"))
 register_lazy("sdpa", _lazy(".sdpa", "SdpaBackend"))
-register_lazy("comfy_kitchen", _lazy(".peers", "ComfyKitchenBackend"))
-register_lazy("sageattention", _lazy(".peers", "SageAttentionBackend"))
-register_lazy("triton_int8_fp8", _lazy(".triton.backend", "make_backend", "fp8"))
-register_lazy("triton_int8_fp16", _lazy(".triton.backend", "make_backend", "fp16"))
+register_lazy("comfy_kitchen", _lazy(".peers", "ComfyKitchenBackend"), packages=("comfy_kitchen",))
+register_lazy("sageattention", _lazy(".peers", "SageAttentionBackend"), packages=("sageattention",))
+register_lazy("triton_int8_fp8", _lazy(".triton.backend", "make_backend", "fp8"), packages=("triton",))
+register_lazy("triton_int8_fp16", _lazy(".triton.backend", "make_backend", "fp16"), packages=("triton",))
 register_lazy("hip_int8_fp8", _lazy(".hip.backend", "make_backend", "fp8"))
 register_lazy("hip_int8_fp16", _lazy(".hip.backend", "make_backend", "fp16"))
