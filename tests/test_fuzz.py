@@ -1428,7 +1428,8 @@ def _prewarm_shard_main():
     compiled = precompile.compile_concurrently(mine, workers=1)
     result = {"kernel": kernel, "shard": index, "of": count, "launches": len(launches), "distinct": len(everything),
               "mine": len(mine), "compiled": compiled, "collect_s": round(collected, 2),
-              "seconds": round(time.perf_counter() - t0, 2)}
+              "seconds": round(time.perf_counter() - t0, 2),
+              "load_1min": round(os.getloadavg()[0], 1) if hasattr(os, "getloadavg") else None}
     if with_keys:
         keys = sorted(repr(compile_key(fn, args, meta)) for fn, _, args, meta in everything)
         result["digest"] = hashlib.sha256("\n".join(keys).encode()).hexdigest()

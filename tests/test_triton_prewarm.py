@@ -45,13 +45,16 @@ def test_two_processes_per_backend_on_a_16_core_host():
 def test_finished_processes_are_summed_per_backend(fresh):
     fresh.start(["triton_int8_fp8"], 2, python(
         "import json; print('compiling...')\n"
-        "print(json.dumps({'distinct': 9, 'mine': 5 - INDEX, 'compiled': 5 - INDEX}))"))
+        "print(json.dumps({'distinct': 9, 'mine': 5 - INDEX, 'compiled': 5 - INDEX, 'collect_s': 1.5 + INDEX,\n"
+        "                  'seconds': 30 + INDEX, 'load_1min': 7.5}))"))
     shards = fresh.wait("triton_int8_fp8", timeout=60)
     assert [s.index for s in shards] == [0, 1] and all(s.process.returncode == 0 for s in shards)
     assert [s.result()["compiled"] for s in shards] == [5, 4]
-    line, = fresh.summary_lines()
+    line, *per_shard = fresh.summary_lines()
     assert line.startswith("[triton prewarm triton_int8_fp8] 2 of 2 processes compiled 9 of 9 kernels in ")
     assert "its test waited" in line
+    assert per_shard == [f"[triton prewarm triton_int8_fp8] shard {i}: {5 - i} kernels; its launches collected in "
+                         f"{1.5 + i} s, done in {30 + i} s; host load 7.5 at its end" for i in (0, 1)]
     assert fresh.wait("triton_int8_fp16") == []  # a backend no process was started for: nothing to wait for
 
 
@@ -63,7 +66,7 @@ def test_a_failing_process_is_named_with_its_last_words(fresh):
     fresh.wait("triton_int8_fp16", timeout=60)
     lines = fresh.summary_lines()
     assert lines[0].startswith("[triton prewarm triton_int8_fp16] 1 of 2 processes compiled 4 of 7 kernels")
-    assert lines[1] == ("[triton prewarm triton_int8_fp16] shard 1: exit status 3: Traceback ... | "
+    assert lines[2] == ("[triton prewarm triton_int8_fp16] shard 1: exit status 3: Traceback ... | "
                         "RuntimeError: no CUDA")
 
 

@@ -141,6 +141,8 @@ def summary_lines() -> List[str]:
         waited = f", its test waited {WAITED[kernel]:.1f} s" if kernel in WAITED else ", its test never asked"
         lines.append(f"[triton prewarm {kernel}] {len(good)} of {len(mine)} processes compiled {compiled} of "
                      f"{distinct} kernels in {max(ends) - min(s.started for s in mine):.1f} s{waited}")
-        lines += [f"[triton prewarm {kernel}] shard {s.index}: {r['error']}" for s, r in zip(mine, results)
-                  if "error" in r]
+        lines += [f"[triton prewarm {kernel}] shard {s.index}: {r['error']}" if "error" in r else
+                  f"[triton prewarm {kernel}] shard {s.index}: {r.get('mine')} kernels; its launches collected in "
+                  f"{r.get('collect_s')} s, done in {r.get('seconds')} s; host load {r.get('load_1min')} at its end"
+                  for s, r in zip(mine, results)]
     return lines
