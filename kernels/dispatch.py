@@ -8,11 +8,14 @@ the route is asked again until it needs none.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+import time
+from typing import Dict, Optional, Sequence
 
+from . import first_use_costs
 from .call_spec import AttentionCall
 from .decisions import ALONE, IN_STEP
 from .gating import first_use_checks
+from .quant import default_sm_scale
 from .registry import BACKEND_NAMES
 from .routing import MEASURE, VERIFY, Route, route
 from .tuner import Tuner, default_tuner
@@ -49,7 +52,8 @@ def settled_route(call: AttentionCall, kernel: str = "auto", *, quantized_only: 
             checked.update(first_use_checks(found.unverified, call))
         elif found.kind == MEASURE and found.measurement is None:  # measuring: auto's decision for this kind
             if method == IN_STEP:
-                tuner.begin_in_step(found, call, tensors[0].device)
+                if tuner.begin_in_step(found, call, tensors[0].device):
+                    compile_side_by_side(found.candidates, call, tensors, sm_scale, attn_mask)
             else:
                 tuner.measure_alone(found, call, tensors, sm_scale, attn_mask)
             # just found ready for this very call (an unchecked one is not: a decision naming it asks VERIFY)
@@ -57,3 +61,28 @@ def settled_route(call: AttentionCall, kernel: str = "auto", *, quantized_only: 
         else:
             return found
     raise RuntimeError(f"the route of {call.short()} did not settle in {MAX_ROUNDS} rounds")
+
+
+def compile_side_by_side(candidates: Sequence, call: AttentionCall, tensors, sm_scale: Optional[float],
+                         attn_mask) -> None:
+    """Before a trial's first turn: the kernels its candidates with a `warm_up` (the Triton backends) will launch
+    for this call, collected and compiled at once on a pool of threads. Each would otherwise compile its own at its
+    first turn, one after another (12.8 s of Wan 14B's first step on an H100). Nothing runs on the GPU's answer,
+    and a failure here only leaves the compiles to the turns; the time is a first-use cost of its own."""
+    compiling = [b for b in candidates if callable(getattr(b, "warm_up", None))]
+    if not compiling:
+        return
+    q, k, v = tensors
+    scale = sm_scale if sm_scale is not None else default_sm_scale(q.shape[-1])
+
+    def launch_each():
+        for backend in compiling:
+            try:
+                backend.launch(q, k, v, call, scale, attn_mask)
+            except Exception:  # noqa: BLE001  (its turn launches it for real and reports what went wrong)
+                continue
+
+    started = time.perf_counter()
+    compiling[0].warm_up(launch_each)  # collects every Triton launch made in this thread, whichever backend's
+    first_use_costs.record_if_slow(f"compiling the kernels of {', '.join(b.name for b in compiling)} side by side "
+                                   f"while auto measures ({call.short()})", time.perf_counter() - started)

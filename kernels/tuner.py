@@ -139,15 +139,15 @@ class Tuner:
             self.book.put(key, decision)
         log.info("%s", decision.summary)
 
-    def begin_in_step(self, route, call, device) -> None:
+    def begin_in_step(self, route, call, device) -> bool:
         """The measuring step of a route that asks for it (routing.MEASURE without a measurement): the decision
         stored for this kind of call, rechecked in the step, or a new trial among `route.candidates` (those in
-        `route.unchecked` timed before their self-check)."""
+        `route.unchecked` timed before their self-check). True when it began a trial."""
         key = DecisionBook.key(IN_STEP, call)
         names = tuple(b.name for b in route.candidates)
         with self._lock:
             if self.book.get(key) is not NOT_DECIDED or key in self._measuring:  # another thread got here first
-                return
+                return False
             self._unchecked[key] = frozenset(b.name for b in route.unchecked)
             decision = self.store.load(device, key[3], names, IN_STEP)
             if decision is not None:
@@ -155,6 +155,7 @@ class Tuner:
             self._measure(key, device, route.candidates, decision, route.passed_over, recalled=True)
         if decision is not None:
             log.info("%s", decision.summary)
+        return decision is None
 
     def _measure(self, key, device, candidates, decision: Optional[Decision], passed_over=None,
                  recalled: bool = False, on_disk: bool = False, confirmed: bool = False) -> None:

@@ -51,8 +51,9 @@ def test_finished_processes_are_summed_per_backend(fresh):
     assert [s.index for s in shards] == [0, 1] and all(s.process.returncode == 0 for s in shards)
     assert [s.result()["compiled"] for s in shards] == [5, 4]
     line, *per_shard = fresh.summary_lines()
-    assert line.startswith("[triton prewarm triton_int8_fp8] 2 of 2 processes compiled 9 of 9 kernels in ")
-    assert "its test waited" in line
+    assert line.startswith("[triton prewarm triton_int8_fp8] 2 of 2 processes compiled 9 of 9 kernels; its test "
+                           "asked ")
+    assert " s after they started and waited " in line
     assert per_shard == [f"[triton prewarm triton_int8_fp8] shard {i}: {5 - i} kernels; its launches collected in "
                          f"{1.5 + i} s, done in {30 + i} s; host load 7.5 at its end" for i in (0, 1)]
     assert fresh.wait("triton_int8_fp16") == []  # a backend no process was started for: nothing to wait for
