@@ -85,6 +85,8 @@ class Tuner:
         self._measuring: Dict[tuple, Measurement] = {}  # in the step: a key's trial, or the watch of its choice
         self._unchecked: Dict[tuple, frozenset] = {}  # in the step: a key's candidates timed before their self-check
         self._recall_tried: set = set()  # keys `recall_settled` has looked up on disk (once per process each)
+        self._asked_none: set = set()  # keys whose quantized choice it recalled with no candidate asked but that one
+        self._measure_afresh: set = set()  # keys whose next trial measures among all candidates, recalling nothing
         self._lock = threading.Lock()
 
     # -- what routing reads (no side effect) ---------------------------------------------------------
@@ -120,23 +122,34 @@ class Tuner:
             self._measuring.clear()
             self._unchecked.clear()
             self._recall_tried.clear()
+            self._asked_none.clear()
+            self._measure_afresh.clear()
 
     # -- measuring in the step ------------------------------------------------------------------
     def recall_settled(self, call, device) -> None:
-        """Before any candidate is asked whether it can take this kind of call: keep the stored SDPA choice that no
-        check would time again (`_checked_name`), if the packages the candidates rest on are installed as they were
-        when it was stored. Such a choice runs no candidate, so a later session then loads none and imports no peer
-        (checking that comfy-kitchen is available imports it: 0.5 s, docs/MEASUREMENTS.md). Looked up once per kind
-        of call; without it, `begin_in_step` recalls by the candidates found ready."""
+        """Before any candidate is asked whether it can take this kind of call, if the packages the candidates rest
+        on are installed as they were when this kind's decision was stored: keep an SDPA choice that no check would
+        time again (`_checked_name`), or take up a quantized choice with its check against SDPA. Only the chosen
+        backend is then asked (by the route, before it serves), so a later session loads no other candidate and
+        imports no other peer (checking that comfy-kitchen is available imports it: 0.5 s, docs/MEASUREMENTS.md).
+        A check that disagrees has the route ask every candidate for the trial that follows. Looked up once per
+        kind of call; otherwise `begin_in_step` recalls by the candidates found ready."""
         key = DecisionBook.key(IN_STEP, call)
         with self._lock:
             if key in self._recall_tried or self.book.get(key) is not NOT_DECIDED or key in self._measuring:
                 return
             self._recall_tried.add(key)
             decision = self.store.load_unchanged(device, key[3], IN_STEP)
-            if decision is None or self._checked_name(decision) is not None:
+            if decision is None:
                 return
-            self.book.put(key, decision)
+            checked = self._checked_name(decision)
+            if checked is None:
+                self.book.put(key, decision)
+            elif checked == decision.chosen and checked in registry.BACKEND_NAMES:
+                self._asked_none.add(key)
+                self._measure(key, device, (registry.get_backend(checked),), decision, recalled=True)
+            else:  # an SDPA choice checked against its best candidate: that one is asked first, the usual way
+                return
         log.info("%s", decision.summary)
 
     def begin_in_step(self, route, call, device) -> bool:
@@ -149,10 +162,13 @@ class Tuner:
             if self.book.get(key) is not NOT_DECIDED or key in self._measuring:  # another thread got here first
                 return False
             self._unchecked[key] = frozenset(b.name for b in route.unchecked)
-            decision = self.store.load(device, key[3], names, IN_STEP)
+            afresh = key in self._measure_afresh  # a check of a decision recalled unasked disagreed
+            self._measure_afresh.discard(key)
+            decision = None if afresh else self.store.load(device, key[3], names, IN_STEP)
             if decision is not None:
                 decision.passed_over, decision.candidates = dict(route.passed_over), names
-            self._measure(key, device, route.candidates, decision, route.passed_over, recalled=True)
+            self._measure(key, device, route.candidates, decision, route.passed_over, recalled=True,
+                          confirmed=afresh)
         if decision is not None:
             log.info("%s", decision.summary)
         return decision is None
@@ -216,7 +232,12 @@ class Tuner:
                 self._measure(key, device, candidates, decision)
             else:  # the timings no longer hold here: this kind of call is measured again
                 self.book.forget(key)
-                self._measure(key, device, candidates, None, decision.passed_over, confirmed=True)
+                if key in self._asked_none:  # only the chosen backend is at hand: the route asks every candidate
+                    self._asked_none.discard(key)
+                    self._measuring.pop(key, None)
+                    self._measure_afresh.add(key)
+                else:
+                    self._measure(key, device, candidates, None, decision.passed_over, confirmed=True)
         if newly_confirmed:
             self.store.save(device, decision, decision.candidates)
         if not agrees:

@@ -1,5 +1,6 @@
-"""A later process keeps a remembered SDPA choice that needs no check before any candidate is asked anything, when
-the packages the candidates rest on are installed as they were (kernels/tuner.py, `Tuner.recall_settled`;
+"""A later process takes up a remembered decision before any candidate is asked anything (an SDPA choice that needs
+no check is kept; a quantized one asks only itself, and is checked), when the packages the candidates rest on are
+installed as they were (kernels/tuner.py, `Tuner.recall_settled`;
 kernels/decisions.py, `DecisionStore.load_unchanged`; kernels/registry.py, `installed_packages`).
 
 Why: on an H100 with both peers installed, a later session's first Wan 14B step was 1.20-1.27x SDPA's with no
@@ -95,13 +96,46 @@ def test_a_choice_that_a_check_would_time_is_left_to_the_candidates(monkeypatch,
     assert asked(later) == 1 and "triton_int8_fp8" in ran
 
 
-def test_a_quantized_choice_is_left_to_the_candidates(monkeypatch, tmp_path):
-    """fp8 at 0.80x: it runs on model calls, so it is asked (and checked) before it serves, as before."""
-    timings = {"sdpa": 10.0, "triton_int8_fp8": 8.0}
+def test_a_quantized_choice_asks_only_itself_is_checked_and_stored_confirmed(monkeypatch, tmp_path):
+    """fp8 chosen at 0.80x (fp16 measured 1.20x): the later process asks fp8 alone, before it serves, checks it
+    against SDPA and keeps it; fp16 is never asked, so a peer in its place would not be imported."""
+    timings = {"sdpa": 10.0, "triton_int8_fp8": 8.0, "triton_int8_fp16": 12.0}
     assert first_process(monkeypatch, tmp_path, timings).chosen == "triton_int8_fp8"
     later = Scene(monkeypatch, timings, store=stored(tmp_path))
-    ran = later.step()
-    assert asked(later) == 1 and ran.count("triton_int8_fp8") > FLUX_CALLS // 2
+    ran = later.step() + later.step()
+    assert later.backends["triton_int8_fp8"].availability_checks == 1
+    assert later.backends["triton_int8_fp16"].availability_checks == 0 and "triton_int8_fp16" not in ran
+    assert ran.count("triton_int8_fp8") > FLUX_CALLS
+    decision = later.decision()
+    assert decision.source == "disk" and decision.confirmed
+    assert decisions.DecisionStore.load(stored(tmp_path), torch.device("cpu"), decision.key,
+                                        ["triton_int8_fp16", "triton_int8_fp8"], decisions.IN_STEP).confirmed
+
+
+def test_a_quantized_choice_that_no_longer_holds_is_measured_among_every_candidate(monkeypatch, tmp_path, caplog):
+    """fp8 stored at 0.80x reads 1.00x now: the check disagrees, and the trial that follows asks every candidate,
+    recalls nothing from disk, and its decision (the second measurement) is confirmed: no loop of checks."""
+    timings = {"sdpa": 10.0, "triton_int8_fp8": 8.0, "triton_int8_fp16": 12.0}
+    first_process(monkeypatch, tmp_path, timings)
+    later = Scene(monkeypatch, {**timings, "triton_int8_fp8": 10.0}, store=stored(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        for _ in range(6):
+            later.step()
+            decision = later.decision()
+            if decision is not None and decision.source == "measured":
+                break
+    assert sum("is measured again" in r.getMessage() for r in caplog.records) == 1
+    assert later.backends["triton_int8_fp16"].availability_checks == 1  # asked once the check disagreed
+    assert decision.source == "measured" and decision.confirmed and decision.chosen == "sdpa"
+    assert set(decision.timings) == {"sdpa", "triton_int8_fp8", "triton_int8_fp16"}
+
+
+def test_a_chosen_backend_that_now_refuses_leaves_the_calls_to_sdpa(monkeypatch, tmp_path):
+    """The recalled choice is asked before it serves: refusing now, its calls get exact attention."""
+    timings = {"sdpa": 10.0, "triton_int8_fp8": 8.0}
+    first_process(monkeypatch, tmp_path, timings)
+    later = Scene(monkeypatch, timings, store=stored(tmp_path), refuse={"triton_int8_fp8": "not today"})
+    assert later.step() == ["sdpa"] * FLUX_CALLS and later.backends["triton_int8_fp8"].runs == 0
 
 
 def test_an_entry_without_what_was_installed_is_recalled_the_old_way(monkeypatch, tmp_path):
