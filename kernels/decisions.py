@@ -188,7 +188,6 @@ class DecisionStore:
         self._installed = installed
         self._entries: Optional[EntryStore] = None
 
-
     @property
     def enabled(self) -> bool:
         return self._enabled if self._enabled is not None else settings.autotune_cache_enabled()

@@ -43,7 +43,7 @@ def settled_route(call: AttentionCall, kernel: str = "auto", *, quantized_only: 
     tuner = tuner or default_tuner()
     method = measuring_method(tuner, call, tensors, in_step) if kernel == "auto" else None
     if method == IN_STEP and tuner.may_measure_now(call, attn_mask):
-        tuner.recall_settled(call, tensors[0].device)  # a remembered choice that needs no candidate
+        tuner.recall_settled(call, tensors[0].device)  # a remembered choice, before its candidates are asked
     checked: Dict[str, Optional[str]] = {}
     for _ in range(MAX_ROUNDS):
         found = route(call, kernel, quantized_only=quantized_only, tuner=tuner, method=method, attn_mask=attn_mask,
@@ -67,8 +67,8 @@ def compile_side_by_side(candidates: Sequence, call: AttentionCall, tensors, sm_
                          attn_mask) -> None:
     """Before a trial's first turn: the kernels its candidates with a `warm_up` (the Triton backends) will launch
     for this call, collected and compiled at once on a pool of threads. Each would otherwise compile its own at its
-    first turn, one after another (12.8 s of Wan 14B's first step on an H100). Nothing runs on the GPU's answer,
-    and a failure here only leaves the compiles to the turns; the time is a first-use cost of its own."""
+    first turn, one after another (12.8 s of Wan 14B's first step on an H100). No kernel runs here (its launches
+    are only collected), a failure only leaves the compiles to the turns, and the time is a first-use part."""
     compiling = [b for b in candidates if callable(getattr(b, "warm_up", None))]
     if not compiling:
         return
