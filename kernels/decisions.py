@@ -89,7 +89,7 @@ class Decision:
     reverted: Optional[str] = None
     candidates: Tuple[str, ...] = ()  # the quantized backends it was measured among (the disk entry's key)
     # Timed again in a later step (of this process or the one that measured it) and found to hold: an SDPA choice
-    # with it is not timed again in later processes (kernels/tuner.py, `Tuner._checked_against`).
+    # with it is not timed again in later processes (kernels/tuner.py, `Tuner._checked_name`).
     confirmed: bool = False
 
     def __post_init__(self):

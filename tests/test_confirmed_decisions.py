@@ -1,5 +1,5 @@
 """An SDPA choice is timed again in a later step of the process that made it and stored as confirmed; a later
-process then trusts it without timing anything (kernels/tuner.py, `Tuner._checked_against`). A check of an SDPA
+process then trusts it without timing anything (kernels/tuner.py, `Tuner._checked_name`). A check of an SDPA
 choice disagrees only when the best quantized kernel now meets the bar (step_trials.Recheck).
 
 The scene is test_step_trials' (fake backends on a simulated clock, each answering q times its own factor).
