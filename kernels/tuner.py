@@ -166,7 +166,7 @@ class Tuner:
             self._measure_afresh.discard(key)
             decision = None if afresh else self.store.load(device, key[3], names, IN_STEP)
             if decision is not None:
-                decision.passed_over, decision.candidates = dict(route.passed_over), names
+                decision.passed_over = dict(route.passed_over)  # its candidates: set by the load, equal to `names`
             self._measure(key, device, route.candidates, decision, route.passed_over, recalled=True,
                           confirmed=afresh)
         if decision is not None:
